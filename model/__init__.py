@@ -1,0 +1,30 @@
+"""recur's model library: recurrent-memory language model families and their state.
+
+    import model
+    lm = model.load("shakespeare", device="cpu")
+    st = lm.new_state(batch_size=2)
+    logits, st = lm.forward(tokens, st)   # LongTensor [B, T] -> logits [B, T, V]
+    blob = st.to_bytes(); st2 = lm.load_state(blob)
+
+This package knows nothing of HTTP, Redis or asyncio.
+"""
+
+from .checkpoint import build, families, fingerprint, init, load, save, shipped
+from .family import LanguageModel
+from .state import State, StateError
+from .tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "LanguageModel",
+    "State",
+    "StateError",
+    "Tokenizer",
+    "build",
+    "families",
+    "fingerprint",
+    "init",
+    "load",
+    "save",
+    "shipped",
+]

@@ -1,0 +1,53 @@
+"""The model-side `recur` subcommands: init, train, eval (and more as families grow).
+
+`app/cli.py` owns the top-level parser and calls `register()`; each subcommand's work
+lives in the module named for it, so this file only wires flags to functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+# flag -> config field, for every family; a family takes the fields its config has
+INIT_FLAGS: dict[str, type] = {
+    "n_layer": int,
+    "d_model": int,
+    "n_head": int,
+    "d_head": int,
+    "d_inner": int,
+    "mem_len": int,
+    "tgt_len": int,
+    "n_encoder_layers": int,
+    "n_decoder_layers": int,
+    "window": int,
+    "memory_groups": int,
+    "max_context": int,
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("init", help="write a random-weight checkpoint (for tests and benchmarks)")
+    p.add_argument("dir")
+    p.add_argument("--family", default="transformer-xl")
+    p.add_argument("--seed", type=int, default=0)
+    for name, typ in INIT_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+    p.set_defaults(func=_init)
+
+
+def _init(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from . import checkpoint
+
+    cls = checkpoint.families()[args.family]
+    fields = {f.name for f in dataclasses.fields(cls.config_class)}
+    given = {k: getattr(args, k) for k in INIT_FLAGS if getattr(args, k) is not None}
+    bad = sorted(set(given) - fields)
+    if bad:
+        raise SystemExit(f"recur init: --family {args.family} has no option(s) {', '.join('--' + b.replace('_', '-') for b in bad)}")
+    lm = checkpoint.init(args.dir, family=args.family, seed=args.seed, **given)
+    n = sum(p.numel() for p in lm.parameters())
+    print(json.dumps({"dir": args.dir, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))
+    return 0

@@ -1,0 +1,219 @@
+"""The recurrent state protocol shared by every model family, and its byte format.
+
+A `State` is a bag of named, batch-first tensors plus the identity of the model it
+belongs to. Families decide which tensors exist; this module owns only what is common:
+batching (stack / split), device moves, and serialisation.
+
+Byte format (the single source of truth for it, `FORMAT_VERSION`):
+a safetensors file whose `__metadata__["recur"]` holds a JSON header
+    {"format": FORMAT_VERSION, "family", "fingerprint", "dtype", "shapes", "checksum"}
+`checksum` is a BLAKE2b digest over every tensor's name, dtype, shape and raw bytes, so
+flipped bits anywhere in the payload are caught, not just a malformed header.
+
+This module must never unpickle anything, and knows nothing of HTTP or Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT_VERSION = 1
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class StateError(ValueError):
+    """A state blob that cannot be used with this model: wrong model, damaged, or malformed."""
+
+
+def _digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        # view as bytes without going through numpy (bf16 has no numpy dtype)
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class State:
+    """Per-stream recurrent state: batch-first tensors for `batch_size` independent streams.
+
+    `seq_dims` names the tensors that grow along a time axis up to a bound (the family's
+    memory); rows shorter than the batch's longest are left-padded, and the family masks
+    the padding. `persistent` names the tensors that are serialised; anything else is a
+    cache the family can rebuild from the persistent ones (`LanguageModel.load_state`).
+    """
+
+    family: str
+    fingerprint: str
+    tensors: dict[str, torch.Tensor]
+    seq_dims: dict[str, int] = field(default_factory=dict)
+    persistent: tuple[str, ...] = ()
+
+    # -- basic properties -------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return int(self.tensors["n_tokens"].shape[0])
+
+    @property
+    def n_tokens(self) -> torch.Tensor:
+        """Tokens consumed so far, per stream: LongTensor [B]."""
+        return self.tensors["n_tokens"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def replace(self, **tensors: torch.Tensor) -> State:
+        new = dict(self.tensors)
+        new.update(tensors)
+        return State(self.family, self.fingerprint, new, self.seq_dims, self.persistent)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> State:
+        return State(
+            self.family,
+            self.fingerprint,
+            {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()},
+            self.seq_dims,
+            self.persistent,
+        )
+
+    def clone(self) -> State:
+        return State(
+            self.family,
+            self.fingerprint,
+            {k: v.clone() for k, v in self.tensors.items()},
+            self.seq_dims,
+            self.persistent,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    # -- batching --------------------------------------------------------------------
+    @staticmethod
+    def stack(states: Iterable[State]) -> State:
+        """Concatenate single- or multi-stream states along the batch axis.
+
+        Tensors in `seq_dims` are left-padded with zeros to the longest; the family's
+        validity counters (which are ordinary tensors) say which rows are real.
+        """
+        states = list(states)
+        if not states:
+            raise ValueError("stack() needs at least one state")
+        first = states[0]
+        for s in states[1:]:
+            if s.fingerprint != first.fingerprint:
+                raise StateError("cannot batch states of different models")
+        out: dict[str, torch.Tensor] = {}
+        for name in first.tensors:
+            parts = [s.tensors[name] for s in states]
+            dim = first.seq_dims.get(name)
+            if dim is not None:
+                longest = max(p.shape[dim] for p in parts)
+                parts = [_left_pad(p, dim, longest) for p in parts]
+            out[name] = torch.cat(parts, 0)
+        return State(first.family, first.fingerprint, out, first.seq_dims, first.persistent)
+
+    def split(self, lengths: Mapping[str, torch.Tensor] | None = None) -> list[State]:
+        """Split into single-stream states. `lengths[name]` ([B]) trims left padding per row."""
+        out = []
+        for b in range(self.batch_size):
+            tensors = {}
+            for name, t in self.tensors.items():
+                row = t[b : b + 1]
+                dim = self.seq_dims.get(name)
+                if dim is not None and lengths is not None and name in lengths:
+                    keep = int(lengths[name][b])
+                    row = row.narrow(dim, row.shape[dim] - keep, keep)
+                tensors[name] = row
+            out.append(State(self.family, self.fingerprint, tensors, self.seq_dims, self.persistent))
+        return out
+
+    # -- bytes -----------------------------------------------------------------------
+    def to_bytes(self, dtype: str | torch.dtype = "float32") -> bytes:
+        """Serialise the persistent tensors. Float tensors are stored in `dtype`."""
+        store_dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
+        dtype_name = next(k for k, v in STORAGE_DTYPES.items() if v == store_dtype)
+        names = self.persistent or tuple(self.tensors)
+        tensors = {}
+        for name in names:
+            t = self.tensors[name].detach()
+            if t.is_floating_point():
+                t = t.to(store_dtype)
+            tensors[name] = t.contiguous().cpu()
+        header = {
+            "format": FORMAT_VERSION,
+            "family": self.family,
+            "fingerprint": self.fingerprint,
+            "dtype": dtype_name,
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "checksum": _digest(tensors),
+        }
+        return st_save(tensors, metadata={"recur": json.dumps(header, sort_keys=True)})
+
+
+def read_blob(blob: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse and verify a state blob: returns (header, tensors). Raises StateError.
+
+    Checks the container, the header's claims against the tensors actually present, and
+    the checksum. It does not check that the tensors fit a particular model: that is
+    `LanguageModel.load_state`'s job.
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise StateError(f"state must be bytes, not {type(blob).__name__}")
+    blob = bytes(blob)
+    if len(blob) < 8:
+        raise StateError("state blob is truncated (shorter than its length prefix)")
+    try:
+        tensors = st_load(blob)
+    except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
+        raise StateError(f"state blob is not a valid safetensors payload: {exc}") from None
+    header = _read_header(blob)
+    shapes = header.get("shapes")
+    if not isinstance(shapes, dict) or set(shapes) != set(tensors):
+        raise StateError("state header lists different tensors than the payload holds")
+    for name, t in tensors.items():
+        if list(t.shape) != shapes[name]:
+            raise StateError(f"state header says {name} has shape {shapes[name]}, payload has {list(t.shape)}")
+    if header.get("checksum") != _digest(tensors):
+        raise StateError("state checksum mismatch: the blob is corrupted")
+    if header.get("dtype") not in STORAGE_DTYPES:
+        raise StateError(f"unknown state dtype {header.get('dtype')!r}")
+    return header, tensors
+
+
+def _read_header(blob: bytes) -> dict:
+    n = int.from_bytes(blob[:8], "little")
+    try:
+        meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
+        header = json.loads(meta["recur"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise StateError("state blob has no recur header") from None
+    if not isinstance(header, dict):
+        raise StateError("state header is not a JSON object")
+    if header.get("format") != FORMAT_VERSION:
+        raise StateError(f"unsupported state format {header.get('format')!r} (this build reads {FORMAT_VERSION})")
+    return header
+
+
+def _left_pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - t.shape[dim]
+    if missing == 0:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[dim] = missing
+    return torch.cat([t.new_zeros(pad_shape), t], dim)

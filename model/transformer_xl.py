@@ -1,0 +1,342 @@
+"""Transformer-XL (Dai et al., 2019): relative-position attention over a recurrent memory.
+
+Read top to bottom: config, attention, feed-forward, block, model.
+
+Two attention modes (config.attention):
+  * "window" (default): every query attends to itself and exactly the previous `mem_len`
+    positions, at every layer. A position's hidden state then depends only on its
+    window, never on where segment boundaries fell, so a stream fed in one call, in any
+    chunking, or token by token gives the same logits. This generalises the paper's
+    `same_length` evaluation mode to every segment.
+  * "segment": the paper's training-time attention: a query sees the whole memory plus
+    its own segment up to itself, so results depend on the segmentation. Kept for
+    pretrained checkpoints, which were trained this way.
+
+Memory (Sec. 3.2): each layer keeps the last `mem_len` hidden states of its *input*,
+detached (StopGrad, Eq. h~ = [SG(m); h]). At inference the layer's keys and values for
+the memory rows are also cached in the state, so a decode step projects one new row
+instead of re-projecting the whole memory; the cache is derived data and is rebuilt from
+the memory when a state is loaded from bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .family import LanguageModel
+from .state import State, StateError
+
+
+@dataclass
+class TransformerXLConfig:
+    vocab_size: int = 258
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    d_head: int = 32
+    d_inner: int = 512
+    mem_len: int = 128
+    tgt_len: int = 128  # training segment length; also the serving chunk size
+    clamp_len: int = 0  # > 0: relative distances beyond it share one embedding
+    pre_lnorm: bool = False
+    final_norm: bool = False  # a LayerNorm before the head (useful with pre_lnorm)
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    attention: str = "window"  # "window" | "segment"
+    untie_r: bool = True  # per-layer u, v biases (else one pair shared by all layers)
+    tie_weights: bool = True
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("window", "segment"):
+            raise ValueError(f"attention must be 'window' or 'segment', not {self.attention!r}")
+        if self.mem_len < 0 or self.tgt_len < 1:
+            raise ValueError("mem_len must be >= 0 and tgt_len >= 1")
+
+
+def sinusoid(pos_seq: torch.Tensor, d_model: int) -> torch.Tensor:
+    """Sinusoidal embeddings R of relative distances (Sec. 3.3): [K] -> [K, d_model]."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, device=pos_seq.device) / d_model))
+    angles = torch.outer(pos_seq.float(), inv_freq)
+    return torch.cat([angles.sin(), angles.cos()], -1)
+
+
+def rel_shift(x: torch.Tensor) -> torch.Tensor:
+    """The paper's vectorised relative shift (Appendix B).
+
+    In: x[b, h, i, c] scored against relative distance K-1-c, for queries i of the last
+    T of K key positions. Out: y[b, h, i, j] scored against distance (K-T) + i - j, i.e.
+    the true distance from query i to key j. Entries with j beyond the query are junk
+    and must be masked by the caller.
+    """
+    B, H, T, K = x.shape
+    padded = torch.cat([x.new_zeros(B, H, T, 1), x], -1).view(B, H, K + 1, T)
+    return padded[:, :, 1:].reshape(B, H, T, K)
+
+
+class RelPartialLearnableMultiHeadAttn(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        H, dh, d = cfg.n_head, cfg.d_head, cfg.d_model
+        self.n_head, self.d_head, self.pre_lnorm = H, dh, cfg.pre_lnorm
+        self.qkv_net = nn.Linear(d, 3 * H * dh, bias=False)
+        self.r_net = nn.Linear(d, H * dh, bias=False)  # W_{k,R}
+        self.o_net = nn.Linear(H * dh, d, bias=False)
+        self.layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_epsilon)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.dropatt = nn.Dropout(cfg.dropatt)
+        self.scale = 1.0 / math.sqrt(dh)
+        if cfg.untie_r:
+            self.r_w_bias = nn.Parameter(torch.zeros(H, dh))  # u
+            self.r_r_bias = nn.Parameter(torch.zeros(H, dh))  # v
+
+    def project_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for memory rows [B, M, d] -> 2 x [B, M, H*dh]."""
+        x = self.layer_norm(rows) if self.pre_lnorm else rows
+        _, k, v = self.qkv_net(x).chunk(3, -1)
+        return k, v
+
+    def forward(
+        self,
+        h: torch.Tensor,  # (B, T, d) this layer's input for the new tokens
+        mem: torch.Tensor,  # (B, M, d) SG(memory), used when no kv cache is given
+        rk: torch.Tensor,  # (K, H, dh) W_{k,R} R for distances K-1 .. 0
+        mask: torch.Tensor,  # (B, T, K) True = may not attend
+        u: torch.Tensor,
+        v_bias: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = h.shape
+        H, dh = self.n_head, self.d_head
+        if kv is None:
+            cat = torch.cat([mem, h], 1)
+            x = self.layer_norm(cat) if self.pre_lnorm else cat
+            q, k, v = self.qkv_net(x).chunk(3, -1)
+            q = q[:, -T:]
+        else:
+            x = self.layer_norm(h) if self.pre_lnorm else h
+            q, k_new, v_new = self.qkv_net(x).chunk(3, -1)
+            k, v = torch.cat([kv[0], k_new], 1), torch.cat([kv[1], v_new], 1)
+        K = k.shape[1]
+        qh = q.reshape(B, T, H, dh)
+        kh, vh = k.reshape(B, K, H, dh), v.reshape(B, K, H, dh)
+        # Eq. (after 3.3): A = (a) + (c) content terms with global bias u,
+        #                      (b) + (d) position terms with global bias v
+        ac = torch.einsum("bihd,bjhd->bhij", qh + u, kh)  # (B, H, T, K)
+        bd = rel_shift(torch.einsum("bihd,jhd->bhij", qh + v_bias, rk))  # (B, H, T, K)
+        score = ((ac + bd) * self.scale).float().masked_fill(mask[:, None], float("-inf"))
+        prob = self.dropatt(score.softmax(-1).to(vh.dtype))
+        out = torch.einsum("bhij,bjhd->bihd", prob, vh).reshape(B, T, H * dh)
+        out = self.drop(self.o_net(out))
+        h = h + out if self.pre_lnorm else self.layer_norm(h + out)
+        return h, k, v
+
+
+class PositionwiseFF(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.pre_lnorm = cfg.pre_lnorm
+        self.CoreNet = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.d_inner),
+            nn.ReLU(inplace=True),
+            nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.d_inner, cfg.d_model),
+            nn.Dropout(cfg.dropout),
+        )
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.pre_lnorm:
+            return h + self.CoreNet(self.layer_norm(h))
+        return self.layer_norm(h + self.CoreNet(h))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.dec_attn = RelPartialLearnableMultiHeadAttn(cfg)
+        self.pos_ff = PositionwiseFF(cfg)
+
+
+class TransformerXL(LanguageModel):
+    family = "transformer-xl"
+    config_class = TransformerXLConfig
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        cfg = config
+        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.emb_scale = cfg.d_model**0.5
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layer))
+        if not cfg.untie_r:
+            self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
+            self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
+        if cfg.tie_weights:
+            self.out.weight = self.word_emb.weight
+        self._rk_table: list[torch.Tensor] | None = None
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def train(self, mode: bool = True) -> TransformerXL:
+        self._rk_table = None  # weights may change: the relative-key table is stale
+        return super().train(mode)
+
+    # -- state ----------------------------------------------------------------------------
+    def _state(self, tensors: dict[str, torch.Tensor]) -> State:
+        return State(
+            self.family,
+            self.fingerprint,
+            tensors,
+            seq_dims={"mem": 2, "k": 2, "v": 2},
+            persistent=("mem", "last_hidden", "n_tokens"),
+        )
+
+    def new_state(self, batch_size: int = 1) -> State:
+        cfg, dev = self.config, self.device
+        dtype = next(self.parameters()).dtype
+        hd = cfg.n_head * cfg.d_head
+        return self._state(
+            {
+                "mem": torch.zeros(batch_size, cfg.n_layer, 0, cfg.d_model, device=dev, dtype=dtype),
+                "k": torch.zeros(batch_size, cfg.n_layer, 0, hd, device=dev, dtype=dtype),
+                "v": torch.zeros(batch_size, cfg.n_layer, 0, hd, device=dev, dtype=dtype),
+                "last_hidden": torch.zeros(batch_size, cfg.d_model, device=dev, dtype=dtype),
+                "n_tokens": torch.zeros(batch_size, dtype=torch.long, device=dev),
+            }
+        )
+
+    def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
+        valid = state.n_tokens.clamp(max=self.config.mem_len)
+        return {"mem": valid, "k": valid, "v": valid}
+
+    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        cfg = self.config
+        if set(tensors) != {"mem", "last_hidden", "n_tokens"}:
+            raise StateError(f"state holds tensors {sorted(tensors)}, expected mem, last_hidden, n_tokens")
+        mem, last, n = tensors["mem"], tensors["last_hidden"], tensors["n_tokens"]
+        if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
+            raise StateError("state n_tokens must be a non-negative int64 vector")
+        B = n.shape[0]
+        if B < 1:
+            raise StateError("state has an empty batch")
+        if mem.dim() != 4 or mem.shape[0] != B or mem.shape[1] != cfg.n_layer or mem.shape[3] != cfg.d_model:
+            raise StateError(f"state mem has shape {list(mem.shape)}, expected [{B}, {cfg.n_layer}, M, {cfg.d_model}]")
+        if mem.shape[2] > cfg.mem_len or mem.shape[2] < int(n.clamp(max=cfg.mem_len).max()):
+            raise StateError(f"state memory length {mem.shape[2]} does not fit mem_len {cfg.mem_len} and n_tokens")
+        if list(last.shape) != [B, cfg.d_model]:
+            raise StateError(f"state last_hidden has shape {list(last.shape)}, expected [{B}, {cfg.d_model}]")
+        if not (torch.isfinite(mem).all() and torch.isfinite(last).all()):
+            raise StateError("state holds non-finite values")
+
+    @torch.no_grad()
+    def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
+        mem = tensors["mem"]
+        ks, vs = [], []
+        with self.autocast():
+            for i, layer in enumerate(self.layers):
+                k, v = layer.dec_attn.project_kv(mem[:, i])
+                ks.append(k)
+                vs.append(v)
+        dtype = mem.dtype
+        hd = self.config.n_head * self.config.d_head
+        B, L, M, _ = mem.shape
+        k = torch.stack(ks, 1).to(dtype) if ks else mem.new_zeros(B, L, M, hd)
+        v = torch.stack(vs, 1).to(dtype) if vs else mem.new_zeros(B, L, M, hd)
+        return self._state({**tensors, "k": k, "v": v})
+
+    # -- forward --------------------------------------------------------------------------
+    def _mask(self, T: int, M: int, valid: torch.Tensor) -> torch.Tensor:
+        """(B, T, M+T) True where query i may not attend to key j."""
+        dev = valid.device
+        i = torch.arange(T, device=dev)[:, None]
+        j = torch.arange(M + T, device=dev)[None, :]
+        dist = M + i - j
+        blocked = dist < 0
+        if self.config.attention == "window":
+            blocked = blocked | (dist > self.config.mem_len)
+        padding = j[None] < (M - valid)[:, None, None]  # left padding of short memories
+        return blocked[None] | padding
+
+    def _rel_keys(self, layer: int, pos_seq: torch.Tensor) -> torch.Tensor:
+        """W_{k,R} R for the given distances: (K,) -> (K, H, dh)."""
+        cfg = self.config
+        attn = self.layers[layer].dec_attn
+        if self.training:
+            return attn.r_net(sinusoid(pos_seq, cfg.d_model)).view(-1, cfg.n_head, cfg.d_head)
+        # inference: a per-layer table over all distances the chunk can need
+        need = int(pos_seq.max()) + 1 if pos_seq.numel() else 1
+        if self._rk_table is None or self._rk_table[0].shape[0] < need or self._rk_table[0].device != pos_seq.device:
+            size = max(need, cfg.mem_len + cfg.tgt_len + 1)
+            r = sinusoid(torch.arange(size, device=pos_seq.device), cfg.d_model)
+            self._rk_table = [
+                lay.dec_attn.r_net(r).view(size, cfg.n_head, cfg.d_head).detach() for lay in self.layers
+            ]
+        return self._rk_table[layer][pos_seq]
+
+    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+        cfg = self.config
+        B, T = tokens.shape
+        if state is None:
+            state = self.new_state(B)
+        mem = state["mem"]  # (B, L, M, d)
+        M = mem.shape[2]
+        K = M + T
+        valid = state.n_tokens.clamp(max=cfg.mem_len)
+        kv_cache = None if self.training else (state.tensors.get("k"), state.tensors.get("v"))
+        if kv_cache is not None and kv_cache[0] is None:
+            kv_cache = None
+        keep = min(cfg.mem_len, K)  # memory rows carried to the next call
+
+        mask = self._mask(T, M, valid)
+        pos_seq = torch.arange(K - 1, -1, -1, device=tokens.device)
+        if cfg.clamp_len > 0:
+            pos_seq = pos_seq.clamp(max=cfg.clamp_len)
+        if cfg.attention == "window":
+            pos_seq = pos_seq.clamp(max=cfg.mem_len + 1)  # farther keys are masked anyway
+
+        new_mem, new_k, new_v = [], [], []
+        with self.autocast():
+            h = self.drop(self.word_emb(tokens) * self.emb_scale)  # (B, T, d)
+            for i, layer in enumerate(self.layers):
+                m_i = mem[:, i]
+                new_mem.append(torch.cat([m_i, h.to(m_i.dtype)], 1)[:, K - keep :].detach())
+                attn = layer.dec_attn
+                u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
+                vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
+                kv = None if kv_cache is None else (kv_cache[0][:, i], kv_cache[1][:, i])
+                h, k, v = attn(h, m_i, self._rel_keys(i, pos_seq), mask, u, vb, kv)
+                h = layer.pos_ff(h)
+                if not self.training:
+                    new_k.append(k[:, K - keep :].to(m_i.dtype))
+                    new_v.append(v[:, K - keep :].to(m_i.dtype))
+            h = self.drop(h)
+            logits = self.out(self.final_norm(h))  # (B, T, V)
+
+        dtype = mem.dtype
+        tensors = {
+            "mem": torch.stack(new_mem, 1) if new_mem else mem[:, :, :0],
+            "last_hidden": h[:, -1].detach().to(dtype),
+            "n_tokens": state.n_tokens + T,
+        }
+        if not self.training:
+            hd = cfg.n_head * cfg.d_head
+            tensors["k"] = torch.stack(new_k, 1) if new_k else mem.new_zeros(B, 0, keep, hd)
+            tensors["v"] = torch.stack(new_v, 1) if new_v else mem.new_zeros(B, 0, keep, hd)
+        return logits.float(), self._state(tensors)
+
+    def next_logits(self, state: State) -> torch.Tensor:
+        with self.autocast():
+            return self.out(self.final_norm(state["last_hidden"])).float()
