@@ -1,0 +1,28 @@
+"""Tiny real models for model-level tests (random weights, deterministic seeds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model
+from model.checkpoint import build
+
+TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
+
+
+def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
+    torch.manual_seed(seed)
+    lm = build("transformer-xl", {**TINY, **overrides})
+    # random biases make the position/content bias terms matter in every test
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if name.endswith(("r_w_bias", "r_r_bias")):
+                p.normal_(0, 0.5)
+    lm.fingerprint = model.fingerprint(lm)
+    return lm.eval()
+
+
+@pytest.fixture(scope="module")
+def txl() -> model.LanguageModel:
+    return tiny_txl()

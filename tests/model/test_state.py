@@ -1,0 +1,156 @@
+"""State bytes: exact round trip, bounded storage dtypes, and clear errors for bad blobs."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+import model
+from model import StateError
+
+from .conftest import tiny_txl
+
+
+@pytest.fixture(scope="module")
+def txl_and_state():
+    lm = tiny_txl()
+    with torch.no_grad():
+        _, st = lm(torch.randint(0, 258, (1, 20), generator=torch.Generator().manual_seed(0)))
+    return lm, st
+
+
+def test_round_trip_gives_identical_continuation(txl_and_state):
+    lm, st = txl_and_state
+    blob = st.to_bytes()
+    st2 = lm.load_state(blob)
+    nxt = torch.randint(0, 258, (1, 12))
+    with torch.no_grad():
+        a, sa = lm(nxt, st)
+        b, sb = lm(nxt, st2)
+    assert (a - b).abs().max() <= 1e-5
+    assert sa.to_bytes() == sb.to_bytes() or (sa["mem"] - sb["mem"]).abs().max() <= 1e-5
+    assert int(st2.n_tokens) == 20
+
+
+def test_multi_stream_round_trip(txl_and_state):
+    lm, _ = txl_and_state
+    with torch.no_grad():
+        _, st = lm(torch.randint(0, 258, (3, 5)))
+    st2 = lm.load_state(st.to_bytes())
+    assert st2.batch_size == 3
+    assert torch.equal(st2["mem"], st["mem"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_storage_halves_size(txl_and_state, dtype):
+    lm, st = txl_and_state
+    full, half = st.to_bytes(), st.to_bytes(dtype)
+    assert len(half) < 0.6 * len(full)
+    st2 = lm.load_state(half)
+    assert st2["mem"].dtype == torch.float32
+    assert (st2["mem"] - st["mem"]).abs().max() < 0.05 * st["mem"].abs().max()
+
+
+def test_state_from_another_model_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    other = tiny_txl(seed=99)
+    with pytest.raises(StateError, match="made by model"):
+        other.load_state(st.to_bytes())
+
+
+@pytest.mark.parametrize("cut", [0, 4, 7, 100, -1, -9])
+def test_truncated_bytes_are_rejected(txl_and_state, cut):
+    lm, st = txl_and_state
+    blob = st.to_bytes()
+    with pytest.raises(StateError):
+        lm.load_state(blob[:cut])
+
+
+def test_corrupted_payload_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    blob = bytearray(st.to_bytes())
+    blob[-5] ^= 0x40  # a bit deep inside the tensor data, not the header
+    with pytest.raises(StateError, match="checksum"):
+        lm.load_state(bytes(blob))
+
+
+def test_corrupted_header_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    blob = bytearray(st.to_bytes())
+    blob[12] = ord("!")
+    with pytest.raises(StateError):
+        lm.load_state(bytes(blob))
+
+
+def _with_header(tensors, **changes):
+    from model.state import _digest
+
+    header = {
+        "format": 1,
+        "family": "transformer-xl",
+        "dtype": "float32",
+        "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        "checksum": _digest(tensors),
+    }
+    header.update(changes)
+    return st_save(tensors, metadata={"recur": json.dumps(header)})
+
+
+def test_header_lying_about_shapes_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    tensors = {k: st[k].contiguous() for k in ("mem", "last_hidden", "n_tokens")}
+    lying = {k: list(v.shape) for k, v in tensors.items()}
+    lying["mem"] = [1, 2, 8, 64]
+    with pytest.raises(StateError, match="header says"):
+        lm.load_state(_with_header(tensors, fingerprint=lm.fingerprint, shapes=lying))
+
+
+def test_well_formed_blob_of_the_wrong_shape_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    tensors = {
+        "mem": torch.zeros(1, 2, 8, 16),  # d_model is 32
+        "last_hidden": torch.zeros(1, 32),
+        "n_tokens": torch.tensor([20]),
+    }
+    with pytest.raises(StateError, match="mem has shape"):
+        lm.load_state(_with_header(tensors, fingerprint=lm.fingerprint))
+    tensors["mem"] = torch.zeros(1, 2, 9, 32)  # longer than mem_len
+    with pytest.raises(StateError, match="memory length"):
+        lm.load_state(_with_header(tensors, fingerprint=lm.fingerprint))
+
+
+def test_non_finite_state_is_rejected(txl_and_state):
+    lm, st = txl_and_state
+    tensors = {k: st[k].clone().contiguous() for k in ("mem", "last_hidden", "n_tokens")}
+    tensors["mem"][0, 0, 0, 0] = float("nan")
+    with pytest.raises(StateError, match="non-finite"):
+        lm.load_state(_with_header(tensors, fingerprint=lm.fingerprint))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('pickle payload executed')",))
+
+
+def test_pickle_payload_is_rejected_not_executed(txl_and_state):
+    lm, _ = txl_and_state
+    buf = io.BytesIO()
+    pickle.dump({"mem": _Boom()}, buf)
+    with pytest.raises(StateError):
+        lm.load_state(buf.getvalue())
+    with pytest.raises(StateError):
+        lm.load_state("not bytes")  # type: ignore[arg-type]
+
+
+def test_fingerprint_is_stable_and_weight_sensitive(tmp_path):
+    lm = model.init(tmp_path / "a", n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, tgt_len=4)
+    again = model.load(tmp_path / "a", device="cpu")
+    assert lm.fingerprint == again.fingerprint
+    with torch.no_grad():
+        again.layers[0].pos_ff.CoreNet[0].bias[0] += 1e-3
+    assert model.fingerprint(again) != lm.fingerprint
