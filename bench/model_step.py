@@ -1,0 +1,133 @@
+"""Model-level step costs, each reported as a ratio measured side by side in one run.
+
+1. Per-token decode time with 1,000 vs 100,000 tokens of history (should be ~1: the
+   state is bounded, so a decode step costs the same however long the stream).
+2. Speedup of stateful decoding over recomputing an attention window from scratch for
+   every token (the paper's vanilla-Transformer evaluation), at attention length 3,800
+   (Dai et al. report up to 1,874x there, on GPU).
+
+Usage: python bench/model_step.py [--d-model 256 --n-layer 4 ...] [--device cpu]
+Random weights are fine: timing does not depend on what the weights are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from model.checkpoint import build, resolve_device
+
+
+def make(args: argparse.Namespace, mem_len: int):
+    torch.manual_seed(0)
+    cfg = dict(
+        n_layer=args.n_layer,
+        d_model=args.d_model,
+        n_head=args.n_head,
+        d_head=args.d_model // args.n_head,
+        d_inner=4 * args.d_model,
+        mem_len=mem_len,
+        tgt_len=args.chunk,
+        dropout=0.0,
+    )
+    return build("transformer-xl", cfg).to(resolve_device(args.device)).eval(), cfg
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def decode_ms(lm, state, steps: int) -> float:
+    """Median wall time of one decode step (next-token logits + consuming one token)."""
+    tok = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+    times = []
+    for _ in range(steps):
+        sync(lm.device)
+        t0 = time.perf_counter()
+        logits = lm.next_logits(state)
+        tok[0, 0] = int(logits.argmax(-1))
+        _, state = lm(tok, state)
+        sync(lm.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def history_state(lm, n: int):
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+    return lm.consume(ids, lm.new_state(1))[1]
+
+
+@torch.no_grad()
+def recompute_ms(lm, window: int, reps: int) -> float:
+    """Vanilla evaluation: each new token re-runs the whole window from an empty state."""
+    ids = torch.randint(0, 256, (1, window), device=lm.device)
+    times = []
+    for _ in range(reps):
+        sync(lm.device)
+        t0 = time.perf_counter()
+        lm(ids, lm.new_state(1))
+        sync(lm.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--mem-len", type=int, default=128, help="memory for benchmark 1")
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--window", type=int, default=3800, help="attention length for benchmark 2")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    lm, cfg = make(args, args.mem_len)
+    short, long_ = history_state(lm, 1_000), history_state(lm, 100_000)
+    decode_ms(lm, short, 20)  # warm-up
+    # interleave the two measurements so machine noise hits both alike
+    a, b = [], []
+    for _ in range(5):
+        a.append(decode_ms(lm, short, args.steps // 5))
+        b.append(decode_ms(lm, long_, args.steps // 5))
+    t1k, t100k = statistics.median(a), statistics.median(b)
+
+    lm2, cfg2 = make(args, args.window)
+    st = history_state(lm2, args.window)
+    decode_ms(lm2, st, 5)
+    t_dec = decode_ms(lm2, st, 50)
+    t_full = recompute_ms(lm2, args.window, 3)
+
+    result = {
+        "model": cfg,
+        "device": str(lm.device),
+        "threads": torch.get_num_threads(),
+        "decode_ms_history_1k": round(t1k, 3),
+        "decode_ms_history_100k": round(t100k, 3),
+        "ratio_100k_over_1k": round(t100k / t1k, 3),
+        "attention_length": args.window,
+        "stateful_decode_ms": round(t_dec, 3),
+        "recompute_window_ms": round(t_full, 1),
+        "speedup_stateful_over_recompute": round(t_full / t_dec, 1),
+    }
+    print(f"decode per token, history 1k: {t1k:.3f} ms   100k: {t100k:.3f} ms   ratio 100k/1k = {t100k / t1k:.3f}")
+    print(
+        f"attention length {args.window}: stateful decode {t_dec:.3f} ms vs recompute {t_full:.1f} ms"
+        f"   speedup = {t_full / t_dec:.0f}x   (paper: 1,874x)"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
