@@ -10,12 +10,14 @@ import argparse
 import sys
 
 import model.cli
+from app import serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recur", description="Streaming inference for recurrent-memory LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     model.cli.register(sub)
+    serve.register(sub)
     return parser
 
 

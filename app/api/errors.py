@@ -1,0 +1,141 @@
+"""Errors as values: the one enum of error types, and the one place that maps every
+exception to its HTTP status and the body `{"error": {"type", "message"}}`.
+
+Routers raise (`ApiError`, or the store's and engine's own exceptions) and never build
+error responses themselves; a streaming response turns the same mapping into an SSE
+`error` event. No traceback ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.engine import EmptyContext, EngineError
+from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
+from model import StateError
+
+from .schemas import ErrorBody
+
+log = logging.getLogger("recur.api")
+
+
+class ErrorType(str, enum.Enum):
+    invalid_request = "invalid_request"
+    not_found = "not_found"
+    method_not_allowed = "method_not_allowed"
+    session_not_found = "session_not_found"
+    session_busy = "session_busy"
+    session_conflict = "session_conflict"
+    model_mismatch = "model_mismatch"
+    version_mismatch = "version_mismatch"
+    prompt_too_long = "prompt_too_long"
+    state_corrupt = "state_corrupt"
+    redis_unavailable = "redis_unavailable"
+    not_ready = "not_ready"
+    internal_error = "internal_error"
+
+
+STATUS: dict[ErrorType, int] = {
+    ErrorType.invalid_request: 422,
+    ErrorType.not_found: 404,
+    ErrorType.method_not_allowed: 405,
+    ErrorType.session_not_found: 404,
+    ErrorType.session_busy: 409,
+    ErrorType.session_conflict: 409,
+    ErrorType.model_mismatch: 409,
+    ErrorType.version_mismatch: 412,
+    ErrorType.prompt_too_long: 413,
+    ErrorType.state_corrupt: 500,
+    ErrorType.redis_unavailable: 503,
+    ErrorType.not_ready: 503,
+    ErrorType.internal_error: 500,
+}
+
+# exceptions raised below the API layer, most specific first
+_EXCEPTIONS: list[tuple[type[BaseException], ErrorType]] = [
+    (SessionNotFound, ErrorType.session_not_found),
+    (SessionBusy, ErrorType.session_busy),
+    (VersionMismatch, ErrorType.version_mismatch),
+    (CommitConflict, ErrorType.session_conflict),
+    (StoreUnavailable, ErrorType.redis_unavailable),
+    (StateError, ErrorType.state_corrupt),
+    (EmptyContext, ErrorType.invalid_request),
+    (EngineError, ErrorType.internal_error),
+]
+
+
+class ApiError(Exception):
+    def __init__(self, type: ErrorType, message: str):
+        super().__init__(message)
+        self.type = type
+        self.message = message
+
+
+def classify(exc: BaseException) -> tuple[ErrorType, str]:
+    """The error type and client-facing message for any exception."""
+    if isinstance(exc, ApiError):
+        return exc.type, exc.message
+    for cls, etype in _EXCEPTIONS:
+        if isinstance(exc, cls):
+            return etype, str(exc)
+    log.error("unexpected error", exc_info=exc)
+    return ErrorType.internal_error, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def body(etype: ErrorType, message: str) -> dict:
+    return {"error": {"type": etype.value, "message": message}}
+
+
+def response(etype: ErrorType, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body(etype, message), status_code=STATUS[etype], headers=headers)
+
+
+def responses(*types: ErrorType) -> dict:
+    """OpenAPI `responses=` entries documenting the error body for these types."""
+    out: dict[int, dict] = {}
+    for t in (*types, ErrorType.invalid_request, ErrorType.internal_error):
+        status = STATUS[t]
+        entry = out.setdefault(status, {"model": ErrorBody, "description": ""})
+        entry["description"] = ", ".join(filter(None, [entry["description"], t.value]))
+    return out
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    if any(err.get("type") == "json_invalid" for err in exc.errors()):
+        return "invalid request: the body is not valid JSON"
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def install(app: FastAPI) -> None:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        etype, message = classify(exc)
+        return response(etype, message)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return response(ErrorType.invalid_request, _validation_message(exc))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        etype = {404: ErrorType.not_found, 405: ErrorType.method_not_allowed}.get(exc.status_code)
+        if etype is None:
+            return JSONResponse(
+                body(ErrorType.invalid_request, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+            )
+        return response(etype, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    for cls in (ApiError, *(c for c, _ in _EXCEPTIONS)):
+        app.add_exception_handler(cls, on_error)
+    app.add_exception_handler(Exception, on_error)

