@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .state import State, StateError, read_blob
+from .state import State, StateError, merge
 from .tokenizer import Tokenizer
 
 
@@ -80,9 +81,13 @@ class LanguageModel(nn.Module):
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def load_state(self, blob: bytes) -> State:
-        """Bytes -> State for this model. Raises StateError with a clear message."""
-        header, tensors = read_blob(blob)
+    def load_state(self, blob: bytes, deltas: Iterable[bytes] = ()) -> State:
+        """Bytes (a snapshot, then any deltas in order) -> State for this model.
+
+        Raises StateError with a clear message for a state of another model, or truncated,
+        corrupted or malformed bytes.
+        """
+        header, tensors = merge(blob, deltas)
         if header.get("family") != self.family:
             raise StateError(f"state is for model family {header.get('family')!r}, this model is {self.family!r}")
         if header.get("fingerprint") != self.fingerprint:

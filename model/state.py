@@ -6,9 +6,17 @@ batching (stack / split), device moves, and serialisation.
 
 Byte format (the single source of truth for it, `FORMAT_VERSION`):
 a safetensors file whose `__metadata__["recur"]` holds a JSON header
-    {"format": FORMAT_VERSION, "family", "fingerprint", "dtype", "shapes", "checksum"}
+    {"format": FORMAT_VERSION, "family", "fingerprint", "dtype", "shapes", "checksum",
+     "n_tokens", "delta": null | {"base_n_tokens", "lengths": {name: [dim, length]}}}
 `checksum` is a BLAKE2b digest over every tensor's name, dtype, shape and raw bytes, so
 flipped bits anywhere in the payload are caught, not just a malformed header.
+
+A *snapshot* (`delta` null) holds the whole persistent state. A *delta* holds only what
+changed since the stream had consumed `base_n_tokens` tokens: the rows appended to each
+time-axis tensor and the small fixed-size tensors in full, so its size grows with the
+number of new tokens, never with the state's size. `merge(snapshot, deltas)` rebuilds the
+exact state. This relies on the one rule every family's time-axis tensors keep: each is a
+sliding window that gains exactly one row per consumed token (older rows fall off).
 
 This module must never unpickle anything, and knows nothing of HTTP or Redis.
 """
@@ -145,13 +153,29 @@ class State:
 
     # -- bytes -----------------------------------------------------------------------
     def to_bytes(self, dtype: str | torch.dtype = "float32") -> bytes:
-        """Serialise the persistent tensors. Float tensors are stored in `dtype`."""
+        """Serialise the persistent tensors (a snapshot). Float tensors are stored in `dtype`."""
+        return self._serialise(dtype, since=None)
+
+    def delta_bytes(self, since: int, dtype: str | torch.dtype = "float32") -> bytes:
+        """Serialise what changed since this single stream had consumed `since` tokens."""
+        if self.batch_size != 1:
+            raise ValueError("delta_bytes() is for single-stream states")
+        if not 0 <= since <= int(self.n_tokens[0]):
+            raise ValueError(f"since={since} is outside 0..{int(self.n_tokens[0])}")
+        return self._serialise(dtype, since=since)
+
+    def _serialise(self, dtype: str | torch.dtype, since: int | None) -> bytes:
         store_dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
         dtype_name = next(k for k, v in STORAGE_DTYPES.items() if v == store_dtype)
-        names = self.persistent or tuple(self.tensors)
-        tensors = {}
-        for name in names:
+        tensors, lengths = {}, {}
+        for name in self.persistent or tuple(self.tensors):
             t = self.tensors[name].detach()
+            dim = self.seq_dims.get(name)
+            if since is not None and dim is not None:
+                length = t.shape[dim]
+                new_rows = min(int(self.n_tokens[0]) - since, length)
+                t = t.narrow(dim, length - new_rows, new_rows)
+                lengths[name] = [dim, length]
             if t.is_floating_point():
                 t = t.to(store_dtype)
             tensors[name] = t.contiguous().cpu()
@@ -160,8 +184,10 @@ class State:
             "family": self.family,
             "fingerprint": self.fingerprint,
             "dtype": dtype_name,
+            "n_tokens": self.n_tokens.tolist(),
             "shapes": {k: list(v.shape) for k, v in tensors.items()},
             "checksum": _digest(tensors),
+            "delta": None if since is None else {"base_n_tokens": since, "lengths": lengths},
         }
         return st_save(tensors, metadata={"recur": json.dumps(header, sort_keys=True)})
 
@@ -193,6 +219,41 @@ def read_blob(blob: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
         raise StateError("state checksum mismatch: the blob is corrupted")
     if header.get("dtype") not in STORAGE_DTYPES:
         raise StateError(f"unknown state dtype {header.get('dtype')!r}")
+    if "n_tokens" not in tensors:
+        raise StateError("state blob has no n_tokens")
+    return header, tensors
+
+
+def merge(snapshot: bytes, deltas: Iterable[bytes] = ()) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Rebuild (header, tensors) of the state a snapshot plus its deltas, in order, describe."""
+    header, tensors = read_blob(snapshot)
+    if header.get("delta") is not None:
+        raise StateError("the first blob of a state must be a snapshot, not a delta")
+    for blob in deltas:
+        dh, dt = read_blob(blob)
+        delta = dh.get("delta")
+        if delta is None:
+            raise StateError("expected a delta blob, got a snapshot")
+        if (dh.get("family"), dh.get("fingerprint")) != (header.get("family"), header.get("fingerprint")):
+            raise StateError("a delta belongs to a different model than its snapshot")
+        if delta.get("base_n_tokens") != tensors["n_tokens"].tolist()[0]:
+            raise StateError(
+                f"delta starts at token {delta.get('base_n_tokens')}, the state is at {tensors['n_tokens'].tolist()}"
+            )
+        lengths = delta.get("lengths") or {}
+        if set(dt) != set(tensors):
+            raise StateError("a delta holds different tensors than its snapshot")
+        for name, rows in dt.items():
+            base = tensors[name]
+            if name in lengths:
+                dim, length = lengths[name]
+                joined = torch.cat([base, rows.to(base.dtype)], dim)
+                if joined.shape[dim] < length:
+                    raise StateError(f"delta for {name} leaves fewer rows than it claims")
+                tensors[name] = joined.narrow(dim, joined.shape[dim] - length, length)
+            else:
+                tensors[name] = rows.to(base.dtype) if rows.is_floating_point() else rows
+        header = {**header, "n_tokens": dh.get("n_tokens")}
     return header, tensors
 
 
