@@ -1,0 +1,96 @@
+"""The state-size formulas and measured rows of docs/DEPLOY.md's sizing table, checked
+against real states: build a model, run it past its memory, and count `to_bytes()`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import checkpoint
+
+DEPLOY_MD = Path(__file__).resolve().parents[2] / "docs" / "DEPLOY.md"
+WIDTH = {"float32": 4, "bfloat16": 2}
+HEADER_MAX = 1536  # safetensors header + recur's JSON metadata; the docs say 0.5-1 KiB
+
+
+def txl_bytes(cfg: dict, w: int) -> int:
+    """docs/DEPLOY.md: (n_layer × mem_len × d_model + d_model) × w + 8, before the header."""
+    return (cfg["n_layer"] * cfg["mem_len"] * cfg["d_model"] + cfg["d_model"]) * w + 8
+
+
+def rlt_bytes(cfg: dict, w: int) -> int:
+    """docs/DEPLOY.md: (d + 2(L_E + G)(C − 1)d + 2 L_D (W − 1)d) × w + 8, before the header."""
+    d, c = cfg["d_model"], cfg["max_context"] - 1
+    floats = d + 2 * (cfg["n_encoder_layers"] + cfg["memory_groups"]) * c * d
+    floats += 2 * cfg["n_decoder_layers"] * (cfg["window"] - 1) * d
+    return floats * w + 8
+
+
+FORMULA = {"transformer-xl": txl_bytes, "rlt": rlt_bytes}
+
+# table rows checked here: label prefix -> (family, the row's config overrides, and the
+# overrides of a smaller model of the same family to measure the formula on, or None to
+# measure the row's own model). RLT consumes tokens one at a time, so its default model
+# (512 positions of context) would take a while to fill; its formula is measured small.
+CHECKED_ROWS = {
+    "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
+    "| Transformer-XL 4 × 128 × 256": (
+        "transformer-xl",
+        {"d_model": 256, "d_head": 64, "d_inner": 1024},
+        None,
+    ),
+    "| RLT, `recur init --family rlt` defaults": (
+        "rlt",
+        {},
+        {"max_context": 24, "window": 6, "memory_groups": 2},
+    ),
+}
+
+
+def config(family: str, overrides: dict) -> dict:
+    return checkpoint.build(family, overrides).config_dict()
+
+
+def full_state_bytes(family: str, overrides: dict) -> tuple[dict, dict[str, int]]:
+    """(the model's config, bytes of a state that has seen more tokens than it keeps, by dtype)."""
+    torch.manual_seed(0)
+    lm = checkpoint.build(family, overrides).eval()
+    cfg = lm.config_dict()
+    span = max(cfg.get("mem_len", 0), cfg.get("max_context", 0), cfg.get("window", 0))
+    with torch.no_grad():
+        _, state = lm.forward(torch.randint(0, 256, (1, span + 3)), lm.new_state())
+    return cfg, {dtype: len(state.to_bytes(dtype=dtype)) for dtype in WIDTH}
+
+
+def fmt(n: int) -> str:
+    return f"{n / 1e3:.0f} KB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+@pytest.mark.parametrize("label", list(CHECKED_ROWS), ids=lambda s: s.strip("| `"))
+def test_formula_and_table_row_match_a_real_state(label: str) -> None:
+    family, overrides, small = CHECKED_ROWS[label]
+    if family not in checkpoint.families():
+        pytest.skip(f"model family {family!r} is not in this tree")
+    cfg, measured = full_state_bytes(family, overrides if small is None else small)
+    headers = {}
+    for dtype, w in WIDTH.items():
+        headers[dtype] = measured[dtype] - FORMULA[family](cfg, w)
+        assert 0 < headers[dtype] <= HEADER_MAX, f"{family} {dtype}: formula is off by {headers[dtype]} bytes"
+    if small is not None:  # the row's model: the checked formula plus the measured header
+        cfg = config(family, overrides)
+        measured = {dtype: FORMULA[family](cfg, w) + headers[dtype] for dtype, w in WIDTH.items()}
+
+    rows = [line for line in DEPLOY_MD.read_text().splitlines() if line.startswith(label)]
+    assert len(rows) == 1, f"docs/DEPLOY.md has {len(rows)} sizing rows starting {label!r}"
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[2:4] == [fmt(measured["float32"]), fmt(measured["bfloat16"])], rows[0]
+
+
+def test_doc_formula_text_matches_the_checked_formulas() -> None:
+    text = DEPLOY_MD.read_text()
+    assert re.search(r"bytes = \(n_layer × mem_len × d_model \+ d_model\) × w \+ 8 \+ header", text)
+    assert "2·(n_encoder_layers + memory_groups)·(max_context − 1)·d" in text
+    assert "2·n_decoder_layers·(window − 1)·d" in text
