@@ -12,7 +12,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow install bench lint clean
+.PHONY: run test test-slow install ref-env bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,22 @@ $(STAMP): $(PY) pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Reference environment for tests/model/test_hf_parity.py (issue 9): transformers 4.37.2,
+# the last release whose Transformer-XL runs, with its numpy<2 world, installed into an
+# isolated --target directory that only the test's reference subprocess puts on its path.
+REF_ENV := .venv-ref
+REF_STAMP := $(REF_ENV)/.installed
+
+$(REF_STAMP): $(PY) tests/model/reference-requirements.txt
+	$(PY) -m pip install -q --upgrade --target $(REF_ENV) -r tests/model/reference-requirements.txt
+	touch $(REF_STAMP)
+
+ref-env: $(REF_STAMP)
+
 run: $(STAMP)
 	$(BIN)/recur serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(REF_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-slow: $(STAMP)
@@ -44,4 +56,4 @@ lint: $(STAMP)
 	$(BIN)/mypy app model
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(REF_ENV) build *.egg-info

@@ -5,7 +5,8 @@
     tokenizer.json   the tokenizer spec (`model.tokenizer.from_spec`)
 
 Shipped checkpoints live in `model/weights/<name>/` and load by name. Weights are read
-with safetensors only: nothing here unpickles.
+with safetensors only: nothing here unpickles. A directory in the original / HF
+Transformer-XL layout (config.json without "family") is read by `model/hf.py`.
 
 The fingerprint identifies a model exactly (family, config, tokenizer and every weight);
 states carry it so a state is never run through a model it was not made by.
@@ -100,11 +101,16 @@ def load(name_or_dir: str | Path, device: str | torch.device = "auto", precision
     """
     path = resolve(name_or_dir)
     meta = json.loads((path / "config.json").read_text())
-    tok_path = path / "tokenizer.json"
-    tok_spec = json.loads(tok_path.read_text()) if tok_path.is_file() else {"kind": "byte"}
-    lm = build(meta["family"], meta["config"], tok_spec)
-    load_model(lm, str(path / "model.safetensors"), strict=True)
-    lm.fingerprint = fingerprint(lm)
+    if "family" not in meta:  # an original / HF Transformer-XL directory (issue 9)
+        from . import hf
+
+        lm: LanguageModel = hf.read(path)
+    else:
+        tok_path = path / "tokenizer.json"
+        tok_spec = json.loads(tok_path.read_text()) if tok_path.is_file() else {"kind": "byte"}
+        lm = build(meta["family"], meta["config"], tok_spec)
+        load_model(lm, str(path / "model.safetensors"), strict=True)
+        lm.fingerprint = fingerprint(lm)
     dev = resolve_device(device)
     if precision == "auto":
         precision = "bf16" if dev.type == "cuda" else "fp32"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import hf
+
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
     "n_layer": int,
@@ -34,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, typ in INIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     p.set_defaults(func=_init)
+    hf.add_subcommand(sub)  # recur convert (issue 9)
 
 
 def _init(args: argparse.Namespace) -> int:

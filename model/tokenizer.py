@@ -5,12 +5,14 @@ text only once a character is complete, so the concatenation of everything it em
 equals `decode(all_ids)` exactly, multi-byte UTF-8 included.
 
 Tokenizers are described by a small JSON spec stored in each checkpoint
-(`tokenizer.json`); `from_spec` is the only constructor the loader uses.
+(`tokenizer.json`); `from_spec` is the only constructor the loader uses. Two kinds: UTF-8
+bytes (the native models) and word-level vocabularies (pretrained WikiText-103 models).
 """
 
 from __future__ import annotations
 
 import codecs
+from pathlib import Path
 from typing import Protocol
 
 
@@ -76,8 +78,105 @@ class ByteTokenizer:
         return {"kind": self.kind}
 
 
+class _WordStreamDecoder:
+    """Word ids carry whole symbols: each id's text is final the moment it arrives."""
+
+    def __init__(self, tok: WordTokenizer):
+        self._tok = tok
+
+    def feed(self, token_id: int) -> str:
+        return self._tok.token_text(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+class WordTokenizer:
+    """A word-level vocabulary, tokenised the way the WikiText-103 preprocessing did.
+
+    As the original Transformer-XL `corpus` code with `add_eos`: each line is stripped and
+    split on whitespace, and every line break becomes `<eos>` (every line of a corpus file
+    ends with one). A symbol outside the vocabulary becomes `<unk>`. There is no BOS.
+
+    Text out: each word is written with one leading space and `<eos>` as a newline, so
+    decode(ids) == "".join(token_text(i) for i in ids), the stream decoder needs no
+    lookahead, generated text appends to a prompt with the space it needs, and
+    encode(decode(ids)) == ids.
+
+    The vocabulary is plain text, one symbol per line in id order (a line's first
+    whitespace-separated field, so "symbol count" files read too). Nothing is unpickled.
+    """
+
+    kind = "word"
+    EOS = "<eos>"
+    UNK = "<unk>"
+
+    def __init__(self, symbols: list[str]):
+        seen: set[str] = set()
+        for s in symbols:
+            if s in seen:
+                raise ValueError(f"word vocabulary lists {s!r} twice")
+            seen.add(s)
+        bad = next((s for s in symbols if not s or s != "".join(s.split())), None)
+        if bad is not None:
+            raise ValueError(f"word vocabulary symbol {bad!r} is empty or holds whitespace")
+        if self.EOS not in symbols:
+            raise ValueError(f"word vocabulary has no {self.EOS} symbol")
+        self.symbols = list(symbols)
+        self.sym2idx = {s: i for i, s in enumerate(self.symbols)}
+        self.vocab_size = len(self.symbols)
+        self.bos_id: int | None = None
+        self.eos_id: int | None = self.sym2idx[self.EOS]
+        self.unk_id: int | None = self.sym2idx.get(self.UNK)
+
+    @classmethod
+    def from_vocab_file(cls, path: str | Path) -> WordTokenizer:
+        symbols = []
+        with open(path, encoding="utf-8") as f:  # universal newlines, as the original read it
+            for n, line in enumerate(f, 1):
+                fields = line.split()
+                if not fields:
+                    raise ValueError(f"{path}:{n}: empty line in a vocabulary (one symbol per line)")
+                symbols.append(fields[0])
+        return cls(symbols)
+
+    def encode(self, text: str) -> list[int]:
+        lines = text.split("\n")
+        ids: list[int] = []
+        for i, line in enumerate(lines):
+            for sym in line.split():
+                idx = self.sym2idx.get(sym, self.unk_id)
+                if idx is None:
+                    raise ValueError(f"{sym!r} is not in the vocabulary, which has no {self.UNK}")
+                ids.append(idx)
+            if i < len(lines) - 1:
+                ids.append(self.sym2idx[self.EOS])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.token_text(i) for i in ids)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _WordStreamDecoder(self)
+
+    def token_text(self, token_id: int) -> str:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        if token_id == self.eos_id:
+            return "\n"
+        return " " + self.symbols[token_id]
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "symbols": self.symbols}
+
+
 def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
     kind = spec.get("kind")
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "word":
+        symbols = spec.get("symbols")
+        if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
+            raise ValueError("a word tokenizer spec needs 'symbols': a list of strings")
+        return WordTokenizer(symbols)
     raise ValueError(f"unknown tokenizer kind {kind!r}")

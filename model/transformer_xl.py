@@ -17,14 +17,26 @@ detached (StopGrad, Eq. h~ = [SG(m); h]). At inference the layer's keys and valu
 the memory rows are also cached in the state, so a decode step projects one new row
 instead of re-projecting the whole memory; the cache is derived data and is rebuilt from
 the memory when a state is loaded from bytes.
+
+Pretrained checkpoints (the original / HF `TransfoXLLMHeadModel` layout, see model/hf.py)
+add three options, all off by default so native checkpoints are untouched:
+  * `adaptive`: the adaptive input embedding and the projected adaptive log-softmax
+    (Baevski & Auli, 2019; Grave et al., 2017) over `cutoffs` with `div_val`, their
+    weights and projections tied (`tie_weights`, `tie_projs`); parameter names mirror
+    the original so conversion is a key rename;
+  * `same_length` (segment mode): every query sees exactly the last `mem_len` positions,
+    itself included (the paper's evaluation mode). It makes results chunking-invariant
+    too, with a window one shorter than "window" mode's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel
@@ -50,12 +62,42 @@ class TransformerXLConfig:
     untie_r: bool = True  # per-layer u, v biases (else one pair shared by all layers)
     tie_weights: bool = True
     layer_norm_epsilon: float = 1e-5
+    # pretrained checkpoints only (see the module docstring); defaults = the native model
+    adaptive: bool = False  # adaptive input embedding + projected adaptive log-softmax
+    d_embed: int = 0  # embedding width of the first cluster (0: d_model)
+    cutoffs: list[int] = field(default_factory=list)  # cluster boundaries in the vocabulary
+    div_val: int = 1  # cluster i embeds in d_embed // div_val**i dimensions
+    tie_projs: list[bool] = field(default_factory=list)  # per cluster: share the input projection
+    same_length: bool = False  # segment mode: every query sees exactly mem_len positions
 
     def __post_init__(self) -> None:
         if self.attention not in ("window", "segment"):
             raise ValueError(f"attention must be 'window' or 'segment', not {self.attention!r}")
         if self.mem_len < 0 or self.tgt_len < 1:
             raise ValueError("mem_len must be >= 0 and tgt_len >= 1")
+        if self.same_length and (self.attention != "segment" or self.mem_len < 1):
+            raise ValueError("same_length needs attention='segment' and mem_len >= 1")
+        if (self.cutoffs or self.div_val != 1 or self.d_embed or self.tie_projs) and not self.adaptive:
+            raise ValueError("cutoffs, div_val, d_embed and tie_projs need adaptive=True")
+        if self.adaptive:
+            if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(not 0 < c < self.vocab_size for c in self.cutoffs):
+                raise ValueError(f"cutoffs must increase strictly inside (0, vocab_size): {self.cutoffs}")
+            if self.div_val < 1:
+                raise ValueError("div_val must be >= 1")
+            if self.tie_projs and len(self.tie_projs) != len(self.cutoffs) + 1:
+                raise ValueError("tie_projs needs one entry per cluster (len(cutoffs) + 1)")
+
+
+# Config fields that are omitted from a checkpoint's config (and its fingerprint) while
+# they hold their defaults, so native checkpoints read and hash exactly as before.
+PRETRAINED_DEFAULTS: dict[str, object] = {
+    "adaptive": False,
+    "d_embed": 0,
+    "cutoffs": [],
+    "div_val": 1,
+    "tie_projs": [],
+    "same_length": False,
+}
 
 
 def sinusoid(pos_seq: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -162,6 +204,103 @@ class DecoderLayer(nn.Module):
         self.pos_ff = PositionwiseFF(cfg)
 
 
+class AdaptiveEmbedding(nn.Module):
+    """Adaptive input embedding (Baevski & Auli, 2019), as in the original code.
+
+    The vocabulary is cut into clusters at `cutoffs`; cluster i embeds its tokens in
+    d_embed // div_val**i dimensions and projects them to d_model. With div_val == 1 there
+    is one table, projected only when d_embed != d_model.
+    """
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        d_embed = cfg.d_embed or cfg.d_model
+        self.div_val, self.d_proj = cfg.div_val, cfg.d_model
+        self.bounds = [0, *cfg.cutoffs, cfg.vocab_size]
+        self.emb_layers = nn.ModuleList()
+        self.emb_projs = nn.ParameterList()
+        if cfg.div_val == 1:
+            self.emb_layers.append(nn.Embedding(cfg.vocab_size, d_embed))
+            if d_embed != cfg.d_model:
+                self.emb_projs.append(nn.Parameter(torch.zeros(cfg.d_model, d_embed)))
+        else:
+            for i, (lo, hi) in enumerate(pairwise(self.bounds)):
+                d_i = d_embed // cfg.div_val**i
+                self.emb_layers.append(nn.Embedding(hi - lo, d_i))
+                self.emb_projs.append(nn.Parameter(torch.zeros(cfg.d_model, d_i)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, d_model)
+        if self.div_val == 1:
+            emb = self.emb_layers[0](tokens)
+            return F.linear(emb, self.emb_projs[0]) if len(self.emb_projs) else emb
+        w = self.emb_projs[0]
+        out = torch.zeros(*tokens.shape, self.d_proj, dtype=w.dtype, device=w.device)
+        for i, (lo, hi) in enumerate(pairwise(self.bounds)):
+            in_i = (tokens >= lo) & (tokens < hi)
+            if in_i.any():
+                out[in_i] = F.linear(self.emb_layers[i](tokens[in_i] - lo), self.emb_projs[i]).to(out.dtype)
+        return out
+
+
+class ProjectedAdaptiveLogSoftmax(nn.Module):
+    """The original code's projected adaptive softmax (Grave et al., 2017), full log-probs.
+
+    The head scores the first cluster's tokens plus one logit per tail cluster; a tail
+    token's log-prob is log p(cluster) + log p(token | cluster). Hidden states are
+    projected per cluster (out_projs) before the output layers. Its output is a
+    normalised log-distribution, which serves as logits.
+    """
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        d_embed, V = cfg.d_embed or cfg.d_model, cfg.vocab_size
+        self.div_val = cfg.div_val
+        self.bounds = [0, *cfg.cutoffs, V]
+        n_clusters = len(cfg.cutoffs)
+        if n_clusters:
+            self.cluster_weight = nn.Parameter(torch.zeros(n_clusters, d_embed))
+            self.cluster_bias = nn.Parameter(torch.zeros(n_clusters))
+        self.out_layers = nn.ModuleList()
+        self.out_projs = nn.ParameterList()
+        if cfg.div_val == 1:
+            self.out_layers.append(nn.Linear(d_embed, V))
+            if d_embed != cfg.d_model:
+                for _ in range(n_clusters + 1):
+                    self.out_projs.append(nn.Parameter(torch.zeros(cfg.d_model, d_embed)))
+        else:
+            for i, (lo, hi) in enumerate(pairwise(self.bounds)):
+                d_i = d_embed // cfg.div_val**i
+                self.out_projs.append(nn.Parameter(torch.zeros(cfg.d_model, d_i)))
+                self.out_layers.append(nn.Linear(d_i, hi - lo))
+
+    def _logits(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Cluster i's logits (the head's include the tail-cluster logits)."""
+        layer = self.out_layers[0 if self.div_val == 1 else i]
+        assert isinstance(layer, nn.Linear)
+        w: torch.Tensor = layer.weight
+        b: torch.Tensor = layer.bias
+        if self.div_val == 1:  # one layer over the whole vocabulary: take cluster i's rows
+            w, b = w[self.bounds[i] : self.bounds[i + 1]], b[self.bounds[i] : self.bounds[i + 1]]
+        if i == 0 and len(self.bounds) > 2:
+            w, b = torch.cat([w, self.cluster_weight]), torch.cat([b, self.cluster_bias])
+        if len(self.out_projs):
+            h = F.linear(h, self.out_projs[i].t())
+        return F.linear(h, w, b)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., V) log-probs
+        head = F.log_softmax(self._logits(h, 0).float(), -1)
+        n_tail = len(self.bounds) - 2
+        if n_tail == 0:
+            return head
+        shortlist = self.bounds[1]
+        parts = [head[..., :shortlist]]
+        for i in range(1, n_tail + 1):
+            # log p(token) = log p(cluster i) + log p(token | cluster i)
+            tail = F.log_softmax(self._logits(h, i).float(), -1)
+            parts.append(head[..., shortlist + i - 1 : shortlist + i] + tail)
+        return torch.cat(parts, -1)
+
+
 class TransformerXL(LanguageModel):
     family = "transformer-xl"
     config_class = TransformerXLConfig
@@ -169,7 +308,9 @@ class TransformerXL(LanguageModel):
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
         cfg = config
-        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.word_emb: nn.Embedding | AdaptiveEmbedding = (
+            AdaptiveEmbedding(cfg) if cfg.adaptive else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        )
         self.emb_scale = cfg.d_model**0.5
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layer))
@@ -177,11 +318,39 @@ class TransformerXL(LanguageModel):
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
-        self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
-        if cfg.tie_weights:
-            self.out.weight = self.word_emb.weight
+        # the output layer: `out` (native) or `crit` (adaptive, named as in the original)
+        if cfg.adaptive:
+            self.crit = ProjectedAdaptiveLogSoftmax(cfg)
+        else:
+            self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
+            if cfg.tie_weights:
+                self.out.weight = self.word_emb.weight  # type: ignore[assignment]
         self._rk_table: list[torch.Tensor] | None = None
         self.apply(self._init_weights)
+        if cfg.adaptive:
+            self._init_adaptive()
+
+    def _init_adaptive(self) -> None:
+        """Initialise the adaptive projections, then tie the softmax to the embedding."""
+        cfg, emb, crit = self.config, self.word_emb, self.crit
+        assert isinstance(emb, AdaptiveEmbedding)
+        for p in [*emb.emb_projs, *crit.out_projs]:
+            nn.init.normal_(p, 0.0, 0.01)
+        if cfg.tie_weights:
+            for out_l, emb_l in zip(crit.out_layers, emb.emb_layers, strict=True):
+                out_l.weight = emb_l.weight
+        for i, tie in enumerate(cfg.tie_projs):
+            if tie and len(crit.out_projs):
+                crit.out_projs[i] = emb.emb_projs[0 if cfg.div_val == 1 else i]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (..., d_model) -> logits (..., V)."""
+        h = self.final_norm(h)
+        return self.crit(h) if self.config.adaptive else self.out(h)
+
+    def config_dict(self) -> dict:
+        d = super().config_dict()
+        return {k: v for k, v in d.items() if k not in PRETRAINED_DEFAULTS or v != PRETRAINED_DEFAULTS[k]}
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -267,6 +436,8 @@ class TransformerXL(LanguageModel):
         blocked = dist < 0
         if self.config.attention == "window":
             blocked = blocked | (dist > self.config.mem_len)
+        elif self.config.same_length:
+            blocked = blocked | (dist >= self.config.mem_len)
         padding = j[None] < (M - valid)[:, None, None]  # left padding of short memories
         return blocked[None] | padding
 
@@ -306,6 +477,8 @@ class TransformerXL(LanguageModel):
             pos_seq = pos_seq.clamp(max=cfg.clamp_len)
         if cfg.attention == "window":
             pos_seq = pos_seq.clamp(max=cfg.mem_len + 1)  # farther keys are masked anyway
+        elif cfg.same_length:
+            pos_seq = pos_seq.clamp(max=cfg.mem_len)
 
         new_mem, new_k, new_v = [], [], []
         with self.autocast():
@@ -323,7 +496,7 @@ class TransformerXL(LanguageModel):
                     new_k.append(k[:, K - keep :].to(m_i.dtype))
                     new_v.append(v[:, K - keep :].to(m_i.dtype))
             h = self.drop(h)
-            logits = self.out(self.final_norm(h))  # (B, T, V)
+            logits = self.head(h)  # (B, T, V)
 
         dtype = mem.dtype
         tensors = {
@@ -339,4 +512,4 @@ class TransformerXL(LanguageModel):
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():
-            return self.out(self.final_norm(state["last_hidden"])).float()
+            return self.head(state["last_hidden"]).float()
