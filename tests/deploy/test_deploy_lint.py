@@ -1,10 +1,11 @@
 """Lint and cross-check the deploy files: Dockerfile, docker/compose.yaml, docker/nginx.conf
 and docker/k8s/*.yaml.
 
-The linters are real (hadolint, kubernetes-validate, yamllint, nginx-crossplane) and run on
-every `make test`; each also has a test that plants an error in a copy and expects the
-same invocation to reject it, so a linter that silently passes everything is caught. The
-image itself is built and run only where a Docker engine answers (`docker info`).
+The linters are real (hadolint, kubernetes-validate, yamllint, compose-spec and
+nginx-crossplane) and run on every `make test`. Each also has a test that plants an error
+in a copy and expects the same invocation to reject it, so a linter that silently passes
+everything is caught. The image itself is built and run only where a Docker engine
+answers (`docker info`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import crossplane
 import kubernetes_validate
 import pytest
 import yaml
+from compose_spec import PyCompose
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -142,6 +144,26 @@ def test_kubernetes_validate_catches_a_planted_error(tmp_path: Path) -> None:
     assert any("readinessProbes" in e for e in k8s_errors(bad))
     bad.write_text(text.replace("replicas: 2", "replicas: two", 1))  # wrong type
     assert any("replicas" in e for e in k8s_errors(bad))
+
+
+def compose_errors(text: str) -> str | None:
+    """The compose_spec parser's complaint (unknown keys, wrong types or enum values, bad
+    durations, undefined networks/volumes/configs/secrets), or None."""
+    try:
+        PyCompose.from_yaml(text).validate()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    assert compose_errors(COMPOSE.read_text()) is None
+
+
+def test_compose_spec_catches_a_planted_error() -> None:
+    text = COMPOSE.read_text()
+    assert "start_perid" in (compose_errors(text.replace("start_period: 60s", "start_perid: 60s", 1)) or "")
+    assert "condition" in (compose_errors(text.replace("service_healthy", "service_happy", 1)) or "")
 
 
 def test_kustomization_lists_every_manifest() -> None:
