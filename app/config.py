@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"
     )
+    cpu_threads: int = Field(
+        0, ge=0, description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine"
+    )
     max_batch_size: int = Field(32, ge=1, description="most sessions decoded together in one forward pass")
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"

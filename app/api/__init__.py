@@ -44,6 +44,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             name=model_name(settings.model),
             state_dtype=settings.state_dtype,
             max_batch_size=settings.max_batch_size,
+            cpu_threads=settings.cpu_threads,
         )
         engine.start()
         app.state.engine = engine

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from model import LanguageModel
 from model.sampling import SamplingParams
 
@@ -27,7 +29,18 @@ class Consumed:
 
 
 class Engine:
-    def __init__(self, lm: LanguageModel, *, name: str, state_dtype: str = "float32", max_batch_size: int = 32):
+    def __init__(
+        self,
+        lm: LanguageModel,
+        *,
+        name: str,
+        state_dtype: str = "float32",
+        max_batch_size: int = 32,
+        cpu_threads: int = 0,
+    ):
+        if cpu_threads:
+            # tiny decode steps gain nothing from intra-op threads and lose a lot to contention
+            torch.set_num_threads(cpu_threads)
         self.lm = lm
         self.name = name
         self.tokenizer = lm.tokenizer

