@@ -30,9 +30,10 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 def families() -> dict[str, type[LanguageModel]]:
     """Every model family, by name. The one registry."""
+    from .rlt import RLT
     from .transformer_xl import TransformerXL
 
-    return {cls.family: cls for cls in (TransformerXL,)}
+    return {cls.family: cls for cls in (TransformerXL, RLT)}
 
 
 def shipped() -> list[str]:

@@ -39,10 +39,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (token ids [B], behaviour log-probs [B])."""
+def transform(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution `sample` draws from: logits [B, V] -> (log-probs over the tokens
+    sorted by descending logit [B, V], -inf where top-k / top-p dropped them; that sort
+    order [B, V]). The one definition shared by sampling and RL replay."""
     B, V = logits.shape
     logits = logits.float()
     dev = logits.device
@@ -57,7 +57,31 @@ def sample(
     top_p = torch.tensor([p.top_p for p in params], device=dev)
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     drop = drop | ((probs.cumsum(-1) - probs) >= top_p[:, None])
-    logp = F.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
+    return F.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), -1), order
+
+
+def behaviour_logprobs(logits: torch.Tensor, params: list[SamplingParams], ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs [B] of the given token ids [B] exactly as `sample` reports them: under the
+    transformed distribution (-inf for a token it could not have drawn), or the model's
+    unmodified log-prob for greedy rows."""
+    logits = logits.float()
+    logp_sorted, order = transform(logits, params)
+    logp = torch.empty_like(logp_sorted).scatter_(1, order, logp_sorted)  # back to vocabulary order
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    raw = F.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0]
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
+    return torch.where(greedy, raw, chosen)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (token ids [B], behaviour log-probs [B])."""
+    B, V = logits.shape
+    logits = logits.float()
+    dev = logits.device
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+    logp, order = transform(logits, params)
     # inverse-CDF draw with one uniform per row from that row's own generator
     u = torch.stack([torch.rand((), generator=g) for g in generators]).to(dev)
     cdf = logp.exp().cumsum(-1)
