@@ -58,7 +58,7 @@ CASES = {
     # one output layer over the whole vocabulary, projections tied to the input's
     "div_val_1-clamp": dict(div_val=1, d_embed=48, clamp_len=3),
 }
-BIN_CASES = {"shared_r-post_ln", "untied_r-pre_ln"}  # saved as pytorch_model.bin
+BIN_CASES = frozenset({"shared_r-post_ln", "untied_r-pre_ln"})  # saved as pytorch_model.bin
 
 
 def _ensure_reference_env() -> None:
@@ -77,24 +77,25 @@ def _ensure_reference_env() -> None:
     (REF_ENV / ".installed").touch()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> a save_pretrained directory holding reference.safetensors."""
+def make_reference(out: Path, cases: dict[str, dict], bin_cases: frozenset[str] = frozenset()) -> dict[str, Path]:
+    """Run the reference subprocess: name -> a save_pretrained directory with reference.safetensors.
+
+    Skips (loudly) only when the reference environment is absent and cannot be built.
+    """
     _ensure_reference_env()
-    out = tmp_path_factory.mktemp("hf-reference")
-    cases = [
+    spec = [
         {
             "name": name,
             "config": {**BASE, **over},
             "tgt_len": TGT_LEN,
             "segments": SEGMENTS,
             "batch": 2,
-            "safe_serialization": name not in BIN_CASES,
+            "safe_serialization": name not in bin_cases,
             "seed": i,
         }
-        for i, (name, over) in enumerate(CASES.items())
+        for i, (name, over) in enumerate(cases.items())
     ]
-    (out / "cases.json").write_text(json.dumps(cases))
+    (out / "cases.json").write_text(json.dumps(spec))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REF_ENV), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -111,7 +112,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         timeout=300,
     )
     assert res.returncode == 0, f"reference subprocess failed:\n{res.stderr[-3000:]}"
-    return {name: out / name for name in CASES}
+    return {name: out / name for name in cases}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_reference(tmp_path_factory.mktemp("hf-reference"), CASES, BIN_CASES)
 
 
 def _ref(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
