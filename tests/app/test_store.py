@@ -1,0 +1,179 @@
+"""SessionStore against a real Redis: the version fence, the lock lease, sliding TTL, and
+a dead Redis failing fast."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.store import (
+    CommitConflict,
+    SessionBusy,
+    SessionNotFound,
+    SessionStore,
+    StoreUnavailable,
+    VersionMismatch,
+)
+from tests.conftest import free_port
+
+
+def _store(url: str, **kw) -> SessionStore:
+    return SessionStore(url, key_prefix=f"store-test-{secrets.token_hex(4)}:", **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_expired_lock_never_loses_an_update(redis_url):
+    async def go():
+        store = _store(redis_url)
+        meta = await store.create(b"s0", 1, "m", "fp", ttl=60)
+        a = await store.begin(meta.id)
+        with pytest.raises(SessionBusy):
+            await store.begin(meta.id)
+        # A stalls past its lease: the lock lapses (as PEXPIRE would) and B takes over
+        await store.redis.delete(store.lock_key(meta.id))
+        b = await store.begin(meta.id)
+        assert (await b.commit(b"from-b", 2)).version == 1
+        with pytest.raises(CommitConflict):
+            await a.commit(b"from-a", 9)
+        await a.release()
+        got, blob = await store.read(meta.id, with_state=True)
+        assert got.version == 1 and got.n_tokens == 2 and blob == b"from-b"
+        # B's commit released the lock; A's late release did not remove anyone else's
+        c = await store.begin(meta.id)
+        await a.release()
+        with pytest.raises(SessionBusy):
+            await store.begin(meta.id)
+        await c.release()
+        await store.close()
+
+    run(go())
+
+
+def test_the_holder_renews_its_lease(redis_url):
+    async def go():
+        store = _store(redis_url, lock_lease_seconds=0.6)
+        meta = await store.create(b"s", 1, "m", "fp", ttl=60)
+        async with store.writer(meta.id) as w:
+            await asyncio.sleep(2.0)  # several leases long
+            with pytest.raises(SessionBusy):
+                await store.begin(meta.id)
+            await w.commit(b"t", 2)
+        assert (await store.read(meta.id))[0].version == 1
+        async with store.writer(meta.id):
+            pass  # leaving without a commit changes nothing and frees the lock
+        assert (await store.read(meta.id))[0].version == 1
+        async with store.writer(meta.id, expected_version=1) as w:
+            await w.commit(b"u", 3)
+        with pytest.raises(VersionMismatch):
+            await store.begin(meta.id, expected_version=1)
+        await store.close()
+
+    run(go())
+
+
+def test_ttl_is_set_and_slides(redis_url):
+    async def go():
+        store = _store(redis_url)
+        meta = await store.create(b"s", 1, "m", "fp", ttl=1000)
+        key = store.session_key(meta.id)
+        await store.redis.expire(key, 10)  # as if time had passed
+        await store.read(meta.id)
+        assert 990 <= await store.redis.ttl(key) <= 1000
+        await store.redis.expire(key, 10)
+        async with store.writer(meta.id) as w:
+            await w.commit(b"t", 2)
+        assert 990 <= await store.redis.ttl(key) <= 1000
+        assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
+        fork = await store.fork(meta.id)
+        assert fork.version == 0 and fork.ttl == 1000 and 990 <= await store.redis.ttl(store.session_key(fork.id))
+        await store.delete(meta.id)
+        with pytest.raises(SessionNotFound):
+            await store.read(meta.id)
+        assert (await store.read(fork.id, with_state=True))[1] == b"t"
+        await store.close()
+
+    run(go())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["begin", "commit", "release", "expire"]), st.integers(0, 2)), max_size=25
+    )
+)
+def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
+    """Any interleaving of three writers: a commit lands iff nobody committed since its
+    writer began, the version counts exactly the commits that landed, and the stored
+    state is the last one that landed."""
+
+    async def go():
+        store = _store(redis_url)
+        meta = await store.create(b"v0", 1, "m", "fp", ttl=60)
+        writers: dict[int, object] = {}
+        version, state = 0, b"v0"
+        for op, i in ops:
+            w = writers.get(i)
+            if op == "begin" and w is None:
+                try:
+                    writers[i] = await store.begin(meta.id)
+                    assert writers[i].meta.version == version
+                except SessionBusy:
+                    assert any(x is not None for x in writers.values())
+            elif op == "commit" and w is not None:
+                new = f"w{i}@{w.meta.version}".encode()
+                if w.meta.version == version:
+                    assert (await w.commit(new, 1)).version == version + 1
+                    version, state = version + 1, new
+                else:
+                    with pytest.raises(CommitConflict):
+                        await w.commit(new, 1)
+                    await w.release()
+                del writers[i]
+            elif op == "release" and w is not None:
+                await w.release()
+                del writers[i]
+            elif op == "expire":
+                await store.redis.delete(store.lock_key(meta.id))
+            got, blob = await store.read(meta.id, with_state=True)
+            assert got.version == version and blob == state
+        for w in writers.values():
+            await w.release()
+        await store.close()
+
+    run(go())
+
+
+def test_dead_redis_fails_fast_with_store_unavailable():
+    async def go():
+        store = SessionStore(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+        with pytest.raises(StoreUnavailable):
+            await store.ping()
+        with pytest.raises(StoreUnavailable):
+            await store.create(b"s", 1, "m", "fp", ttl=5)
+        with pytest.raises(StoreUnavailable):
+            await store.read("0" * 32)
+        with pytest.raises(StoreUnavailable):
+            await store.begin("0" * 32)
+        await store.close()
+
+    run(go())
+
+
+def test_garbage_ids_never_reach_redis(redis_url):
+    async def go():
+        store = _store(redis_url)
+        for sid in ["", "x", "0" * 31, "0" * 33, "Z" * 32, "0" * 31 + "\n", "*"]:
+            with pytest.raises(SessionNotFound):
+                await store.read(sid)
+        await store.close()
+
+    run(go())
+    assert redis.Redis.from_url(redis_url).ping()
