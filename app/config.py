@@ -30,16 +30,22 @@ class Settings(BaseSettings):
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="compute precision (bf16 on CUDA only)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="compute precision (bf16 on CUDA only)"
+    )
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"
     )
     cpu_threads: int = Field(
-        0, ge=0, description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine"
+        0,
+        ge=0,
+        description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine",
     )
     max_batch_size: int = Field(32, ge=1, description="most sessions decoded together in one forward pass")
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"
     )
-    redis_timeout: float = Field(2.0, gt=0, description="socket timeout for Redis, so a dead Redis fails fast")
+    redis_timeout: float = Field(
+        2.0, gt=0, description="socket timeout for Redis, so a dead Redis fails fast"
+    )
     log_level: str = Field("info", description="uvicorn log level")

@@ -86,12 +86,16 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
             "--pidfile", str(self.pidfile),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"embedded redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
+                raise RuntimeError(
+                    f"embedded redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log"
+                )
             try:
                 if client.ping():
                     break

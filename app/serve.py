@@ -73,7 +73,9 @@ def run(settings: Settings) -> int:
         log.info("embedded redis-server at %s, data in %s", url, embedded.data_dir)
         settings = settings.model_copy(update={"redis_url": url})
     try:
-        uvicorn.run(create_app(settings, lm), host=settings.host, port=settings.port, log_level=settings.log_level)
+        uvicorn.run(
+            create_app(settings, lm), host=settings.host, port=settings.port, log_level=settings.log_level
+        )
     finally:
         if embedded is not None:
             embedded.stop()

@@ -97,7 +97,9 @@ end
 """
 
 # KEYS: session. ARGV: ttl, model, fingerprint, n_tokens, state
-_CREATE = _LUA_TOUCH + """
+_CREATE = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local ts = string.format('%.6f', now())
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
@@ -105,18 +107,24 @@ redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2],
 touch(KEYS[1])
 return meta(KEYS[1])
 """
+)
 
 # KEYS: session. ARGV: '1' to include the state blob. Returns meta [+ state] or nil.
-_READ = _LUA_TOUCH + """
+_READ = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 touch(KEYS[1])
 local m = meta(KEYS[1])
 if ARGV[1] == '1' then m[9] = redis.call('HGET', KEYS[1], 'state') end
 return m
 """
+)
 
 # KEYS: session, lock. ARGV: lock token, lease ms, expected version or ''.
-_BEGIN = _LUA_TOUCH + """
+_BEGIN = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'busy'} end
@@ -128,9 +136,12 @@ m[9] = redis.call('HGET', KEYS[1], 'state')
 table.insert(m, 1, 'ok')
 return m
 """
+)
 
 # KEYS: session, lock. ARGV: expected version, n_tokens, state, lock token.
-_COMMIT = _LUA_TOUCH + """
+_COMMIT = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if v ~= ARGV[1] then return {'conflict', v} end
@@ -141,6 +152,7 @@ local m = meta(KEYS[1])
 table.insert(m, 1, 'ok')
 return m
 """
+)
 
 # KEYS: lock. ARGV: token, lease ms. Renews the lease only for the holder.
 _RENEW = """
@@ -155,7 +167,9 @@ return 0
 """
 
 # KEYS: source, destination. ARGV: expected version of the source or ''.
-_FORK = _LUA_TOUCH + """
+_FORK = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
@@ -169,6 +183,7 @@ local m = meta(KEYS[2])
 table.insert(m, 1, 'ok')
 return m
 """
+)
 
 # KEYS: session, lock. ARGV: expected version or ''. A session being written is busy.
 _DELETE = """
@@ -274,7 +289,9 @@ class SessionStore:
         await self.redis.aclose()
 
     # -- sessions ----------------------------------------------------------------------------
-    async def create(self, state: bytes, n_tokens: int, model: str, fingerprint: str, ttl: int) -> SessionMeta:
+    async def create(
+        self, state: bytes, n_tokens: int, model: str, fingerprint: str, ttl: int
+    ) -> SessionMeta:
         while True:  # 128 random bits never collide in practice; the script refuses if they do
             sid = new_session_id()
             raw = await self._run(

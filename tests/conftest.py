@@ -115,7 +115,9 @@ class ServerProcess:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                args, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -153,10 +155,18 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerProcess]:
     """One server per test module; a module may set `SERVER_SETTINGS` (recur serve flags)."""
-    settings = {"max_tokens": 1000, "max_prompt_tokens": 300, "cpu_threads": 1, **getattr(request.module, "SERVER_SETTINGS", {})}
+    settings = {
+        "max_tokens": 1000,
+        "max_prompt_tokens": 300,
+        "cpu_threads": 1,
+        **getattr(request.module, "SERVER_SETTINGS", {}),
+    }
     srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **settings)
     srv.start()
     yield srv

@@ -36,8 +36,12 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             timeout=settings.redis_timeout,
         )
         app.state.store = store
-        loaded = lm or await asyncio.to_thread(
-            model.load, settings.model, device=settings.device, precision=settings.precision
+        loaded = (
+            lm
+            if lm is not None
+            else await asyncio.to_thread(
+                model.load, settings.model, device=settings.device, precision=settings.precision
+            )
         )
         engine = Engine(
             loaded,

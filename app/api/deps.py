@@ -44,7 +44,9 @@ def if_match(
         return None
     m = _ETAG_RE.fullmatch(value)
     if not m:
-        raise ApiError(ErrorType.invalid_request, f'If-Match must be a session version such as "3", not {value!r}')
+        raise ApiError(
+            ErrorType.invalid_request, f'If-Match must be a session version such as "3", not {value!r}'
+        )
     return int(m.group(1))
 
 

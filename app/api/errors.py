@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,7 +59,7 @@ STATUS: dict[ErrorType, int] = {
 }
 
 # exceptions raised below the API layer, most specific first
-_EXCEPTIONS: list[tuple[type[BaseException], ErrorType]] = [
+_EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (SessionNotFound, ErrorType.session_not_found),
     (SessionBusy, ErrorType.session_busy),
     (VersionMismatch, ErrorType.version_mismatch),
@@ -92,7 +93,7 @@ def body(etype: ErrorType, message: str) -> dict:
     return {"error": {"type": etype.value, "message": message}}
 
 
-def response(etype: ErrorType, message: str, headers: dict | None = None) -> JSONResponse:
+def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(body(etype, message), status_code=STATUS[etype], headers=headers)
 
 
@@ -130,12 +131,15 @@ def install(app: FastAPI) -> None:
         etype = {404: ErrorType.not_found, 405: ErrorType.method_not_allowed}.get(exc.status_code)
         if etype is None:
             return JSONResponse(
-                body(ErrorType.invalid_request, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+                body(ErrorType.invalid_request, str(exc.detail)),
+                status_code=exc.status_code,
+                headers=exc.headers,
             )
         return response(etype, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    for cls in (ApiError, *(c for c, _ in _EXCEPTIONS)):
+    handled: list[type[Exception]] = [ApiError, *(c for c, _ in _EXCEPTIONS)]
+    for cls in handled:
         app.add_exception_handler(cls, on_error)
     app.add_exception_handler(Exception, on_error)

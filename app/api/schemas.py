@@ -39,7 +39,9 @@ class ErrorBody(Response):
 # -- sessions -------------------------------------------------------------------------------
 class CreateSession(Request):
     prompt: Prompt = ""
-    ttl_seconds: int | None = Field(None, ge=1, description="idle seconds before the session expires (sliding)")
+    ttl_seconds: int | None = Field(
+        None, ge=1, description="idle seconds before the session expires (sliding)"
+    )
 
 
 class SessionRef(Response):

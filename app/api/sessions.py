@@ -74,7 +74,10 @@ def _etag(meta: SessionMeta) -> dict[str, str]:
 def _prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) -> list[int]:
     ids = engine.tokenize(prompt)
     if len(ids) > max_prompt_tokens:
-        raise ApiError(E.prompt_too_long, f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}")
+        raise ApiError(
+            E.prompt_too_long,
+            f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}",
+        )
     bad = [i for i in ids if not 0 <= i < engine.vocab_size]
     if bad:
         raise ApiError(
@@ -112,7 +115,7 @@ async def create_session(
     settings: SettingsDep,
     body: Annotated[CreateSession | None, Body()] = None,
 ) -> SessionInfo:
-    body = body or CreateSession()
+    body = body or CreateSession.model_validate({})
     ttl = body.ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(E.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
@@ -156,7 +159,9 @@ async def delete_session(session_id: str, store: StoreDep, expected: IfMatchDep)
     summary="Copy a session's committed state into a new, independent session",
     responses=responses(*_SESSION_ERRORS, E.version_mismatch),
 )
-async def fork_session(session_id: str, response: Response, store: StoreDep, expected: IfMatchDep) -> SessionInfo:
+async def fork_session(
+    session_id: str, response: Response, store: StoreDep, expected: IfMatchDep
+) -> SessionInfo:
     meta = await store.fork(session_id, expected)
     response.headers.update(_etag(meta))
     response.headers["Location"] = f"/v1/sessions/{meta.id}"
@@ -170,7 +175,12 @@ async def fork_session(session_id: str, response: Response, store: StoreDep, exp
     responses=responses(*_WRITE_ERRORS, E.prompt_too_long, E.session_conflict),
 )
 async def score(
-    session_id: str, body: Score, engine: EngineDep, store: StoreDep, settings: SettingsDep, expected: IfMatchDep
+    session_id: str,
+    body: Score,
+    engine: EngineDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    expected: IfMatchDep,
 ) -> ScoreResult:
     ids = _prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     if body.commit:
@@ -182,12 +192,15 @@ async def score(
     else:
         meta, blob = await store.read(session_id, with_state=True)
         if expected is not None and meta.version != expected:
-            raise ApiError(E.version_mismatch, f"session {session_id!r} is at version {meta.version}, not {expected}")
+            raise ApiError(
+                E.version_mismatch, f"session {session_id!r} is at version {meta.version}, not {expected}"
+            )
         _check_model(meta, engine)
         assert blob is not None
         consumed = await engine.score(blob, ids, keep_state=False)
     tokens = [
-        ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp) for i, lp in zip(ids, consumed.logprobs)
+        ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
+        for i, lp in zip(ids, consumed.logprobs, strict=True)
     ]
     total = sum(lp for lp in consumed.logprobs if lp is not None)
     return ScoreResult(tokens=tokens, total_logprob=total, session=_ref(meta))
@@ -259,7 +272,10 @@ async def generate(
     finally:
         watcher.cancel()
         await _abandon(gen, writer)
-    tokens = [GeneratedToken(index=e.index, id=e.id, text=e.text, logprob=e.logprob if body.logprobs else None) for e in events]
+    tokens = [
+        GeneratedToken(index=e.index, id=e.id, text=e.text, logprob=e.logprob if body.logprobs else None)
+        for e in events
+    ]
     return GenerateResult(**_done(gen, meta, len(ids)).model_dump(), tokens=tokens)
 
 
@@ -295,4 +311,3 @@ async def _stream(gen: Generation, writer: Writer, prompt_tokens: int, logprobs:
     finally:
         with contextlib.suppress(BaseException):
             await _abandon(gen, writer)
-

@@ -14,6 +14,7 @@ import torch
 
 from model import LanguageModel
 from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
 
 from .requests import Generation
 from .scheduler import Scheduler
@@ -41,9 +42,11 @@ class Engine:
         if cpu_threads:
             # tiny decode steps gain nothing from intra-op threads and lose a lot to contention
             torch.set_num_threads(cpu_threads)
+        if lm.tokenizer is None:
+            raise ValueError("the model has no tokenizer")
         self.lm = lm
         self.name = name
-        self.tokenizer = lm.tokenizer
+        self.tokenizer: Tokenizer = lm.tokenizer
         self.fingerprint = lm.fingerprint
         self.state_dtype = state_dtype
         self.scheduler = Scheduler(lm, state_dtype=state_dtype, max_batch_size=max_batch_size)
@@ -81,7 +84,9 @@ class Engine:
             st = self.lm.load_state(state)
             lps, st = self.lm.consume(tokens, st)
             values = [None if math.isnan(x) else x for x in lps[0].tolist()]
-            return Consumed(values, st.to_bytes(self.state_dtype) if keep_state else None, int(st.n_tokens[0]))
+            return Consumed(
+                values, st.to_bytes(self.state_dtype) if keep_state else None, int(st.n_tokens[0])
+            )
 
         return await self.scheduler.call(run)
 
@@ -96,6 +101,8 @@ class Engine:
         stop: list[str],
     ) -> Generation:
         """Start a generation; iterate the result for its tokens, then read `.result`."""
-        gen = Generation(state=state, prompt=prompt, params=params, seed=seed, max_tokens=max_tokens, stop=stop)
+        gen = Generation(
+            state=state, prompt=prompt, params=params, seed=seed, max_tokens=max_tokens, stop=stop
+        )
         self.scheduler.submit(gen)
         return gen

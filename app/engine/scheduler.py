@@ -27,7 +27,7 @@ import torch
 
 from model import LanguageModel, State
 from model.sampling import make_generator, sample
-from model.tokenizer import StreamDecoder
+from model.tokenizer import StreamDecoder, Tokenizer
 
 from .requests import EmptyContext, Failed, Finished, Generation, TokenEvent
 
@@ -65,7 +65,10 @@ def _resolve(fut: asyncio.Future, value: Any = None, error: BaseException | None
 
 class Scheduler:
     def __init__(self, lm: LanguageModel, *, state_dtype: str = "float32", max_batch_size: int = 32):
+        if lm.tokenizer is None:
+            raise ValueError("the model has no tokenizer")
         self.lm = lm
+        self.tokenizer: Tokenizer = lm.tokenizer
         self.state_dtype = state_dtype
         self.max_batch_size = max_batch_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,14 +142,16 @@ class Scheduler:
                 req.push(Failed(exc))
                 continue
             dev = self.lm.device
-            self._running.append(_Running(req, state, make_generator(req.seed, dev), self.lm.tokenizer.stream_decoder()))
+            self._running.append(
+                _Running(req, state, make_generator(req.seed, dev), self.tokenizer.stream_decoder())
+            )
 
     def _rebatch(self) -> None:
         """Make `_batch` hold exactly the running rows (only when membership changed)."""
         if [id(r) for r in self._members] == [id(r) for r in self._running]:
             return
         if self._batch is not None:
-            for r, st in zip(self._members, self.lm.split_state(self._batch)):
+            for r, st in zip(self._members, self.lm.split_state(self._batch), strict=True):
                 r.state = st
         self._members = list(self._running)
         self._batch = self.lm.stack_states([r.state for r in self._members]) if self._members else None
@@ -161,7 +166,7 @@ class Scheduler:
         try:
             logits = self.lm.next_logits(self._batch)  # (B, V)
             ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
-            for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist()):
+            for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
                 self._on_token(r, tid, lp)
             _, self._batch = self.lm.forward(ids[:, None], self._batch)
         except Exception as exc:
@@ -175,7 +180,7 @@ class Scheduler:
         self.stats["max_batch"] = max(self.stats["max_batch"], len(rows))
         done = [r for r in rows if r.finish_reason is not None]
         if done:
-            for r, st in zip(rows, self.lm.split_state(self._batch)):
+            for r, st in zip(rows, self.lm.split_state(self._batch), strict=True):
                 r.state = st
             self._batch, self._members = None, []
             for r in done:
@@ -183,7 +188,7 @@ class Scheduler:
             self._running = [r for r in self._running if r.finish_reason is None]
 
     def _on_token(self, r: _Running, tid: int, logprob: float) -> None:
-        tok = self.lm.tokenizer
+        tok = self.tokenizer
         r.ids.append(tid)
         text = r.decoder.feed(tid)
         start = max(0, len(r.text) - max((len(s) for s in r.req.stop), default=0) + 1)

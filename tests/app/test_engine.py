@@ -67,9 +67,9 @@ def test_batched_decoding_matches_one_at_a_time(lm):
     batched, stats2 = asyncio.run(_run(lm, together=True))
     assert stats1["max_batch"] == 1
     assert stats2["max_batch"] == len(PROMPTS)  # the decode steps really were shared
-    for (ev_a, res_a), (ev_b, res_b) in zip(alone, batched):
+    for (ev_a, res_a), (ev_b, res_b) in zip(alone, batched, strict=True):
         assert [e.id for e in ev_a] == [e.id for e in ev_b]
-        for a, b in zip(ev_a, ev_b):
+        for a, b in zip(ev_a, ev_b, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert res_a.n_tokens == res_b.n_tokens
         la = lm.next_logits(lm.load_state(res_a.state))
@@ -94,7 +94,9 @@ def test_streamed_text_adds_up_and_state_holds_every_token(lm):
     # the committed state equals teacher-forcing the same tokens
     st = lm.load_state(new.state)
     _, st = lm.consume(res.token_ids, st)
-    torch.testing.assert_close(lm.next_logits(st), lm.next_logits(lm.load_state(res.state)), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        lm.next_logits(st), lm.next_logits(lm.load_state(res.state)), atol=1e-4, rtol=0
+    )
 
 
 def test_stop_string_ends_generation(lm):
@@ -106,7 +108,9 @@ def test_stop_string_ends_generation(lm):
         _, free = await _collect(g)
         # stop on a string the greedy continuation is known to produce
         stop = free.text[3:5]
-        g = engine.generate(new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop])
+        g = engine.generate(
+            new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
+        )
         _, stopped = await _collect(g)
         engine.stop()
         return free, stop, stopped
@@ -122,7 +126,9 @@ def test_cancelled_generation_leaves_the_batch(lm):
         engine = Engine(lm, name="tiny")
         engine.start()
         new = await engine.new_session([])
-        g = engine.generate(new.state, [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[])
+        g = engine.generate(
+            new.state, [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[]
+        )
         got = 0
         async for _ in g:
             got += 1

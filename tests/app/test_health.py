@@ -20,7 +20,9 @@ def own_redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(own_redis, tiny_model_dir, tmp_path_factory):
-    s = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("health"), own_redis.url, cpu_threads=1, redis_timeout=1)
+    s = ServerProcess(
+        tiny_model_dir, tmp_path_factory.mktemp("health"), own_redis.url, cpu_threads=1, redis_timeout=1
+    )
     s.start()
     yield s
     s.stop()
@@ -31,7 +33,11 @@ def test_healthz_and_readyz(srv):
         assert c.get("/healthz").json() == {"status": "ok"}
         r = c.get("/readyz")
         assert r.status_code == 200
-        assert r.json()["status"] == "ready" and r.json()["model"] == "tiny" and len(r.json()["fingerprint"]) == 16
+        assert (
+            r.json()["status"] == "ready"
+            and r.json()["model"] == "tiny"
+            and len(r.json()["fingerprint"]) == 16
+        )
 
 
 def test_redis_down_gives_503_then_recovers(srv, own_redis):
@@ -70,7 +76,9 @@ def test_redis_down_gives_503_then_recovers(srv, own_redis):
 def test_redis_dying_mid_stream_sends_an_error_event(srv, own_redis):
     with srv.client() as c:
         sid = c.post("/v1/sessions").json()["id"]
-        with c.stream("POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 1000, "temperature": 0}) as r:
+        with c.stream(
+            "POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 1000, "temperature": 0}
+        ) as r:
             it = events(r)
             assert next(it)[0] == "token"
             own_redis.stop()

@@ -4,6 +4,7 @@ writer per session, boundary invariance, sliding expiry."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from datetime import datetime
@@ -53,7 +54,9 @@ def test_max_tokens_is_capped_by_config(http):
 def test_disconnect_mid_stream_leaves_version_unchanged(http):
     s = create(http, prompt="abc")
     http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": "d", "commit": True})
-    with http.stream("POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}) as r:
+    with http.stream(
+        "POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}
+    ) as r:
         it = events(r)
         for _ in range(3):
             assert next(it)[0] == "token"
@@ -110,7 +113,10 @@ def test_twenty_concurrent_generates_one_wins(http, server):
 async def _burst(url: str, sid: str, n: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         return await asyncio.gather(
-            *(client.post(f"/v1/sessions/{sid}/score", json={"prompt": "ab", "commit": True}) for _ in range(n))
+            *(
+                client.post(f"/v1/sessions/{sid}/score", json={"prompt": "ab", "commit": True})
+                for _ in range(n)
+            )
         )
 
 
@@ -125,7 +131,7 @@ def test_boundary_invariance_end_to_end(http, cuts):
     split = create(http)
     got: list[float] = []
     bounds = [0, *sorted(cuts), len(ids)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         r = http.post(f"/v1/sessions/{split['id']}/score", json={"prompt": ids[a:b], "commit": True})
         assert r.status_code == 200
         got += [t["logprob"] for t in r.json()["tokens"]]
@@ -147,12 +153,18 @@ def test_generation_split_over_requests_matches_one_request(http):
     b = http.post(f"/v1/sessions/{a['id']}/fork").json()
     body = {"stream": False, "temperature": 0, "logprobs": True}
     one = http.post(f"/v1/sessions/{a['id']}/generate", json={**body, "max_tokens": 30}).json()
-    parts = [http.post(f"/v1/sessions/{b['id']}/generate", json={**body, "max_tokens": 10}).json() for _ in range(3)]
+    parts = [
+        http.post(f"/v1/sessions/{b['id']}/generate", json={**body, "max_tokens": 10}).json()
+        for _ in range(3)
+    ]
     ids = [t["id"] for p in parts for t in p["tokens"]]
     lps = [t["logprob"] for p in parts for t in p["tokens"]]
     assert ids == [t["id"] for t in one["tokens"]]
     assert lps == pytest.approx([t["logprob"] for t in one["tokens"]], abs=1e-4)
-    assert parts[-1]["session"]["version"] == 3 and parts[-1]["session"]["n_tokens"] == one["session"]["n_tokens"]
+    assert (
+        parts[-1]["session"]["version"] == 3
+        and parts[-1]["session"]["n_tokens"] == one["session"]["n_tokens"]
+    )
 
 
 def test_session_expires_after_its_ttl(http):

@@ -74,7 +74,9 @@ def test_score_matches_reference_segmentation(http, checkpoints):
     # one committed request per segment: the memory is carried through Redis between them
     parts: list[float | None] = []
     for start in range(0, len(ids), TGT_LEN):
-        r = http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True})
+        r = http.post(
+            f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True}
+        )
         assert r.status_code == 200, r.text
         parts += [t["logprob"] for t in r.json()["tokens"]]
     assert max(abs(a - b) for a, b in zip(parts[1:], want, strict=True)) <= TOL
@@ -121,7 +123,9 @@ def test_serve_takes_the_hf_directory_directly(checkpoints, redis_url, tmp_path)
         s = _create(client)
         got: list[float | None] = []
         for start in range(0, len(ids), TGT_LEN):
-            r = client.post(f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True})
+            r = client.post(
+                f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True}
+            )
             assert r.status_code == 200, r.text
             got += [t["logprob"] for t in r.json()["tokens"]]
         assert max(abs(a - b) for a, b in zip(got[1:], want, strict=True)) <= TOL

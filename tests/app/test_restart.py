@@ -43,7 +43,10 @@ def test_sigkill_and_restart(tiny_model_dir, tmp_path):
             for text in (" one", " two"):
                 c.post(f"/v1/sessions/{b}/score", json={"prompt": text, "commit": True})
             g = c.post("/v1/sessions", json={"prompt": "gen"}).json()["id"]
-            c.post(f"/v1/sessions/{g}/generate", json={"stream": False, "max_tokens": 9, "temperature": 0.7, "seed": 5})
+            c.post(
+                f"/v1/sessions/{g}/generate",
+                json={"stream": False, "max_tokens": 9, "temperature": 0.7, "seed": 5},
+            )
             f = c.post(f"/v1/sessions/{g}/fork").json()["id"]
             c.post(f"/v1/sessions/{f}/score", json={"prompt": "x", "commit": True})
             before = {sid: c.get(f"/v1/sessions/{sid}").json() for sid in (a, b, g, f)}
@@ -51,7 +54,9 @@ def test_sigkill_and_restart(tiny_model_dir, tmp_path):
             assert [before[s]["version"] for s in (a, b, g, f)] == [0, 2, 1, 1]
             redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
             # a generation in flight when the server dies must not be committed
-            with c.stream("POST", f"/v1/sessions/{b}/generate", json={"max_tokens": 1000, "temperature": 0}) as r:
+            with c.stream(
+                "POST", f"/v1/sessions/{b}/generate", json={"max_tokens": 1000, "temperature": 0}
+            ) as r:
                 it = events(r)
                 assert next(it)[0] == "token"
                 srv.kill()

@@ -106,10 +106,12 @@ def test_fork_is_identical_then_independent(http):
     # identical: same greedy continuation and same scores
     ga = http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": " there"}).json()
     gb = http.post(f"/v1/sessions/{f['id']}/score", json={"prompt": " there"}).json()
-    for a, b in zip(ga["tokens"], gb["tokens"]):
+    for a, b in zip(ga["tokens"], gb["tokens"], strict=True):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
     # independent: advancing the fork leaves the original untouched, and vice versa
-    out = http.post(f"/v1/sessions/{f['id']}/generate", json={"stream": False, "max_tokens": 7, "temperature": 0})
+    out = http.post(
+        f"/v1/sessions/{f['id']}/generate", json={"stream": False, "max_tokens": 7, "temperature": 0}
+    )
     assert out.json()["session"]["version"] == 1
     orig = http.get(f"/v1/sessions/{s['id']}").json()
     assert orig["version"] == 0 and orig["n_tokens"] == s["n_tokens"]
@@ -171,7 +173,9 @@ def test_generate_without_logprobs_and_with_prompt(http):
 
 def test_generate_json(http):
     s = create(http, prompt="x")
-    r = http.post(f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 5, "logprobs": True})
+    r = http.post(
+        f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 5, "logprobs": True}
+    )
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     d = r.json()
     assert set(d) == {"text", "finish_reason", "usage", "session", "tokens"}
@@ -188,13 +192,13 @@ def test_behaviour_logprob_matches_the_sampled_distribution(http):
     # temperature 1 with no truncation samples from the model itself: behaviour = model log-prob
     tokens, _, _ = generate(http, s["id"], max_tokens=12, temperature=1.0, seed=11, logprobs=True)
     scored = http.post(f"/v1/sessions/{ref['id']}/score", json={"prompt": [t["id"] for t in tokens]}).json()
-    for t, sc in zip(tokens, scored["tokens"]):
+    for t, sc in zip(tokens, scored["tokens"], strict=True):
         assert t["logprob"] == pytest.approx(sc["logprob"], abs=1e-4)
     # top-k renormalises over the kept tokens: the behaviour log-prob is higher than the model's
     ref2 = http.post(f"/v1/sessions/{ref['id']}/fork").json()
     tokens, _, _ = generate(http, ref["id"], max_tokens=12, temperature=1.0, top_k=5, seed=11, logprobs=True)
     scored = http.post(f"/v1/sessions/{ref2['id']}/score", json={"prompt": [t["id"] for t in tokens]}).json()
-    assert all(t["logprob"] > sc["logprob"] for t, sc in zip(tokens, scored["tokens"]))
+    assert all(t["logprob"] > sc["logprob"] for t, sc in zip(tokens, scored["tokens"], strict=True))
 
 
 def test_seed_reproduces_and_greedy_is_deterministic(http):
@@ -210,10 +214,13 @@ def test_seed_reproduces_and_greedy_is_deterministic(http):
 def test_stop_string(http):
     s = create(http, prompt="ab")
     f = http.post(f"/v1/sessions/{s['id']}/fork").json()["id"]
-    free = http.post(f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 30, "temperature": 0}).json()
+    free = http.post(
+        f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 30, "temperature": 0}
+    ).json()
     stop = free["text"][4:6]
     d = http.post(
-        f"/v1/sessions/{f}/generate", json={"stream": False, "max_tokens": 30, "temperature": 0, "stop": [stop]}
+        f"/v1/sessions/{f}/generate",
+        json={"stream": False, "max_tokens": 30, "temperature": 0, "stop": [stop]},
     ).json()
     assert d["finish_reason"] == "stop"
     assert d["text"] == free["text"][: free["text"].index(stop) + len(stop)]
@@ -224,7 +231,9 @@ def test_stop_string(http):
 def test_busy_session_gives_409_at_once(http, server):
     s = create(http)
     with server.client() as other:
-        with http.stream("POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 1000, "temperature": 0}) as r:
+        with http.stream(
+            "POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 1000, "temperature": 0}
+        ) as r:
             it = events(r)  # (kept referenced: dropping it would close the stream)
             assert next(it)[0] == "token"  # the first request now holds the session
             for path, body in [("/generate", {"max_tokens": 1}), ("/score", {"prompt": "a", "commit": True})]:
@@ -254,19 +263,33 @@ def test_if_match(http):
     s = create(http)
     sid = s["id"]
     stale = {"If-Match": '"5"'}
-    error(http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 1}, headers=stale), 412, "version_mismatch")
-    error(http.post(f"/v1/sessions/{sid}/score", json={"prompt": "a"}, headers=stale), 412, "version_mismatch")
-    error(http.post(f"/v1/sessions/{sid}/score", json={"prompt": "a", "commit": True}, headers=stale), 412, "version_mismatch")
+    error(
+        http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 1}, headers=stale),
+        412,
+        "version_mismatch",
+    )
+    error(
+        http.post(f"/v1/sessions/{sid}/score", json={"prompt": "a"}, headers=stale), 412, "version_mismatch"
+    )
+    error(
+        http.post(f"/v1/sessions/{sid}/score", json={"prompt": "a", "commit": True}, headers=stale),
+        412,
+        "version_mismatch",
+    )
     error(http.post(f"/v1/sessions/{sid}/fork", headers=stale), 412, "version_mismatch")
     error(http.delete(f"/v1/sessions/{sid}", headers=stale), 412, "version_mismatch")
     error(http.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": "banana"}), 422, "invalid_request")
     # the ETag, weak ETag, bare number and * all match the current version
     etag = http.get(f"/v1/sessions/{sid}").headers["etag"]
-    r = http.post(f"/v1/sessions/{sid}/score", json={"prompt": "a", "commit": True}, headers={"If-Match": etag})
+    r = http.post(
+        f"/v1/sessions/{sid}/score", json={"prompt": "a", "commit": True}, headers={"If-Match": etag}
+    )
     assert r.status_code == 200 and r.json()["session"]["version"] == 1
     for v in ['W/"1"', "1", "*"]:
         assert http.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": v}).status_code == 201
-    r = http.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 1}, headers={"If-Match": '"1"'})
+    r = http.post(
+        f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 1}, headers={"If-Match": '"1"'}
+    )
     assert r.json()["session"]["version"] == 2
     error(http.delete(f"/v1/sessions/{sid}", headers={"If-Match": '"1"'}), 412, "version_mismatch")
     assert http.delete(f"/v1/sessions/{sid}", headers={"If-Match": '"2"'}).status_code == 204
@@ -311,9 +334,17 @@ def test_invalid_bodies_are_422(http, path, body):
 
 def test_non_finite_numbers_and_bad_json_are_422(http):
     s = create(http)
-    for raw in ['{"temperature": NaN}', '{"temperature": Infinity}', '{"top_p": -Infinity}', "{not json", "[1, 2]"]:
+    for raw in [
+        '{"temperature": NaN}',
+        '{"temperature": Infinity}',
+        '{"top_p": -Infinity}',
+        "{not json",
+        "[1, 2]",
+    ]:
         r = http.post(
-            f"/v1/sessions/{s['id']}/generate", content=raw.encode(), headers={"content-type": "application/json"}
+            f"/v1/sessions/{s['id']}/generate",
+            content=raw.encode(),
+            headers={"content-type": "application/json"},
         )
         error(r, 422, "invalid_request")
     error(http.post("/v1/sessions", json={"ttl_seconds": 0}), 422, "invalid_request")
@@ -328,7 +359,9 @@ def test_error_event_and_nothing_committed_when_the_fence_fails(http, server, re
     s = create(http)
     keys = SessionStore(redis_url, key_prefix=server.settings["key_prefix"])
     direct = redis.Redis.from_url(redis_url)
-    with http.stream("POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}) as r:
+    with http.stream(
+        "POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}
+    ) as r:
         it = events(r)
         assert next(it)[0] == "token"
         direct.hset(keys.session_key(s["id"]), "version", 41)  # a commit we did not make
@@ -339,7 +372,12 @@ def test_error_event_and_nothing_committed_when_the_fence_fails(http, server, re
     d = http.get(f"/v1/sessions/{s['id']}").json()
     assert d["version"] == 41 and d["n_tokens"] == 1  # untouched by the failed request
     # the lock was released: the session is writable again
-    assert http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": "a", "commit": True}).json()["session"]["version"] == 42
+    assert (
+        http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": "a", "commit": True}).json()["session"][
+            "version"
+        ]
+        == 42
+    )
     asyncio.run(keys.close())
     direct.close()
 
@@ -362,6 +400,13 @@ def test_openapi_describes_every_route_with_the_error_schema(http):
         assert codes <= set(responses), (path, method, set(responses))
         for code, resp in responses.items():
             if code[0] in "45":
-                assert resp["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorBody"
-    assert "text/event-stream" in paths["/v1/sessions/{session_id}/generate"]["post"]["responses"]["200"]["content"]
-    assert "If-Match" in {p["name"] for p in paths["/v1/sessions/{session_id}/generate"]["post"]["parameters"]}
+                assert (
+                    resp["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorBody"
+                )
+    assert (
+        "text/event-stream"
+        in paths["/v1/sessions/{session_id}/generate"]["post"]["responses"]["200"]["content"]
+    )
+    assert "If-Match" in {
+        p["name"] for p in paths["/v1/sessions/{session_id}/generate"]["post"]["parameters"]
+    }

@@ -93,7 +93,11 @@ def test_ttl_is_set_and_slides(redis_url):
         assert 990 <= await store.redis.ttl(key) <= 1000
         assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
         fork = await store.fork(meta.id)
-        assert fork.version == 0 and fork.ttl == 1000 and 990 <= await store.redis.ttl(store.session_key(fork.id))
+        assert (
+            fork.version == 0
+            and fork.ttl == 1000
+            and 990 <= await store.redis.ttl(store.session_key(fork.id))
+        )
         await store.delete(meta.id)
         with pytest.raises(SessionNotFound):
             await store.read(meta.id)
