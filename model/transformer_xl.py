@@ -215,7 +215,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
         d_embed = cfg.d_embed or cfg.d_model
-        self.div_val, self.d_proj = cfg.div_val, cfg.d_model
+        self.div_val = cfg.div_val
         self.bounds = [0, *cfg.cutoffs, cfg.vocab_size]
         self.emb_layers = nn.ModuleList()
         self.emb_projs = nn.ParameterList()
@@ -233,12 +233,12 @@ class AdaptiveEmbedding(nn.Module):
         if self.div_val == 1:
             emb = self.emb_layers[0](tokens)
             return F.linear(emb, self.emb_projs[0]) if len(self.emb_projs) else emb
-        w = self.emb_projs[0]
-        out = torch.zeros(*tokens.shape, self.d_proj, dtype=w.dtype, device=w.device)
+        # every cluster embeds every token (clamped into its range) and each token keeps its
+        # own cluster's row: no data-dependent shapes, so no host sync in a decode step
+        out = torch.empty(0)
         for i, (lo, hi) in enumerate(pairwise(self.bounds)):
-            in_i = (tokens >= lo) & (tokens < hi)
-            if in_i.any():
-                out[in_i] = F.linear(self.emb_layers[i](tokens[in_i] - lo), self.emb_projs[i]).to(out.dtype)
+            emb = F.linear(self.emb_layers[i]((tokens - lo).clamp(0, hi - lo - 1)), self.emb_projs[i])
+            out = emb if i == 0 else torch.where(((tokens >= lo) & (tokens < hi))[..., None], emb, out)
         return out
 
 
