@@ -120,14 +120,15 @@ class WordTokenizer:
         bad = next((s for s in symbols if not s or s != "".join(s.split())), None)
         if bad is not None:
             raise ValueError(f"word vocabulary symbol {bad!r} is empty or holds whitespace")
-        if self.EOS not in symbols:
-            raise ValueError(f"word vocabulary has no {self.EOS} symbol")
+        for special in (self.EOS, self.UNK):  # with <unk>, any text encodes
+            if special not in symbols:
+                raise ValueError(f"word vocabulary has no {special} symbol")
         self.symbols = list(symbols)
         self.sym2idx = {s: i for i, s in enumerate(self.symbols)}
         self.vocab_size = len(self.symbols)
         self.bos_id: int | None = None
         self.eos_id: int | None = self.sym2idx[self.EOS]
-        self.unk_id: int | None = self.sym2idx.get(self.UNK)
+        self.unk_id = self.sym2idx[self.UNK]
 
     @classmethod
     def from_vocab_file(cls, path: str | Path) -> WordTokenizer:
@@ -144,11 +145,7 @@ class WordTokenizer:
         lines = text.split("\n")
         ids: list[int] = []
         for i, line in enumerate(lines):
-            for sym in line.split():
-                idx = self.sym2idx.get(sym, self.unk_id)
-                if idx is None:
-                    raise ValueError(f"{sym!r} is not in the vocabulary, which has no {self.UNK}")
-                ids.append(idx)
+            ids.extend(self.sym2idx.get(sym, self.unk_id) for sym in line.split())
             if i < len(lines) - 1:
                 ids.append(self.sym2idx[self.EOS])
         return ids

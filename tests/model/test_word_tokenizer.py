@@ -27,10 +27,7 @@ def test_blank_lines_are_a_lone_eos_and_a_last_line_without_newline_has_none():
 
 def test_unknown_symbols_become_unk():
     assert tok.encode("the Valkyrie game") == [1, UNK, 5]
-    strict = WordTokenizer(["<eos>", "the"])
-    assert strict.unk_id is None
-    with pytest.raises(ValueError, match="'cat' is not in the vocabulary"):
-        strict.encode("the cat")
+    assert tok.unk_id == UNK
 
 
 def test_decode_writes_words_with_one_leading_space_and_eos_as_newline():
@@ -72,7 +69,12 @@ def test_vocab_file_is_plain_text_in_id_order(tmp_path):
 
 @pytest.mark.parametrize(
     ("symbols", "message"),
-    [(["the", "<unk>"], "no <eos>"), (["<eos>", "the", "the"], "'the' twice"), (["<eos>", "a b"], "whitespace")],
+    [
+        (["the", "<unk>"], "no <eos>"),
+        (["<eos>", "the"], "no <unk>"),
+        (["<eos>", "<unk>", "the", "the"], "'the' twice"),
+        (["<eos>", "<unk>", "a b"], "whitespace"),
+    ],
 )
 def test_bad_vocabularies_are_refused(symbols, message):
     with pytest.raises(ValueError, match=message):
