@@ -35,15 +35,6 @@ VOCAB_FILE = "vocab.txt"
 DEFAULT_TGT_LEN = 128
 
 
-def is_hf_dir(path: str | Path) -> bool:
-    """True for a directory whose config.json is a HF / original config, not a native one."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    meta = json.loads(cfg.read_text())
-    return isinstance(meta, dict) and "family" not in meta
-
-
 def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A HF `TransfoXLConfig` dict -> the native TransformerXLConfig fields."""
     model_type = hf.get("model_type", "transfo-xl")
