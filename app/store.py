@@ -3,7 +3,7 @@
 Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex digits,
 128 random bits):
 
-    P session:ID   hash, the session itself; Redis TTL = its `ttl` field (sliding)
+    P session:{ID}   hash, the session itself; Redis TTL = its `ttl` field (sliding)
         version      int, +1 per committed change (0 at creation)
         n_tokens     int, tokens the state has consumed
         model        name of the model the session was created with
@@ -12,7 +12,11 @@ Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex 
         expires_at   unix seconds; moved forward by every use
         ttl          seconds of idleness after which the session expires
         state        the state blob (`State.to_bytes`: safetensors + JSON; never pickled)
-    P lock:ID      string, the writer lock: a random token, with a short lease (PX)
+    P lock:{ID}      string, the writer lock: a random token, with a short lease (PX)
+
+The id is the keys' hash tag (`{ID}`), so both keys of a session share a Redis Cluster
+slot and every script touches one slot. No script spans two sessions: `fork` is a read
+followed by a create, which is as safe, since the source is only read.
 
 Every operation is one Lua script (registered once), so it is atomic: `begin` takes the
 lock and reads the state in one step; `commit` writes the new state only if the version
@@ -166,25 +170,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: source, destination. ARGV: expected version of the source or ''.
-_FORK = (
-    _LUA_TOUCH
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
-local v = redis.call('HGET', KEYS[1], 'version')
-if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'exists'} end
-touch(KEYS[1])
-local s = redis.call('HMGET', KEYS[1], 'n_tokens', 'model', 'fingerprint', 'ttl', 'state')
-redis.call('HSET', KEYS[2], 'version', 0, 'n_tokens', s[1], 'model', s[2], 'fingerprint', s[3],
-           'created_at', string.format('%.6f', now()), 'ttl', s[4], 'state', s[5])
-touch(KEYS[2])
-local m = meta(KEYS[2])
-table.insert(m, 1, 'ok')
-return m
-"""
-)
-
 # KEYS: session, lock. ARGV: expected version or ''. A session being written is busy.
 _DELETE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
@@ -257,15 +242,14 @@ class SessionStore:
         self._commit = r.register_script(_COMMIT)
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
-        self._fork = r.register_script(_FORK)
         self._delete = r.register_script(_DELETE)
 
     # -- the key schema (one place) ---------------------------------------------------------
     def session_key(self, session_id: str) -> str:
-        return f"{self.prefix}session:{session_id}"
+        return f"{self.prefix}session:{{{session_id}}}"
 
     def lock_key(self, session_id: str) -> str:
-        return f"{self.prefix}lock:{session_id}"
+        return f"{self.prefix}lock:{{{session_id}}}"
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
@@ -309,20 +293,12 @@ class SessionStore:
         return _meta(session_id, raw), (bytes(raw[8]) if with_state else None)
 
     async def fork(self, session_id: str, expected_version: int | None = None) -> SessionMeta:
-        self._check_id(session_id)
-        while True:
-            new = new_session_id()
-            res = await self._run(
-                self._fork, [self.session_key(session_id), self.session_key(new)], [_arg(expected_version)]
-            )
-            status = res[0].decode()
-            if status == "ok":
-                return _meta(new, res[1:])
-            if status == "missing":
-                raise SessionNotFound(session_id)
-            if status == "mismatch":
-                raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
-            # 'exists': a colliding new id; draw another
+        """A new session holding the committed state of `session_id` (version 0)."""
+        meta, state = await self.read(session_id, with_state=True)
+        if expected_version is not None and meta.version != expected_version:
+            raise VersionMismatch(session_id, expected_version, meta.version)
+        assert state is not None
+        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl)
 
     async def delete(self, session_id: str, expected_version: int | None = None) -> None:
         self._check_id(session_id)

@@ -40,6 +40,7 @@ class ErrorType(str, enum.Enum):
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
     internal_error = "internal_error"
+    client_disconnected = "client_disconnected"
 
 
 STATUS: dict[ErrorType, int] = {
@@ -56,6 +57,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
     ErrorType.internal_error: 500,
+    ErrorType.client_disconnected: 499,  # nginx's "client closed request": only ever seen in logs
 }
 
 # exceptions raised below the API layer, most specific first

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Body, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from app.engine import Engine, Generation
+from app.engine import Engine, Generation, TokenEvent
 from app.store import SessionMeta, Writer
 from model.sampling import SamplingParams
 
@@ -260,16 +260,18 @@ async def generate(
             background=BackgroundTask(_abandon, gen, writer),
             ping=15,
         )
-    # non-streaming: a client that hangs up cancels this handler, so nothing is committed
-    handler = asyncio.current_task()
-    assert handler is not None
-    watcher = asyncio.create_task(_until_disconnect(request))
-    watcher.add_done_callback(lambda t: t.cancelled() or handler.cancel())
+    # non-streaming: a client that hangs up abandons the generation, so nothing is committed
+    collect = asyncio.ensure_future(_collect(gen))
+    watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
-        events = [ev async for ev in gen]
+        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            raise ApiError(E.client_disconnected, "the client disconnected; nothing was committed")
+        events = collect.result()
         assert gen.result is not None
         meta = await writer.commit(gen.result.state, gen.result.n_tokens)
     finally:
+        collect.cancel()
         watcher.cancel()
         await _abandon(gen, writer)
     tokens = [
@@ -277,6 +279,10 @@ async def generate(
         for e in events
     ]
     return GenerateResult(**_done(gen, meta, len(ids)).model_dump(), tokens=tokens)
+
+
+async def _collect(gen: Generation) -> list[TokenEvent]:
+    return [ev async for ev in gen]
 
 
 def _done(gen: Generation, meta: SessionMeta, prompt_tokens: int) -> GenerateDone:
