@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import hf
+from . import evaluate, hf, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, typ in INIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     p.set_defaults(func=_init)
+    train.add_subcommand(sub)
+    evaluate.add_subcommand(sub)
     hf.add_subcommand(sub)  # recur convert (issue 9)
 
 
