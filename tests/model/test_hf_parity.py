@@ -198,6 +198,23 @@ def test_converted_checkpoint_is_the_same_model(reference, tmp_path):
     assert torch.equal(converted.next_logits(resumed), direct.next_logits(state))
 
 
+def test_original_layout_without_prefix_and_legacy_bin(reference, tmp_path):
+    """The original code's state dict: no "transformer." prefix, every tied copy present,
+    in torch's legacy (pre-zip) .bin format."""
+    src = reference["untied_r-post_ln"]
+    ids, ref = _ref(src)
+    hf_model = model.load(src, device="cpu")
+    for f in ("config.json", "vocab.txt"):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    original = {k.removeprefix("transformer."): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    for i in range(3):  # the tied output layers, saved again as the original did
+        original[f"crit.out_layers.{i}.weight"] = original[f"word_emb.emb_layers.{i}.weight"]
+    torch.save(original, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    lm = model.load(tmp_path, device="cpu")
+    assert lm.fingerprint == hf_model.fingerprint
+    assert (_segments(lm, ids) - ref).abs().max().item() <= TOL
+
+
 def test_tied_weights_are_shared_not_copied(reference):
     lm = model.load(reference["same_length-clamp"], device="cpu")
     emb, crit = lm.word_emb, lm.crit
