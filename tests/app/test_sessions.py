@@ -410,3 +410,25 @@ def test_openapi_describes_every_route_with_the_error_schema(http):
     assert "If-Match" in {
         p["name"] for p in paths["/v1/sessions/{session_id}/generate"]["post"]["parameters"]
     }
+
+
+def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis_url):
+    keys = SessionStore(redis_url, key_prefix=server.settings["key_prefix"])
+    direct = redis.Redis.from_url(redis_url)
+    a, b = create(http, prompt="a"), create(http, prompt="b")
+    direct.hset(keys.session_key(a["id"]), "fingerprint", "0123456789abcdef")
+    for path, body in [("/score", {"prompt": "x"}), ("/generate", {"max_tokens": 2})]:
+        error(http.post(f"/v1/sessions/{a['id']}{path}", json=body), 409, "model_mismatch")
+    direct.hset(keys.session_key(b["id"]), "state", b"\x00" * 40)
+    error(http.post(f"/v1/sessions/{b['id']}/score", json={"prompt": "x"}), 500, "state_corrupt")
+    error(
+        http.post(f"/v1/sessions/{b['id']}/generate", json={"max_tokens": 2, "stream": False}),
+        500,
+        "state_corrupt",
+    )
+    tokens, final, data = generate(http, b["id"], max_tokens=2)
+    assert tokens == [] and final == "error" and data["error"]["type"] == "state_corrupt"
+    for sid in (a["id"], b["id"]):
+        assert http.get(f"/v1/sessions/{sid}").json()["version"] == 0
+    asyncio.run(keys.close())
+    direct.close()
