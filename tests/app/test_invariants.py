@@ -188,3 +188,51 @@ def test_ttl_slides_with_each_use(http):
     later = datetime.fromisoformat(d["expires_at"])
     assert (later - first).total_seconds() >= 1.0
     assert abs((later - datetime.fromisoformat(d["created_at"])).total_seconds() - 601.1) < 30
+
+
+def test_prompt_in_generate_equals_scoring_it_first(http):
+    a = create(http, prompt="Once")
+    b = http.post(f"/v1/sessions/{a['id']}/fork").json()
+    body = {"stream": False, "temperature": 0, "max_tokens": 16, "logprobs": True}
+    one = http.post(f"/v1/sessions/{a['id']}/generate", json={**body, "prompt": " upon a time"}).json()
+    http.post(f"/v1/sessions/{b['id']}/score", json={"prompt": " upon a time", "commit": True})
+    two = http.post(f"/v1/sessions/{b['id']}/generate", json=body).json()
+    assert [t["id"] for t in one["tokens"]] == [t["id"] for t in two["tokens"]]
+    assert [t["logprob"] for t in one["tokens"]] == pytest.approx(
+        [t["logprob"] for t in two["tokens"]], abs=1e-4
+    )
+    assert one["session"]["n_tokens"] == two["session"]["n_tokens"]
+
+
+def test_concurrent_sessions_match_one_at_a_time(http, server):
+    """Sessions generating at the same time (decoded in shared batches) get exactly what
+    each would get alone."""
+    prompts = ["a", "longer prompt, past the memory length of the tiny model", "€", "ok"]
+    originals = [create(http, prompt=p)["id"] for p in prompts]
+    copies = [http.post(f"/v1/sessions/{sid}/fork").json()["id"] for sid in originals]
+    bodies = [
+        {"stream": False, "max_tokens": 40, "logprobs": True, "temperature": t, "seed": i, "top_k": k}
+        for i, (t, k) in enumerate([(0, 0), (1.0, 0), (0.7, 20), (1.2, 5)])
+    ]
+
+    async def together() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            rs = await asyncio.gather(
+                *(
+                    client.post(f"/v1/sessions/{sid}/generate", json=b)
+                    for sid, b in zip(originals, bodies, strict=True)
+                )
+            )
+        return [r.json() for r in rs]
+
+    batched = asyncio.run(together())
+    alone = [
+        http.post(f"/v1/sessions/{sid}/generate", json=b).json()
+        for sid, b in zip(copies, bodies, strict=True)
+    ]
+    for x, y in zip(batched, alone, strict=True):
+        assert [t["id"] for t in x["tokens"]] == [t["id"] for t in y["tokens"]]
+        assert [t["logprob"] for t in x["tokens"]] == pytest.approx(
+            [t["logprob"] for t in y["tokens"]], abs=1e-4
+        )
+        assert x["text"] == y["text"]
