@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import evaluate, hf, train
+from . import evaluate, hf, replay, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
     train.add_subcommand(sub)
     evaluate.add_subcommand(sub)
+    replay.add_subcommand(sub)
     hf.add_subcommand(sub)  # recur convert (issue 9)
 
 

@@ -86,7 +86,10 @@ class RLTConfig:
 
 
 # -- positions and masks ------------------------------------------------------------------
-def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (B, T, 1, hd/2)
+
+
+def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> Rope:
     """Absolute positions (B, T) -> cos, sin (B, T, 1, hd/2). Angles in float64, so a
     position gets the same rotation whichever chunk it arrives in."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
@@ -94,7 +97,7 @@ def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Te
     return ang.cos()[:, :, None], ang.sin()[:, :, None]
 
 
-def apply_rope(x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor], n_head: int) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cs: Rope, n_head: int) -> torch.Tensor:
     """Rotate each head of x (B, T, n_head*hd) by its position (rotate-half form)."""
     B, T, D = x.shape
     xh = x.view(B, T, n_head, D // n_head)
@@ -144,7 +147,7 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, d), already normalised
-        cs: tuple[torch.Tensor, torch.Tensor],
+        cs: Rope,
         cache_k: torch.Tensor,  # (B, S, d) rotated keys of earlier positions
         cache_v: torch.Tensor,
         allowed: torch.Tensor,  # (B, 1, T, S+T)
@@ -168,7 +171,7 @@ class CrossAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cs: tuple[torch.Tensor, torch.Tensor],
+        cs: Rope,
         k: torch.Tensor,
         v: torch.Tensor,
         allowed: torch.Tensor,
@@ -195,7 +198,9 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cs, cache_k, cache_v, allowed):  # type: ignore[no-untyped-def]
+    def forward(
+        self, x: torch.Tensor, cs: Rope, cache_k: torch.Tensor, cache_v: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, k, v = self.attn(self.norm1(x), cs, cache_k, cache_v, allowed)
         x = x + a
         return x + self.mlp(self.norm2(x)), k, v
@@ -211,7 +216,17 @@ class DecoderBlock(nn.Module):
         self.norm3 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cs, cache_k, cache_v, self_allowed, mem_k, mem_v, mem_allowed):  # type: ignore[no-untyped-def]
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, d)
+        cs: Rope,
+        cache_k: torch.Tensor,  # (B, S, d) window cache
+        cache_v: torch.Tensor,
+        self_allowed: torch.Tensor,  # (B, 1, T, S+T)
+        mem_k: torch.Tensor,  # (B, K, d) this layer's memory group, the entries in reach
+        mem_v: torch.Tensor,
+        mem_allowed: torch.Tensor,  # (B, 1, T, K)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, k, v = self.attn(self.norm1(x), cs, cache_k, cache_v, self_allowed)
         x = x + a
         x = x + self.cross(self.norm2(x), cs, mem_k, mem_v, mem_allowed)
@@ -228,9 +243,7 @@ class Memory(nn.Module):
         self.k = nn.Linear(cfg.d_model, self.G * cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, self.G * cfg.d_model, bias=False)
 
-    def forward(
-        self, e: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, e: torch.Tensor, cs: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, d = e.shape
         h = self.norm(e)
         k = apply_rope(self.k(h), cs, self.G * self.n_head)  # (B, T, G*d)
@@ -294,8 +307,8 @@ class RLT(LanguageModel):
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     # -- state ----------------------------------------------------------------------------
     def _state(self, tensors: dict[str, torch.Tensor]) -> State:
@@ -380,13 +393,13 @@ class RLT(LanguageModel):
         dev = tokens.device
         pos = n[:, None] + torch.arange(T, device=dev)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base)
-        ctx_first = lambda M: M - n.clamp(max=C - 1)  # noqa: E731  first real cache entry
+        ctx_valid = n.clamp(max=C - 1)  # (B,) real cached encoder / memory entries per row
         with self.autocast():
             # causal encoder, one batch over the chunk
             enc_k, enc_v = state["enc_k"], state["enc_v"]  # (B, L_E, M, d)
             M = enc_k.shape[2]
             allowed = window_mask(
-                torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), C, ctx_first(M)
+                torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), C, M - ctx_valid
             )
             x = self.tok_emb(tokens)  # (B, T, d)
             keep = min(C - 1, M + T)
@@ -399,21 +412,24 @@ class RLT(LanguageModel):
 
             # global KV memory: cached entries then this chunk's
             mk, mv = self.memory(e, cs)  # (B, G, T, d)
-            mem_k = torch.cat([state["mem_k"], mk.to(state["mem_k"].dtype)], 2)  # (B, G, Mm+T, d)
-            mem_v = torch.cat([state["mem_v"], mv.to(state["mem_v"].dtype)], 2)
             Mm = state["mem_k"].shape[2]
-
+            dt = state["mem_k"].dtype
+            # one tensor per group (B, Mm+T, d): a decoder step's gradient then touches one group only
+            mem = (
+                [torch.cat([state["mem_k"][:, g], mk[:, g].to(dt)], 1) for g in range(cfg.memory_groups)],
+                [torch.cat([state["mem_v"][:, g], mv[:, g].to(dt)], 1) for g in range(cfg.memory_groups)],
+            )
             swa = [(state["swa_k"][:, i], state["swa_v"][:, i]) for i in range(cfg.n_decoder_layers)]
-            mem = (mem_k, mem_v, Mm, ctx_first(Mm))
+            mem_first = Mm - ctx_valid
             if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
-                s_all, swa = self._decode(e, 0, cs, swa, mem, n)
+                s_all, swa = self._decode(e, 0, cs, swa, mem, Mm, mem_first, n)
             else:
                 s = state["s"][:, None]  # (B, 1, d) s_{t-1}
                 outs = []
                 for t in range(T):
                     u = self.merge(e[:, t : t + 1], s)  # (B, 1, d)
                     cs_t = (cs[0][:, t : t + 1], cs[1][:, t : t + 1])
-                    s, swa = self._decode(u, t, cs_t, swa, mem, n)
+                    s, swa = self._decode(u, t, cs_t, swa, mem, Mm, mem_first, n)
                     outs.append(s)
                 s_all = torch.cat(outs, 1)  # (B, T, d)
             logits = self.head(self.norm_out(s_all))  # (B, T, V)
@@ -424,8 +440,8 @@ class RLT(LanguageModel):
             "s": s_all[:, -1].to(dtype),
             "enc_k": torch.stack(new_ek, 1).to(dtype),
             "enc_v": torch.stack(new_ev, 1).to(dtype),
-            "mem_k": mem_k[:, :, Mm + T - keep_m :],
-            "mem_v": mem_v[:, :, Mm + T - keep_m :],
+            "mem_k": torch.stack([k[:, Mm + T - keep_m :] for k in mem[0]], 1),
+            "mem_v": torch.stack([v[:, Mm + T - keep_m :] for v in mem[1]], 1),
             "swa_k": torch.stack([k for k, _ in swa], 1).to(dtype),
             "swa_v": torch.stack([v for _, v in swa], 1).to(dtype),
             "n_tokens": n + T,
@@ -436,9 +452,11 @@ class RLT(LanguageModel):
         self,
         x: torch.Tensor,  # (B, T, d) decoder input u for chunk offsets t0 .. t0+T-1
         t0: int,
-        cs: tuple[torch.Tensor, torch.Tensor],
+        cs: Rope,
         swa: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (B, S, d) window caches
-        mem: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor],  # k, v (B, G, Mm+chunk, d), Mm, first real
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],  # per group k, v (B, Mm+chunk, d)
+        Mm: int,  # cached memory entries before the chunk
+        mem_first: torch.Tensor,  # (B,) first real memory entry per row
         n: torch.Tensor,  # (B,) tokens before the chunk
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         cfg = self.config
@@ -455,7 +473,6 @@ class RLT(LanguageModel):
         )
         keep = min(W - 1, S + T)
         # memory prefix: entries j in (t - C, t], i.e. indices [lo, Mm + t0 + T)
-        mem_k, mem_v, Mm, mem_first = mem
         hi = Mm + t0 + T
         lo = max(0, Mm + t0 + 1 - C)
         q_idx = torch.arange(Mm + t0, hi, device=dev)
@@ -464,7 +481,14 @@ class RLT(LanguageModel):
         for i, blk in enumerate(self.decoder):
             g = i % cfg.memory_groups
             x, k, v = blk(
-                x, cs, swa[i][0], swa[i][1], self_allowed, mem_k[:, g, lo:hi], mem_v[:, g, lo:hi], mem_allowed
+                x,
+                cs,
+                swa[i][0],
+                swa[i][1],
+                self_allowed,
+                mem[0][g][:, lo:hi],
+                mem[1][g][:, lo:hi],
+                mem_allowed,
             )
             new_swa.append((k[:, S + T - keep :], v[:, S + T - keep :]))
         return x, new_swa
