@@ -1,8 +1,10 @@
 """The scheduler: one thread that owns the model and decides what runs at each step.
 
 Each loop iteration it (1) runs queued one-shot jobs (create, score), (2) admits waiting
-generations up to `max_batch_size`, loading their state and consuming their prompt, and
-(3) runs ONE decode step for every admitted generation together: the rows' states are
+generations up to `max_batch_size` and loads their state, (3) consumes the next chunk
+(`lm.segment_len` tokens) of each admitted generation's prompt, so a long prompt never
+stalls the others for more than one chunk, and (4) runs ONE decode step for every
+generation whose prompt is consumed, all together: the rows' states are
 stacked into one batch (`lm.stack_states`), the next tokens are sampled with per-row
 parameters, and the sampled tokens are consumed in one forward pass. Rows leave the batch
 when they finish or are cancelled (`lm.split_state`). Batching changes no result: each
@@ -49,6 +51,7 @@ class _Running:
     state: State
     generator: torch.Generator
     decoder: StreamDecoder
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet consumed
     ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -73,6 +76,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Generation] = collections.deque()
+        self._prefilling: list[_Running] = []
         self._running: list[_Running] = []
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
         self._members: list[_Running] = []
@@ -101,7 +105,7 @@ class Scheduler:
     def _loop(self) -> None:
         with torch.no_grad():
             while True:
-                idle = not self._running and not self._waiting
+                idle = not (self._running or self._prefilling or self._waiting)
                 items = [self._inbox.get()] if idle else []
                 while True:
                     try:
@@ -116,6 +120,7 @@ class Scheduler:
                     else:
                         self._waiting.append(item)
                 self._admit()
+                self._prefill()
                 if self._running:
                     self._step()
 
@@ -128,23 +133,41 @@ class Scheduler:
             job.loop.call_soon_threadsafe(_resolve, job.future, value)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch_size:
+        while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
             req = self._waiting.popleft()
             if req.cancelled:
                 continue
             try:
                 state = self.lm.load_state(req.state)
-                if req.prompt:
-                    _, state = self.lm.consume(req.prompt, state)
-                elif int(state.n_tokens[0]) == 0:
+                if not req.prompt and int(state.n_tokens[0]) == 0:
                     raise EmptyContext("the session is empty and the model has no BOS token: send a prompt")
             except Exception as exc:
                 req.push(Failed(exc))
                 continue
-            dev = self.lm.device
-            self._running.append(
-                _Running(req, state, make_generator(req.seed, dev), self.tokenizer.stream_decoder())
+            r = _Running(
+                req,
+                state,
+                make_generator(req.seed, self.lm.device),
+                self.tokenizer.stream_decoder(),
+                list(req.prompt),
             )
+            (self._prefilling if r.pending else self._running).append(r)
+
+    def _prefill(self) -> None:
+        """Consume one chunk of every admitted prompt; rows whose prompt is done start decoding."""
+        still: list[_Running] = []
+        for r in self._prefilling:
+            if r.req.cancelled:
+                continue
+            chunk, r.pending = r.pending[: self.lm.segment_len], r.pending[self.lm.segment_len :]
+            try:
+                _, r.state = self.lm(torch.tensor([chunk], dtype=torch.long, device=self.lm.device), r.state)
+            except Exception as exc:
+                log.exception("prefill failed")
+                r.req.push(Failed(exc))
+                continue
+            (still if r.pending else self._running).append(r)
+        self._prefilling = still
 
     def _rebatch(self) -> None:
         """Make `_batch` hold exactly the running rows (only when membership changed)."""

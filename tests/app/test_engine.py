@@ -11,6 +11,7 @@ import model
 from app.engine import Engine
 from model.sampling import SamplingParams
 
+# (the tiny model's segment_len is 16: the longer prompts are consumed in several chunks)
 PROMPTS = ["Hi", "To be, or not to be, that is the question", "é€😀 multi-byte", "x" * 40]
 
 
@@ -32,16 +33,23 @@ def _params(i: int) -> tuple[SamplingParams, int | None]:
 async def _run(lm, together: bool, max_tokens: int = 24):
     engine = Engine(lm, name="tiny")
     if together:
-        # queue every request before the scheduler starts, so they share decode steps
-        blobs = []
-        for p in PROMPTS:
-            st = lm.new_state(1)
-            _, st = lm.consume([lm.tokenizer.bos_id] + lm.tokenizer.encode(p), st)
-            blobs.append(st.to_bytes())
+        # queue every request before the scheduler starts, so they share decode steps;
+        # their prompts are consumed chunk by chunk, interleaved with the others' decoding
+        bos = lm.new_state(1)
+        _, bos = lm.consume([lm.tokenizer.bos_id], bos)
         gens = []
-        for i, b in enumerate(blobs):
+        for i, p in enumerate(PROMPTS):
             params, seed = _params(i)
-            gens.append(engine.generate(b, [], params, seed=seed, max_tokens=max_tokens + i, stop=[]))
+            gens.append(
+                engine.generate(
+                    bos.to_bytes(),
+                    lm.tokenizer.encode(p),
+                    params,
+                    seed=seed,
+                    max_tokens=max_tokens + i,
+                    stop=[],
+                )
+            )
         engine.start()
         results = await asyncio.gather(*(_collect(g) for g in gens))
     else:
