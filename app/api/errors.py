@@ -21,8 +21,6 @@ from app.engine import EmptyContext, EngineError
 from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
 from model import StateError
 
-from .schemas import ErrorBody
-
 log = logging.getLogger("recur.api")
 
 
@@ -100,9 +98,11 @@ def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None =
 
 
 def responses(*types: ErrorType) -> dict:
-    """OpenAPI `responses=` entries documenting the error body for these types."""
+    """OpenAPI `responses=` entries documenting the error body for these types (and 500)."""
+    from .schemas import ErrorBody  # (schemas use ErrorType, so import it late)
+
     out: dict[int, dict] = {}
-    for t in (*types, ErrorType.invalid_request, ErrorType.internal_error):
+    for t in (*types, ErrorType.internal_error):
         status = STATUS[t]
         entry = out.setdefault(status, {"model": ErrorBody, "description": ""})
         entry["description"] = ", ".join(filter(None, [entry["description"], t.value]))

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .errors import ErrorType
+
 Prompt = Annotated[
     str | list[int],
     Field(description="text, or token ids of the served model's vocabulary"),
@@ -28,7 +30,7 @@ class Response(BaseModel):
 
 # -- errors ---------------------------------------------------------------------------------
 class ErrorDetail(Response):
-    type: str = Field(description="one of the error types listed in the README (app.api.errors.ErrorType)")
+    type: ErrorType
     message: str
 
 

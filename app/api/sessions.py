@@ -43,8 +43,8 @@ from .schemas import (
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 E = ErrorType
-_SESSION_ERRORS = (E.session_not_found, E.redis_unavailable)
-_WRITE_ERRORS = (*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.model_mismatch)
+_SESSION_ERRORS = (E.session_not_found, E.redis_unavailable, E.invalid_request)
+_WRITE_ERRORS = (*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.model_mismatch, E.invalid_request)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -106,7 +106,7 @@ async def _until_disconnect(request: Request) -> None:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(E.prompt_too_long, E.redis_unavailable),
+    responses=responses(E.prompt_too_long, E.invalid_request, E.redis_unavailable),
 )
 async def create_session(
     response: Response,
@@ -145,7 +145,7 @@ async def get_session(session_id: str, response: Response, store: StoreDep) -> S
     "/{session_id}",
     status_code=204,
     summary="Delete a session",
-    responses=responses(*_SESSION_ERRORS, E.session_busy, E.version_mismatch),
+    responses=responses(*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.invalid_request),
 )
 async def delete_session(session_id: str, store: StoreDep, expected: IfMatchDep) -> Response:
     await store.delete(session_id, expected)
@@ -157,7 +157,7 @@ async def delete_session(session_id: str, store: StoreDep, expected: IfMatchDep)
     status_code=201,
     response_model=SessionInfo,
     summary="Copy a session's committed state into a new, independent session",
-    responses=responses(*_SESSION_ERRORS, E.version_mismatch),
+    responses=responses(*_SESSION_ERRORS, E.version_mismatch, E.invalid_request),
 )
 async def fork_session(
     session_id: str, response: Response, store: StoreDep, expected: IfMatchDep
