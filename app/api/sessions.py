@@ -301,19 +301,27 @@ async def _abandon(gen: Generation, writer: Writer) -> None:
     await writer.release()
 
 
+def _sse_json(data: dict) -> str:
+    # ASCII-only JSON: generated text can hold characters (U+2028, U+0085, ...) that some
+    # SSE clients take for line breaks; escaped, every event is one line of plain ASCII
+    return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
+
+
 async def _stream(gen: Generation, writer: Writer, prompt_tokens: int, logprobs: bool):
     try:
         async for ev in gen:
             data = {"index": ev.index, "id": ev.id, "text": ev.text}
             if logprobs:
                 data["logprob"] = ev.logprob
-            yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event="token")
+            yield ServerSentEvent(data=_sse_json(data), event="token")
         assert gen.result is not None
         meta = await writer.commit(gen.result.state, gen.result.n_tokens)
-        yield ServerSentEvent(data=_done(gen, meta, prompt_tokens).model_dump_json(), event="done")
+        yield ServerSentEvent(
+            data=_sse_json(_done(gen, meta, prompt_tokens).model_dump(mode="json")), event="done"
+        )
     except Exception as exc:  # after streaming began: an error event, and nothing committed
         etype, message = errors.classify(exc)
-        yield ServerSentEvent(data=json.dumps(errors.body(etype, message)), event="error")
+        yield ServerSentEvent(data=_sse_json(errors.body(etype, message)), event="error")
     finally:
         with contextlib.suppress(BaseException):
             await _abandon(gen, writer)

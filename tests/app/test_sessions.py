@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import datetime
 
@@ -161,6 +162,20 @@ def test_generate_stream_events(http):
     assert "".join(t["text"] for t in tokens) == done["text"]
     assert done["text"] == bytes(t["id"] for t in tokens if t["id"] < 256).decode("utf-8", errors="replace")
     assert any(t["id"] >= 0x80 for t in tokens)  # the random model does emit non-ASCII bytes
+
+
+def test_stream_is_plain_ascii_lines(http):
+    """Event data is ASCII-escaped JSON, so no generated character (U+2028, U+0085, ...)
+    can look like a line break to an SSE client."""
+    s = create(http)
+    body = {"max_tokens": 200, "temperature": 2.0, "seed": 9}
+    with http.stream("POST", f"/v1/sessions/{s['id']}/generate", json=body) as r:
+        raw = r.read()
+    assert max(raw) < 128
+    lines = [ln for ln in raw.decode().split("\n") if ln.startswith("data:")]
+    texts = [json.loads(ln[5:]) for ln in lines]
+    assert len(texts) >= 2 and "".join(t.get("text", "") for t in texts[:-1]) == texts[-1]["text"]
+    assert any(ord(c) > 127 for c in texts[-1]["text"])
 
 
 def test_generate_without_logprobs_and_with_prompt(http):
