@@ -119,10 +119,19 @@ class Scheduler:
                         self._run_job(item)
                     else:
                         self._waiting.append(item)
-                self._admit()
-                self._prefill()
-                if self._running:
-                    self._step()
+                try:
+                    self._admit()
+                    self._prefill()
+                    if self._running:
+                        self._step()
+                except Exception as exc:  # the thread must survive: fail what is in flight
+                    log.exception("scheduler step failed")
+                    self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for r in [*self._running, *self._prefilling]:
+            r.req.push(Failed(exc))
+        self._running, self._prefilling, self._members, self._batch = [], [], [], None
 
     def _run_job(self, job: _Job) -> None:
         try:
@@ -186,18 +195,11 @@ class Scheduler:
         if self._batch is None:
             return
         rows = self._members
-        try:
-            logits = self.lm.next_logits(self._batch)  # (B, V)
-            ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
-            for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
-                self._on_token(r, tid, lp)
-            _, self._batch = self.lm.forward(ids[:, None], self._batch)
-        except Exception as exc:
-            log.exception("decode step failed")
-            for r in rows:
-                r.req.push(Failed(exc))
-            self._running, self._members, self._batch = [], [], None
-            return
+        logits = self.lm.next_logits(self._batch)  # (B, V)
+        ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
+        for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
+            self._on_token(r, tid, lp)
+        _, self._batch = self.lm.forward(ids[:, None], self._batch)
         self.stats["steps"] += 1
         self.stats["tokens"] += len(rows)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(rows))
