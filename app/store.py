@@ -18,7 +18,7 @@ The id is the keys' hash tag (`{ID}`), so both keys of a session share a Redis C
 slot and every script touches one slot. No script spans two sessions: `fork` is a read
 followed by a create, which is as safe, since the source is only read.
 
-Every operation is one Lua script (registered once), so it is atomic: `begin` takes the
+Every operation on a session is one Lua script (registered once), so it is atomic: `begin` takes the
 lock and reads the state in one step; `commit` writes the new state only if the version
 is still the one `begin` read (the fence), so a writer whose lock lease expired can never
 overwrite a newer commit. Each use of a session re-arms its TTL (sliding expiry).
