@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        with contextlib.suppress(OSError):  # no glibc (e.g. musl): the server stops on exit only
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EmbeddedRedis:
