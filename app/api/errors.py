@@ -126,6 +126,12 @@ def install(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+            return response(
+                ErrorType.invalid_request,
+                f"the body must be JSON, sent with Content-Type: application/json (not {ctype or 'none'!r})",
+            )
         return response(ErrorType.invalid_request, _validation_message(exc))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:

@@ -362,6 +362,12 @@ def test_non_finite_numbers_and_bad_json_are_422(http):
             headers={"content-type": "application/json"},
         )
         error(r, 422, "invalid_request")
+    form = http.post(
+        f"/v1/sessions/{s['id']}/generate",
+        content=b'{"max_tokens": 2}',
+        headers={"content-type": "text/plain"},
+    )
+    assert "Content-Type: application/json" in error(form, 422, "invalid_request")["error"]["message"]
     error(http.post("/v1/sessions", json={"ttl_seconds": 0}), 422, "invalid_request")
     error(http.post("/v1/sessions", json={"ttl_seconds": 10**9}), 422, "invalid_request")
     error(http.post("/v1/sessions", json={"prompt": "a", "extra": True}), 422, "invalid_request")
