@@ -8,6 +8,7 @@ ids and state blobs, never in HTTP.
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +65,21 @@ class Engine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
+    def _chunks(self, ids: list[int]) -> list[list[int]]:
+        n = self.lm.segment_len
+        return [ids[i : i + n] for i in range(0, len(ids), n)]
+
     async def new_session(self, prompt: list[int]) -> Consumed:
         """A fresh state with BOS (if the model has one) and `prompt` consumed."""
 
-        def run() -> Consumed:
+        def run() -> Generator[None, None, Consumed]:
             bos = self.tokenizer.bos_id
             ids = ([bos] if bos is not None else []) + prompt
             state = self.lm.new_state(1)
-            if ids:
-                _, state = self.lm.consume(ids, state)
+            for k, chunk in enumerate(self._chunks(ids)):
+                if k:
+                    yield  # let decode steps run between chunks
+                _, state = self.lm.consume(chunk, state)
             return Consumed([], state.to_bytes(self.state_dtype), int(state.n_tokens[0]))
 
         return await self.scheduler.call(run)
@@ -80,10 +87,14 @@ class Engine:
     async def score(self, state: bytes, tokens: list[int], keep_state: bool) -> Consumed:
         """Teacher-forced log-probs of `tokens` continuing `state` (and the new state)."""
 
-        def run() -> Consumed:
+        def run() -> Generator[None, None, Consumed]:
             st = self.lm.load_state(state)
-            lps, st = self.lm.consume(tokens, st)
-            values = [None if math.isnan(x) else x for x in lps[0].tolist()]
+            values: list[float | None] = []
+            for k, chunk in enumerate(self._chunks(tokens)):
+                if k:
+                    yield  # let decode steps run between chunks
+                lps, st = self.lm.consume(chunk, st)
+                values += [None if math.isnan(x) else x for x in lps[0].tolist()]
             return Consumed(
                 values, st.to_bytes(self.state_dtype) if keep_state else None, int(st.n_tokens[0])
             )

@@ -1,6 +1,7 @@
 """The scheduler: one thread that owns the model and decides what runs at each step.
 
-Each loop iteration it (1) runs queued one-shot jobs (create, score), (2) admits waiting
+Each loop iteration it (1) advances every queued job (create, score) by one chunk of
+`lm.segment_len` tokens, (2) admits waiting
 generations up to `max_batch_size` and loads their state, (3) consumes the next chunk
 (`lm.segment_len` tokens) of each admitted generation's prompt, so a long prompt never
 stalls the others for more than one chunk, and (4) runs ONE decode step for every
@@ -21,7 +22,7 @@ import collections
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +39,13 @@ log = logging.getLogger("recur.engine")
 
 @dataclass
 class _Job:
-    fn: Callable[[], Any]
+    """Work done in chunks: `fn()` is a generator that yields after each chunk and
+    returns the result, so a long job never holds up the decode steps for long."""
+
+    fn: Callable[[], Generator[None, None, Any]]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    steps: Generator[None, None, Any] | None = None
 
 
 @dataclass
@@ -76,6 +81,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Generation] = collections.deque()
+        self._jobs: list[_Job] = []
         self._prefilling: list[_Running] = []
         self._running: list[_Running] = []
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
@@ -94,8 +100,8 @@ class Scheduler:
     def submit(self, gen: Generation) -> None:
         self._inbox.put(gen)
 
-    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
-        """Run `fn` on the scheduler thread between steps; the future gets its result."""
+    def call(self, fn: Callable[[], Generator[None, None, Any]]) -> asyncio.Future:
+        """Run the chunked job `fn` on the scheduler thread; the future gets its result."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._inbox.put(_Job(fn, loop, fut))
@@ -105,7 +111,7 @@ class Scheduler:
     def _loop(self) -> None:
         with torch.no_grad():
             while True:
-                idle = not (self._running or self._prefilling or self._waiting)
+                idle = not (self._jobs or self._running or self._prefilling or self._waiting)
                 items = [self._inbox.get()] if idle else []
                 while True:
                     try:
@@ -116,9 +122,10 @@ class Scheduler:
                     if item is None:
                         return
                     if isinstance(item, _Job):
-                        self._run_job(item)
+                        self._jobs.append(item)
                     else:
                         self._waiting.append(item)
+                self._advance_jobs()
                 try:
                     self._admit()
                     self._prefill()
@@ -133,13 +140,22 @@ class Scheduler:
             r.req.push(Failed(exc))
         self._running, self._prefilling, self._members, self._batch = [], [], [], None
 
-    def _run_job(self, job: _Job) -> None:
-        try:
-            value = job.fn()
-        except BaseException as exc:  # delivered to the awaiting request, which maps it
-            job.loop.call_soon_threadsafe(_resolve, job.future, None, exc)
-        else:
-            job.loop.call_soon_threadsafe(_resolve, job.future, value)
+    def _advance_jobs(self) -> None:
+        still = []
+        for job in self._jobs:
+            if job.future.cancelled():  # the request is gone
+                continue
+            try:
+                if job.steps is None:
+                    job.steps = job.fn()
+                next(job.steps)
+            except StopIteration as done:
+                job.loop.call_soon_threadsafe(_resolve, job.future, done.value)
+            except Exception as exc:  # delivered to the awaiting request, which maps it
+                job.loop.call_soon_threadsafe(_resolve, job.future, None, exc)
+            else:
+                still.append(job)
+        self._jobs = still
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:

@@ -154,3 +154,37 @@ def test_cancelled_generation_leaves_the_batch(lm):
     g, t1, t2 = asyncio.run(go())
     assert t1 == t2 < 100_000
     assert g.result is None
+
+
+def test_long_jobs_are_chunked_between_decode_steps(lm):
+    """A long score runs one segment per scheduler iteration, with the other sessions'
+    decode steps in between, and gives the same log-probs as one pass."""
+    text = list(("All the world's a stage, and all the men and women merely players. " * 3).encode())
+    n_chunks = -(-len(text) // lm.segment_len)
+    assert n_chunks >= 8
+
+    async def go():
+        engine = Engine(lm, name="tiny")
+        engine.start()
+        new = await engine.new_session([])
+        g = engine.generate(
+            new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
+        )
+        await g.__anext__()  # decoding has started
+        before = engine.scheduler.stats["steps"]
+        scored = await engine.score(new.state, text, keep_state=True)
+        during = engine.scheduler.stats["steps"] - before
+        g.cancel()
+        engine.stop()
+        return scored, during
+
+    scored, during = asyncio.run(go())
+    assert during >= n_chunks - 1
+    ref = lm.new_state(1)
+    _, ref = lm.consume([lm.tokenizer.bos_id], ref)
+    lps, ref = lm.consume(text, ref)
+    assert scored.logprobs == pytest.approx(lps[0].tolist(), abs=1e-4)
+    assert scored.n_tokens == 1 + len(text)
+    torch.testing.assert_close(
+        lm.next_logits(lm.load_state(scored.state)), lm.next_logits(ref), atol=1e-4, rtol=0
+    )
