@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import model.cli
-from app import serve
+from app import chat, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     model.cli.register(sub)
     serve.register(sub)
+    chat.register(sub)
     return parser
 
 

@@ -1,0 +1,173 @@
+"""`recur chat [SESSION] [--url URL]`: a terminal client for a running recur server.
+
+It creates a session (or continues SESSION), then reads a prompt per line, and streams
+the continuation token by token as it arrives (Server-Sent Events over httpx). After each
+turn it shows the session's id, version and token count. Ctrl-C during a generation
+closes the stream: the server sees the disconnect, commits nothing, and the session stays
+at its last version; the client returns to the prompt. Ctrl-C or Ctrl-D at the prompt,
+or `/quit`, exits.
+
+A client only: it never imports torch or the server, and speaks plain HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+HELP = "type a prompt and Enter to continue the session; /info shows it; /quit, Ctrl-D or Ctrl-C at the prompt exits"
+
+
+class ChatError(Exception):
+    """An error answer from the server, or no server at all."""
+
+
+def _error(r: httpx.Response) -> ChatError:
+    try:
+        err = r.json()["error"]
+        return ChatError(f"{r.status_code} {err['type']}: {err['message']}")
+    except (ValueError, KeyError, TypeError):
+        return ChatError(f"HTTP {r.status_code}: {r.text[:200]}")
+
+
+def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
+    """(event name, JSON data) of each Server-Sent Event; comments (pings) are skipped."""
+    name, data = "message", []
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                yield name, json.loads("\n".join(data))
+            name, data = "message", []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+
+
+class Chat:
+    def __init__(self, client: httpx.Client, args: argparse.Namespace, out=sys.stdout):
+        self.client = client
+        self.args = args
+        self.out = out
+        self.session: dict = {}
+
+    def say(self, text: str, end: str = "\n") -> None:
+        self.out.write(text + end)
+        self.out.flush()
+
+    def status(self) -> str:
+        s = self.session
+        return f"[session {s['id']} · version {s['version']} · {s['n_tokens']} tokens]"
+
+    def open(self, session_id: str | None) -> None:
+        if session_id:
+            r = self.client.get(f"/v1/sessions/{session_id}")
+        else:
+            r = self.client.post("/v1/sessions")
+        if r.status_code not in (200, 201):
+            raise _error(r)
+        self.session = r.json()
+
+    def refresh(self) -> None:
+        r = self.client.get(f"/v1/sessions/{self.session['id']}")
+        if r.status_code != 200:
+            raise _error(r)
+        self.session = r.json()
+
+    def generate(self, prompt: str) -> None:
+        """One turn, streamed; Ctrl-C abandons it (nothing is committed)."""
+        body = {"prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": self.args.temperature}
+        if self.args.seed is not None:
+            body["seed"] = self.args.seed
+        url = f"/v1/sessions/{self.session['id']}/generate"
+        try:
+            for attempt in range(20):
+                with self.client.stream("POST", url, json=body) as r:
+                    if r.status_code == 409 and attempt < 19:
+                        # a just-cancelled turn may still hold the lock for a moment
+                        r.read()
+                        if r.json()["error"]["type"] == "session_busy":
+                            time.sleep(0.1)
+                            continue
+                    if r.status_code != 200:
+                        r.read()
+                        raise _error(r)
+                    for name, data in _events(r):
+                        if name == "token":
+                            self.out.write(data["text"])
+                            self.out.flush()
+                        elif name == "done":
+                            self.session.update(data["session"])
+                            self.say("")
+                            self.say(self.status())
+                            return
+                        elif name == "error":
+                            self.say("")
+                            raise ChatError(f"{data['error']['type']}: {data['error']['message']}")
+                    raise ChatError("the stream ended before the generation was done")
+        except KeyboardInterrupt:
+            # leaving the `with` closed the connection: the server drops the generation
+            self.say("")
+            self.say(f"[cancelled; nothing committed, session stays at version {self.session['version']}]")
+
+    def loop(self, read=input) -> int:
+        self.say(self.status())
+        self.say(HELP)
+        while True:
+            try:
+                line = read("> ")
+            except (EOFError, KeyboardInterrupt):
+                self.say("")
+                return 0
+            if line.strip() == "/quit":
+                return 0
+            try:
+                if line.strip() == "/info":
+                    self.refresh()
+                    self.say(self.status())
+                    continue
+                self.generate(line + "\n" if self.args.newline else line)
+            except ChatError as exc:
+                self.say(f"error: {exc}")
+            except httpx.HTTPError as exc:
+                self.say(f"error: {exc.__class__.__name__}: {exc}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk to a running recur server in the terminal, streaming")
+    p.add_argument("session", nargs="?", help="session id to continue (default: create a new session)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    p.add_argument(
+        "--api-key-file", type=Path, help="file whose first line is the API key, if the server needs one"
+    )
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per turn (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument(
+        "--no-newline",
+        dest="newline",
+        action="store_false",
+        help="send each prompt line as typed (default: with its newline)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    headers = {}
+    if args.api_key_file is not None:
+        headers["Authorization"] = "Bearer " + args.api_key_file.read_text().splitlines()[0].strip()
+    timeout = httpx.Timeout(10.0, read=None)  # a stream may pause for as long as the model needs
+    with httpx.Client(base_url=args.url, headers=headers, timeout=timeout) as client:
+        chat = Chat(client, args)
+        try:
+            chat.open(args.session)
+        except (ChatError, httpx.HTTPError) as exc:
+            print(f"recur chat: {exc}", file=sys.stderr)
+            return 1
+        return chat.loop()

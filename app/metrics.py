@@ -1,0 +1,88 @@
+"""Every Prometheus metric the service exports, defined once, with vLLM-style names.
+
+Other modules import these objects and update them; nothing else creates a metric, so
+this module is the list of what `/metrics` shows. The names follow Prometheus
+conventions (`_total` counters, `_seconds` and `_bytes` units) and vLLM's where one
+exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
+`num_requests_running`, ...). Who updates what:
+
+* app/api/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
+* app/api/generation.py  TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                         GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED
+* app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
+* app/engine (hot cache) HOT_CACHE_HITS, HOT_CACHE_MISSES
+* the two gauges read the engine's scheduler when scraped (`bind_engine`)
+
+This module never imports the engine, the store or FastAPI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets: token latencies span milliseconds (GPU decode) to seconds (a long prefill)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+# -- HTTP --------------------------------------------------------------------------------------
+HTTP_REQUESTS = Counter(
+    "recur_http_requests",
+    "HTTP requests answered, by method, route template and status code",
+    ["method", "route", "status"],
+)
+HTTP_REQUEST_DURATION = Histogram(
+    "recur_http_request_duration_seconds",
+    "Seconds from a request's arrival to the end of its response (streams included)",
+    ["method", "route"],
+)
+
+# -- generation --------------------------------------------------------------------------------
+TIME_TO_FIRST_TOKEN = Histogram(
+    "recur_time_to_first_token_seconds",
+    "Seconds from a generate request's arrival to its first token",
+    buckets=_TTFT_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "recur_inter_token_latency_seconds",
+    "Seconds between consecutive tokens of one generation",
+    buckets=_ITL_BUCKETS,
+)
+E2E_REQUEST_LATENCY = Histogram(
+    "recur_e2e_request_latency_seconds",
+    "Seconds from a generate request's arrival to its commit",
+    buckets=_E2E_BUCKETS,
+)
+GENERATION_TOKENS = Counter("recur_generation_tokens", "Tokens generated (sampled and consumed)")
+PROMPT_TOKENS = Counter("recur_prompt_tokens", "Prompt tokens consumed by generate requests")
+REQUESTS_FINISHED = Counter(
+    "recur_request_success",
+    "Generations committed, by finish reason (length, stop, eos)",
+    ["finished_reason"],
+)
+
+# -- scheduler (read when scraped) ----------------------------------------------------------
+NUM_REQUESTS_RUNNING = Gauge(
+    "recur_num_requests_running", "Sessions in the running batch (decoding or consuming their prompt)"
+)
+NUM_REQUESTS_WAITING = Gauge("recur_num_requests_waiting", "Generations queued, waiting for a batch slot")
+
+# -- state storage -----------------------------------------------------------------------------
+STATE_BYTES_READ = Counter("recur_state_bytes_read", "State bytes read from Redis")
+STATE_BYTES_WRITTEN = Counter("recur_state_bytes_written", "State bytes written to Redis")
+HOT_CACHE_HITS = Counter("recur_hot_cache_hits", "Session states served from the in-memory hot cache")
+HOT_CACHE_MISSES = Counter("recur_hot_cache_misses", "Session states that had to be read from Redis")
+REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
+
+
+def bind_engine(running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    """Make the scheduler gauges read the live engine at each scrape."""
+    NUM_REQUESTS_RUNNING.set_function(running)
+    NUM_REQUESTS_WAITING.set_function(waiting)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text exposition of every metric (this module's and the process collector's)."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
