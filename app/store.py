@@ -11,17 +11,23 @@ Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex 
         created_at   unix seconds (Redis server clock)
         expires_at   unix seconds; moved forward by every use
         ttl          seconds of idleness after which the session expires
-        state        the state blob (`State.to_bytes`: safetensors + JSON; never pickled)
+        state        the state snapshot (`State.to_bytes`: safetensors + JSON; never pickled)
+        delta_bytes  total size of the deltas below
+    P deltas:{ID}    list, the state deltas committed since the snapshot, oldest first
+                     (`State.delta_bytes`); the state is snapshot + deltas, merged in order
     P lock:{ID}      string, the writer lock: a random token, with a short lease (PX)
 
-The id is the keys' hash tag (`{ID}`), so both keys of a session share a Redis Cluster
+The id is the keys' hash tag (`{ID}`), so all keys of a session share a Redis Cluster
 slot and every script touches one slot. No script spans two sessions: `fork` is a read
 followed by a create, which is as safe, since the source is only read.
 
 Every operation on a session is one Lua script (registered once), so it is atomic: `begin` takes the
 lock and reads the state in one step; `commit` writes the new state only if the version
 is still the one `begin` read (the fence), so a writer whose lock lease expired can never
-overwrite a newer commit. Each use of a session re-arms its TTL (sliding expiry).
+overwrite a newer commit. A commit either appends a delta or replaces the snapshot and
+clears the deltas, in the same step as the version bump. Reads accept the version the
+caller already holds (a hot cache) and then return no state bytes when it is current.
+Each use of a session re-arms its TTL (sliding expiry).
 
 A dead or unreachable Redis surfaces as `StoreUnavailable` within the socket timeout,
 never as a hang. This module knows nothing of HTTP or tensors.
@@ -86,77 +92,90 @@ local function now()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local function touch(key)
+local function touch(key, deltas)
   local ttl = tonumber(redis.call('HGET', key, 'ttl'))
   local exp = string.format('%.6f', now() + ttl)
   redis.call('HSET', key, 'expires_at', exp)
   redis.call('EXPIRE', key, ttl)
+  if deltas then redis.call('EXPIRE', deltas, ttl) end
   return exp
 end
 local function meta(key)
   local m = redis.call('HMGET', key, 'version', 'n_tokens', 'model', 'fingerprint', 'created_at', 'expires_at', 'ttl')
   m[8] = tostring(redis.call('HSTRLEN', key, 'state'))
+  m[9] = redis.call('HGET', key, 'delta_bytes') or '0'
+  return m
+end
+-- the state bytes, unless the caller already holds version `cached`
+local function with_state(m, key, deltas, cached)
+  if m[1] ~= cached then
+    m[10] = redis.call('HGET', key, 'state')
+    m[11] = redis.call('LRANGE', deltas, 0, -1)
+  end
   return m
 end
 """
 
-# KEYS: session. ARGV: ttl, model, fingerprint, n_tokens, state
-_CREATE = (
-    _LUA_TOUCH
-    + """
+# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, snapshot, deltas...
+_CREATE = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local ts = string.format('%.6f', now())
+local size = 0
+redis.call('DEL', KEYS[2])
+for i = 6, #ARGV do
+  redis.call('RPUSH', KEYS[2], ARGV[i])
+  size = size + string.len(ARGV[i])
+end
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[5])
-touch(KEYS[1])
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[5], 'delta_bytes', size)
+touch(KEYS[1], KEYS[2])
 return meta(KEYS[1])
 """
-)
 
-# KEYS: session. ARGV: '1' to include the state blob. Returns meta [+ state] or nil.
-_READ = (
-    _LUA_TOUCH
-    + """
+# KEYS: session, deltas. ARGV: '1' to include the state, the version the caller holds or ''.
+# Returns meta [+ snapshot, deltas] or nil.
+_READ = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-touch(KEYS[1])
+touch(KEYS[1], KEYS[2])
 local m = meta(KEYS[1])
-if ARGV[1] == '1' then m[9] = redis.call('HGET', KEYS[1], 'state') end
+if ARGV[1] == '1' then with_state(m, KEYS[1], KEYS[2], ARGV[2]) end
 return m
 """
-)
 
-# KEYS: session, lock. ARGV: lock token, lease ms, expected version or ''.
-_BEGIN = (
-    _LUA_TOUCH
-    + """
+# KEYS: session, deltas, lock. ARGV: lock token, lease ms, expected version or '',
+# the version the caller holds or ''.
+_BEGIN = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'busy'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 if ARGV[3] ~= '' and v ~= ARGV[3] then return {'mismatch', v} end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-touch(KEYS[1])
-local m = meta(KEYS[1])
-m[9] = redis.call('HGET', KEYS[1], 'state')
+redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+touch(KEYS[1], KEYS[2])
+local m = with_state(meta(KEYS[1]), KEYS[1], KEYS[2], ARGV[4])
 table.insert(m, 1, 'ok')
 return m
 """
-)
 
-# KEYS: session, lock. ARGV: expected version, n_tokens, state, lock token.
-_COMMIT = (
-    _LUA_TOUCH
-    + """
+# KEYS: session, deltas, lock. ARGV: expected version, n_tokens, lock token,
+# 'delta' | 'snapshot', blob. A delta is appended; a snapshot replaces state and deltas.
+_COMMIT = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if v ~= ARGV[1] then return {'conflict', v} end
-redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2], 'state', ARGV[3])
-touch(KEYS[1])
-if redis.call('GET', KEYS[2]) == ARGV[4] then redis.call('DEL', KEYS[2]) end
+if ARGV[4] == 'delta' then
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'delta_bytes', string.len(ARGV[5]))
+else
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'delta_bytes', 0)
+end
+redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2])
+touch(KEYS[1], KEYS[2])
+if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 local m = meta(KEYS[1])
 table.insert(m, 1, 'ok')
 return m
 """
-)
 
 # KEYS: lock. ARGV: token, lease ms. Renews the lease only for the holder.
 _RENEW = """
@@ -170,13 +189,13 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: session, lock. ARGV: expected version or ''. A session being written is busy.
+# KEYS: session, deltas, lock. ARGV: expected version or ''. A session being written is busy.
 _DELETE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'busy'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
 return {'ok'}
 """
 
@@ -191,7 +210,24 @@ class SessionMeta:
     created_at: float
     expires_at: float
     ttl: int
-    state_bytes: int
+    snapshot_bytes: int  # size of the stored snapshot
+    delta_bytes: int  # total size of the deltas stored after it
+
+    @property
+    def state_bytes(self) -> int:
+        return self.snapshot_bytes + self.delta_bytes
+
+
+@dataclass(frozen=True)
+class StateBlobs:
+    """A session's stored state: a snapshot and the deltas committed after it, in order."""
+
+    snapshot: bytes
+    deltas: tuple[bytes, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.snapshot) + sum(len(d) for d in self.deltas)
 
 
 def new_session_id() -> str:
@@ -199,7 +235,7 @@ def new_session_id() -> str:
 
 
 def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
-    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:8]]
+    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:9]]
     return SessionMeta(
         id=session_id,
         version=int(s[0]),
@@ -209,8 +245,16 @@ def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
         created_at=float(s[4]),
         expires_at=float(s[5]),
         ttl=int(s[6]),
-        state_bytes=int(s[7]),
+        snapshot_bytes=int(s[7]),
+        delta_bytes=int(s[8]),
     )
+
+
+def _blobs(raw: list[Any]) -> StateBlobs | None:
+    """The state bytes after the meta fields, or None when the caller's version was current."""
+    if len(raw) <= 9 or raw[9] is None:
+        return None
+    return StateBlobs(bytes(raw[9]), tuple(bytes(d) for d in raw[10]))
 
 
 def _arg(version: int | None) -> str:
@@ -248,8 +292,15 @@ class SessionStore:
     def session_key(self, session_id: str) -> str:
         return f"{self.prefix}session:{{{session_id}}}"
 
+    def deltas_key(self, session_id: str) -> str:
+        return f"{self.prefix}deltas:{{{session_id}}}"
+
     def lock_key(self, session_id: str) -> str:
         return f"{self.prefix}lock:{{{session_id}}}"
+
+    def _keys(self, session_id: str, lock: bool = False) -> list[str]:
+        keys = [self.session_key(session_id), self.deltas_key(session_id)]
+        return keys + [self.lock_key(session_id)] if lock else keys
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
@@ -274,23 +325,33 @@ class SessionStore:
 
     # -- sessions ----------------------------------------------------------------------------
     async def create(
-        self, state: bytes, n_tokens: int, model: str, fingerprint: str, ttl: int
+        self, state: StateBlobs, n_tokens: int, model: str, fingerprint: str, ttl: int
     ) -> SessionMeta:
         while True:  # 128 random bits never collide in practice; the script refuses if they do
             sid = new_session_id()
             raw = await self._run(
-                self._create, [self.session_key(sid)], [int(ttl), model, fingerprint, int(n_tokens), state]
+                self._create,
+                self._keys(sid),
+                [int(ttl), model, fingerprint, int(n_tokens), state.snapshot, *state.deltas],
             )
             if raw:
                 return _meta(sid, raw)
 
-    async def read(self, session_id: str, with_state: bool = False) -> tuple[SessionMeta, bytes | None]:
-        """Metadata (and the committed state blob), re-arming the TTL. No lock needed."""
+    async def read(
+        self, session_id: str, with_state: bool = False, held_version: int | None = None
+    ) -> tuple[SessionMeta, StateBlobs | None]:
+        """Metadata (and the committed state), re-arming the TTL. No lock needed.
+
+        With `held_version` (the version of a state the caller already holds), the state
+        bytes come back only if the session has moved past it.
+        """
         self._check_id(session_id)
-        raw = await self._run(self._read, [self.session_key(session_id)], ["1" if with_state else "0"])
+        raw = await self._run(
+            self._read, self._keys(session_id), ["1" if with_state else "0", _arg(held_version)]
+        )
         if not raw:
             raise SessionNotFound(session_id)
-        return _meta(session_id, raw), (bytes(raw[8]) if with_state else None)
+        return _meta(session_id, raw), _blobs(raw)
 
     async def fork(self, session_id: str, expected_version: int | None = None) -> SessionMeta:
         """A new session holding the committed state of `session_id` (version 0)."""
@@ -302,9 +363,7 @@ class SessionStore:
 
     async def delete(self, session_id: str, expected_version: int | None = None) -> None:
         self._check_id(session_id)
-        res = await self._run(
-            self._delete, [self.session_key(session_id), self.lock_key(session_id)], [_arg(expected_version)]
-        )
+        res = await self._run(self._delete, self._keys(session_id, lock=True), [_arg(expected_version)])
         status = res[0].decode()
         if status == "missing":
             raise SessionNotFound(session_id)
@@ -314,27 +373,32 @@ class SessionStore:
             raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
 
     @contextlib.asynccontextmanager
-    async def writer(self, session_id: str, expected_version: int | None = None) -> AsyncIterator[Writer]:
+    async def writer(
+        self, session_id: str, expected_version: int | None = None, held_version: int | None = None
+    ) -> AsyncIterator[Writer]:
         """Hold the session's writer lock for the duration of the block.
 
         Raises SessionNotFound, SessionBusy (another writer holds it) or VersionMismatch
         (`expected_version` given and stale) before the block runs. Inside, `w.state` is
-        the committed state and `await w.commit(...)` writes the new one, fenced on the
-        version read here. Leaving the block without committing changes nothing.
+        the committed state (None if it is `held_version`, which the caller already holds)
+        and `await w.commit(...)` writes the new one, fenced on the version read here.
+        Leaving the block without committing changes nothing.
         """
-        w = await self.begin(session_id, expected_version)
+        w = await self.begin(session_id, expected_version, held_version)
         try:
             yield w
         finally:
             await w.release()
 
-    async def begin(self, session_id: str, expected_version: int | None = None) -> Writer:
+    async def begin(
+        self, session_id: str, expected_version: int | None = None, held_version: int | None = None
+    ) -> Writer:
         self._check_id(session_id)
         token = secrets.token_hex(16)
         res = await self._run(
             self._begin,
-            [self.session_key(session_id), self.lock_key(session_id)],
-            [token, self.lock_lease_ms, _arg(expected_version)],
+            self._keys(session_id, lock=True),
+            [token, self.lock_lease_ms, _arg(expected_version), _arg(held_version)],
         )
         status = res[0].decode()
         if status == "missing":
@@ -343,13 +407,13 @@ class SessionStore:
             raise SessionBusy(session_id)
         if status == "mismatch":
             raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
-        return Writer(self, _meta(session_id, res[1:]), bytes(res[9]), token)
+        return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
 
 
 class Writer:
     """One request's hold on a session: the state it started from, and its one commit."""
 
-    def __init__(self, store: SessionStore, meta: SessionMeta, state: bytes, token: str):
+    def __init__(self, store: SessionStore, meta: SessionMeta, state: StateBlobs | None, token: str):
         self.store = store
         self.meta = meta
         self.state = state
@@ -366,16 +430,25 @@ class Writer:
             with contextlib.suppress(StoreError):
                 await self.store._run(self.store._renew, [key], [self._token, self.store.lock_lease_ms])
 
-    async def commit(self, state: bytes, n_tokens: int) -> SessionMeta:
-        """Write `state` as version `meta.version + 1`, only if nobody committed since `begin`."""
+    async def commit(
+        self, n_tokens: int, *, snapshot: bytes | None = None, delta: bytes | None = None
+    ) -> SessionMeta:
+        """Commit version `meta.version + 1`, only if nobody committed since `begin`.
+
+        Exactly one of `snapshot` (replaces the whole stored state) or `delta` (appended
+        after the stored snapshot and deltas) is given.
+        """
         if self._done:
             raise RuntimeError("a writer commits at most once")
+        if (snapshot is None) == (delta is None):
+            raise ValueError("commit takes exactly one of snapshot= or delta=")
         s = self.store
         sid = self.meta.id
+        mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
         res = await s._run(
             s._commit,
-            [s.session_key(sid), s.lock_key(sid)],
-            [self.meta.version, int(n_tokens), state, self._token],
+            s._keys(sid, lock=True),
+            [self.meta.version, int(n_tokens), self._token, mode, blob],
         )
         status = res[0].decode()
         if status == "missing":

@@ -1,7 +1,28 @@
 """The engine: scheduler, executor thread and batch. The only part of `app/` that touches
 tensors or the model; it never builds an HTTP response."""
 
-from .engine import Consumed, Engine
-from .requests import EmptyContext, EngineError, Finished, Generation, TokenEvent
+from .engine import Consumed, Engine, Held
+from .requests import (
+    Commit,
+    EmptyContext,
+    EngineError,
+    Finished,
+    Generation,
+    QueueFull,
+    StateSource,
+    TokenEvent,
+)
 
-__all__ = ["Consumed", "EmptyContext", "Engine", "EngineError", "Finished", "Generation", "TokenEvent"]
+__all__ = [
+    "Commit",
+    "Consumed",
+    "EmptyContext",
+    "Engine",
+    "EngineError",
+    "Finished",
+    "Generation",
+    "Held",
+    "QueueFull",
+    "StateSource",
+    "TokenEvent",
+]

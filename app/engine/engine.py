@@ -1,8 +1,15 @@
-"""Engine: the API's asyncio-facing handle on the model, its scheduler and its tokenizer.
+"""Engine: the API's asyncio-facing handle on the model, its scheduler, its tokenizer and
+the hot state cache.
 
 Every method that touches tensors runs on the scheduler thread (`Scheduler.call` or
 `Scheduler.submit`); the coroutines here only await results. The engine speaks in token
-ids and state blobs, never in HTTP.
+ids, opaque states and state bytes, never in HTTP.
+
+Persistence: a request that started from a stored state commits only what changed (a
+state delta, `State.delta_bytes`) unless the deltas stored since the snapshot would then
+outweigh the snapshot itself; then it writes a fresh snapshot, which also clears the
+deltas. Bytes written per request therefore grow with the new tokens, and a full read
+never merges more than about one snapshot's worth of deltas.
 """
 
 from __future__ import annotations
@@ -13,12 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from model import LanguageModel
+from app.store import SessionMeta, StateBlobs
+from model import LanguageModel, State
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
-from .requests import Generation
+from .cache import HotCache
+from .requests import Commit, EngineError, Generation, StateSource
 from .scheduler import Scheduler
+
+Held = tuple[int, State] | None  # (version, state) from the hot cache
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class Consumed:
     """The outcome of teacher-forcing tokens into a state."""
 
     logprobs: list[float | None]  # None where the state had no context at all
-    state: bytes | None  # the new state, when asked for
+    commit: Commit | None  # the new state and what to write, when asked for
     n_tokens: int
 
 
@@ -38,7 +49,11 @@ class Engine:
         name: str,
         state_dtype: str = "float32",
         max_batch_size: int = 32,
+        max_queued_requests: int = 256,
+        max_queued_tokens: int = 262_144,
         cpu_threads: int = 0,
+        hot_cache_bytes: int = 256 * 2**20,
+        delta_persistence: bool = True,
     ):
         if cpu_threads:
             # tiny decode steps gain nothing from intra-op threads and lose a lot to contention
@@ -50,7 +65,16 @@ class Engine:
         self.tokenizer: Tokenizer = lm.tokenizer
         self.fingerprint = lm.fingerprint
         self.state_dtype = state_dtype
-        self.scheduler = Scheduler(lm, state_dtype=state_dtype, max_batch_size=max_batch_size)
+        self.delta_persistence = delta_persistence
+        self.cache = HotCache(hot_cache_bytes)
+        self.scheduler = Scheduler(
+            lm,
+            load=self._load,
+            commit=self._commit,
+            max_batch_size=max_batch_size,
+            max_queued_requests=max_queued_requests,
+            max_queued_tokens=max_queued_tokens,
+        )
 
     def start(self) -> None:
         self.scheduler.start()
@@ -65,10 +89,69 @@ class Engine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
+    # -- states: the hot cache and persistence (event loop side) --------------------------------
+    def held(self, session_id: str) -> Held:
+        """The state of `session_id` this replica holds on the device, if any. The caller
+        keeps the reference, so a later eviction cannot take it away mid-request."""
+        return self.cache.get(session_id)
+
+    def source(self, meta: SessionMeta, blobs: StateBlobs | None, held: Held) -> StateSource:
+        """The starting state of a request on `meta`: the bytes Redis returned or, when it
+        returned none because `held` is current, the held state."""
+        cached = None
+        if blobs is None:
+            if held is None or held[0] != meta.version:
+                raise EngineError(
+                    f"session {meta.id}: Redis sent no state and none is held at v{meta.version}"
+                )
+            cached = held[1]
+        self.cache.count(hit=cached is not None)
+        return StateSource(
+            meta.id,
+            meta.version,
+            meta.n_tokens,
+            blobs,
+            cached,
+            snapshot_bytes=meta.snapshot_bytes,
+            delta_bytes=meta.delta_bytes,
+        )
+
+    def remember(self, meta: SessionMeta, commit: Commit) -> None:
+        """Record a committed state as the hot copy of its session."""
+        self.cache.put(meta.id, meta.version, commit.state)
+
+    def forget(self, session_id: str) -> None:
+        self.cache.drop(session_id)
+
+    # -- states (scheduler thread side) ----------------------------------------------------------
+    def _load(self, source: StateSource) -> State:
+        if source.cached is not None:
+            state = source.cached
+        else:
+            assert source.blobs is not None
+            state = self.lm.load_state(source.blobs.snapshot, source.blobs.deltas)
+            if source.session_id is not None:
+                self.cache.put(source.session_id, source.version, state)
+        if int(state.n_tokens[0]) != source.n_tokens:
+            raise EngineError(
+                f"stored state has consumed {int(state.n_tokens[0])} tokens, the session says {source.n_tokens}"
+            )
+        return state
+
+    def _commit(self, source: StateSource | None, state: State) -> Commit:
+        n = int(state.n_tokens[0])
+        if source is None or not self.delta_persistence or source.snapshot_bytes == 0:
+            return Commit(n, state.to_bytes(self.state_dtype), None, state)
+        delta = state.delta_bytes(since=source.n_tokens, dtype=self.state_dtype)
+        if source.delta_bytes + len(delta) > source.snapshot_bytes:
+            return Commit(n, state.to_bytes(self.state_dtype), None, state)
+        return Commit(n, None, delta, state)
+
     def _chunks(self, ids: list[int]) -> list[list[int]]:
         n = self.lm.segment_len
         return [ids[i : i + n] for i in range(0, len(ids), n)]
 
+    # -- requests --------------------------------------------------------------------------------
     async def new_session(self, prompt: list[int]) -> Consumed:
         """A fresh state with BOS (if the model has one) and `prompt` consumed."""
 
@@ -80,30 +163,28 @@ class Engine:
                 if k:
                     yield  # let decode steps run between chunks
                 _, state = self.lm.consume(chunk, state)
-            return Consumed([], state.to_bytes(self.state_dtype), int(state.n_tokens[0]))
+            return Consumed([], self._commit(None, state), int(state.n_tokens[0]))
 
-        return await self.scheduler.call(run)
+        return await self.scheduler.call(run, len(prompt) + 1)
 
-    async def score(self, state: bytes, tokens: list[int], keep_state: bool) -> Consumed:
-        """Teacher-forced log-probs of `tokens` continuing `state` (and the new state)."""
+    async def score(self, source: StateSource, tokens: list[int], keep_state: bool) -> Consumed:
+        """Teacher-forced log-probs of `tokens` continuing the source state (and the new state)."""
 
         def run() -> Generator[None, None, Consumed]:
-            st = self.lm.load_state(state)
+            st = self._load(source)
             values: list[float | None] = []
             for k, chunk in enumerate(self._chunks(tokens)):
                 if k:
                     yield  # let decode steps run between chunks
                 lps, st = self.lm.consume(chunk, st)
                 values += [None if math.isnan(x) else x for x in lps[0].tolist()]
-            return Consumed(
-                values, st.to_bytes(self.state_dtype) if keep_state else None, int(st.n_tokens[0])
-            )
+            return Consumed(values, self._commit(source, st) if keep_state else None, int(st.n_tokens[0]))
 
-        return await self.scheduler.call(run)
+        return await self.scheduler.call(run, len(tokens))
 
     def generate(
         self,
-        state: bytes,
+        source: StateSource,
         prompt: list[int],
         params: SamplingParams,
         *,
@@ -111,9 +192,11 @@ class Engine:
         max_tokens: int,
         stop: list[str],
     ) -> Generation:
-        """Start a generation; iterate the result for its tokens, then read `.result`."""
+        """Start a generation; iterate the result for its tokens, then read `.result`.
+
+        Raises QueueFull when the scheduler's queue is at its limit."""
         gen = Generation(
-            state=state, prompt=prompt, params=params, seed=seed, max_tokens=max_tokens, stop=stop
+            source=source, prompt=prompt, params=params, seed=seed, max_tokens=max_tokens, stop=stop
         )
         self.scheduler.submit(gen)
         return gen

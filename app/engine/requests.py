@@ -11,6 +11,8 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+from app.store import StateBlobs
+from model import State
 from model.sampling import SamplingParams
 
 
@@ -20,6 +22,44 @@ class EngineError(Exception):
 
 class EmptyContext(EngineError):
     """Nothing to condition on: a fresh session of a model without BOS, and no prompt."""
+
+
+class QueueFull(EngineError):
+    """The scheduler's queue is at its configured limit; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """Where a request's starting state comes from: the bytes in Redis, or a hot-cached
+    state whose version Redis has just confirmed (then `blobs` is None)."""
+
+    session_id: str | None
+    version: int
+    n_tokens: int
+    blobs: StateBlobs | None = None
+    cached: State | None = None
+    snapshot_bytes: int = 0  # what is stored now, for the delta-or-snapshot decision
+    delta_bytes: int = 0
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, n_tokens: int) -> StateSource:
+        """A state given as one snapshot (no session behind it)."""
+        return cls(None, 0, n_tokens, StateBlobs(blob), snapshot_bytes=len(blob))
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a finished request writes (a delta or a snapshot), and the new state itself
+    for the hot cache once the write has succeeded."""
+
+    n_tokens: int
+    snapshot: bytes | None
+    delta: bytes | None
+    state: State
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.snapshot or self.delta or b"")
 
 
 @dataclass(frozen=True)
@@ -35,8 +75,11 @@ class Finished:
     text: str
     finish_reason: str  # "length" | "stop" | "eos"
     token_ids: list[int]
-    state: bytes
-    n_tokens: int
+    commit: Commit
+
+    @property
+    def n_tokens(self) -> int:
+        return self.commit.n_tokens
 
 
 @dataclass(frozen=True)
@@ -48,7 +91,7 @@ class Failed:
 class Generation:
     """One generate request: consume `prompt`, then sample up to `max_tokens` tokens."""
 
-    state: bytes
+    source: StateSource
     prompt: list[int]
     params: SamplingParams
     seed: int | None

@@ -3,13 +3,18 @@
 Each loop iteration it (1) advances every queued job (create, score) by one chunk of
 `lm.segment_len` tokens, (2) admits waiting
 generations up to `max_batch_size` and loads their state, (3) consumes the next chunk
-(`lm.segment_len` tokens) of each admitted generation's prompt, so a long prompt never
-stalls the others for more than one chunk, and (4) runs ONE decode step for every
+(`lm.segment_len` tokens) of each admitted generation's prompt, batching the rows whose
+chunks have the same length into one forward pass, so a long prompt never stalls the
+others for more than one chunk, and (4) runs ONE decode step for every
 generation whose prompt is consumed, all together: the rows' states are
 stacked into one batch (`lm.stack_states`), the next tokens are sampled with per-row
 parameters, and the sampled tokens are consumed in one forward pass. Rows leave the batch
 when they finish or are cancelled (`lm.split_state`). Batching changes no result: each
 row's logits depend only on its own state.
+
+Admission control: requests waiting to start (generations not yet admitted, jobs not
+yet begun) are bounded by `max_queued_requests` and their prompt tokens by
+`max_queued_tokens`; past either, `submit`/`call` raise QueueFull at once (the API's 429).
 
 Only this thread touches tensors or the model; it never blocks the event loop and never
 builds an HTTP response. Results go back through `Generation.push` or a future.
@@ -32,7 +37,7 @@ from model import LanguageModel, State
 from model.sampling import make_generator, sample
 from model.tokenizer import StreamDecoder, Tokenizer
 
-from .requests import EmptyContext, Failed, Finished, Generation, TokenEvent
+from .requests import Commit, EmptyContext, Failed, Finished, Generation, QueueFull, StateSource, TokenEvent
 
 log = logging.getLogger("recur.engine")
 
@@ -45,6 +50,7 @@ class _Job:
     fn: Callable[[], Generator[None, None, Any]]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    tokens: int = 0  # counted against the queue limits until the job starts
     steps: Generator[None, None, Any] | None = None
 
 
@@ -72,12 +78,26 @@ def _resolve(fut: asyncio.Future, value: Any = None, error: BaseException | None
 
 
 class Scheduler:
-    def __init__(self, lm: LanguageModel, *, state_dtype: str = "float32", max_batch_size: int = 32):
+    def __init__(
+        self,
+        lm: LanguageModel,
+        *,
+        load: Callable[[StateSource], State],
+        commit: Callable[[StateSource | None, State], Commit],
+        max_batch_size: int = 32,
+        max_queued_requests: int = 256,
+        max_queued_tokens: int = 262_144,
+    ):
         if lm.tokenizer is None:
             raise ValueError("the model has no tokenizer")
         self.lm = lm
         self.tokenizer: Tokenizer = lm.tokenizer
-        self.state_dtype = state_dtype
+        self._load_state, self._commit_state = load, commit
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self._queue_lock = threading.Lock()
+        self.queued_requests = 0
+        self.queued_tokens = 0
         self.max_batch_size = max_batch_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Generation] = collections.deque()
@@ -97,14 +117,36 @@ class Scheduler:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
+    def _enqueue(self, tokens: int) -> None:
+        with self._queue_lock:
+            if self.queued_requests >= self.max_queued_requests:
+                raise QueueFull(
+                    f"the server's queue is full ({self.queued_requests} requests waiting); retry shortly"
+                )
+            if self.queued_requests and self.queued_tokens + tokens > self.max_queued_tokens:
+                raise QueueFull(
+                    f"the server's queue is full ({self.queued_tokens} prompt tokens waiting); retry shortly"
+                )
+            self.queued_requests += 1
+            self.queued_tokens += tokens
+
+    def _dequeue(self, tokens: int) -> None:
+        with self._queue_lock:
+            self.queued_requests -= 1
+            self.queued_tokens -= tokens
+
     def submit(self, gen: Generation) -> None:
+        """Queue a generation; raises QueueFull when the queue is at its limits."""
+        self._enqueue(len(gen.prompt))
         self._inbox.put(gen)
 
-    def call(self, fn: Callable[[], Generator[None, None, Any]]) -> asyncio.Future:
-        """Run the chunked job `fn` on the scheduler thread; the future gets its result."""
+    def call(self, fn: Callable[[], Generator[None, None, Any]], tokens: int = 0) -> asyncio.Future:
+        """Run the chunked job `fn` on the scheduler thread; the future gets its result.
+        Raises QueueFull when the queue is at its limits."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._inbox.put(_Job(fn, loop, fut))
+        self._enqueue(tokens)
+        self._inbox.put(_Job(fn, loop, fut, tokens))
         return fut
 
     # -- the scheduler thread ----------------------------------------------------------------
@@ -143,6 +185,8 @@ class Scheduler:
     def _advance_jobs(self) -> None:
         still = []
         for job in self._jobs:
+            if job.steps is None:
+                self._dequeue(job.tokens)
             if job.future.cancelled():  # the request is gone
                 continue
             try:
@@ -160,10 +204,11 @@ class Scheduler:
     def _admit(self) -> None:
         while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
             req = self._waiting.popleft()
+            self._dequeue(len(req.prompt))
             if req.cancelled:
                 continue
             try:
-                state = self.lm.load_state(req.state)
+                state = self._load_state(req.source)
                 if not req.prompt and int(state.n_tokens[0]) == 0:
                     raise EmptyContext("the session is empty and the model has no BOS token: send a prompt")
             except Exception as exc:
@@ -179,19 +224,32 @@ class Scheduler:
             (self._prefilling if r.pending else self._running).append(r)
 
     def _prefill(self) -> None:
-        """Consume one chunk of every admitted prompt; rows whose prompt is done start decoding."""
-        still: list[_Running] = []
+        """Consume one chunk of every admitted prompt; rows whose prompt is done start decoding.
+
+        Rows whose next chunks have the same length run as one batch (no padding needed)."""
+        n = self.lm.segment_len
+        groups: dict[int, list[_Running]] = collections.defaultdict(list)
         for r in self._prefilling:
-            if r.req.cancelled:
-                continue
-            chunk, r.pending = r.pending[: self.lm.segment_len], r.pending[self.lm.segment_len :]
+            if not r.req.cancelled:
+                groups[min(n, len(r.pending))].append(r)
+        still: list[_Running] = []
+        for size, rows in groups.items():
+            chunk = torch.tensor([r.pending[:size] for r in rows], dtype=torch.long, device=self.lm.device)
             try:
-                _, r.state = self.lm(torch.tensor([chunk], dtype=torch.long, device=self.lm.device), r.state)
+                if len(rows) == 1:
+                    _, rows[0].state = self.lm(chunk, rows[0].state)
+                else:
+                    _, batch = self.lm(chunk, self.lm.stack_states([r.state for r in rows]))
+                    for r, st in zip(rows, self.lm.split_state(batch), strict=True):
+                        r.state = st
             except Exception as exc:
                 log.exception("prefill failed")
-                r.req.push(Failed(exc))
+                for r in rows:
+                    r.req.push(Failed(exc))
                 continue
-            (still if r.pending else self._running).append(r)
+            for r in rows:
+                r.pending = r.pending[size:]
+                (still if r.pending else self._running).append(r)
         self._prefilling = still
 
     def _rebatch(self) -> None:
@@ -249,8 +307,8 @@ class Scheduler:
 
     def _finish(self, r: _Running) -> None:
         try:
-            blob = r.state.to_bytes(self.state_dtype)
+            commit = self._commit_state(r.req.source, r.state)
         except Exception as exc:
             r.req.push(Failed(exc))
             return
-        r.req.push(Finished(r.text, r.finish_reason or "length", r.ids, blob, int(r.state.n_tokens[0])))
+        r.req.push(Finished(r.text, r.finish_reason or "length", r.ids, commit))

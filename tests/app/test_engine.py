@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import model
-from app.engine import Engine
+from app.engine import Engine, StateSource
 from model.sampling import SamplingParams
 
 # (the tiny model's segment_len is 16: the longer prompts are consumed in several chunks)
@@ -42,7 +42,7 @@ async def _run(lm, together: bool, max_tokens: int = 24):
             params, seed = _params(i)
             gens.append(
                 engine.generate(
-                    bos.to_bytes(),
+                    StateSource.from_bytes(bos.to_bytes(), 1),
                     lm.tokenizer.encode(p),
                     params,
                     seed=seed,
@@ -58,11 +58,16 @@ async def _run(lm, together: bool, max_tokens: int = 24):
         for i, p in enumerate(PROMPTS):
             new = await engine.new_session(lm.tokenizer.encode(p))
             params, seed = _params(i)
-            g = engine.generate(new.state, [], params, seed=seed, max_tokens=max_tokens + i, stop=[])
+            g = engine.generate(_src(new), [], params, seed=seed, max_tokens=max_tokens + i, stop=[])
             results.append(await _collect(g))
     stats = dict(engine.scheduler.stats)
     engine.stop()
     return results, stats
+
+
+def _src(consumed) -> StateSource:
+    """The state a create/score returned, as a request's starting state."""
+    return StateSource.from_bytes(consumed.commit.snapshot, consumed.n_tokens)
 
 
 async def _collect(gen):
@@ -80,8 +85,8 @@ def test_batched_decoding_matches_one_at_a_time(lm):
         for a, b in zip(ev_a, ev_b, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert res_a.n_tokens == res_b.n_tokens
-        la = lm.next_logits(lm.load_state(res_a.state))
-        lb = lm.next_logits(lm.load_state(res_b.state))
+        la = lm.next_logits(res_a.commit.state)
+        lb = lm.next_logits(res_b.commit.state)
         torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
 
 
@@ -90,7 +95,7 @@ def test_streamed_text_adds_up_and_state_holds_every_token(lm):
         engine = Engine(lm, name="tiny")
         engine.start()
         new = await engine.new_session(lm.tokenizer.encode("héllo"))
-        g = engine.generate(new.state, [], SamplingParams(temperature=1.5), seed=7, max_tokens=60, stop=[])
+        g = engine.generate(_src(new), [], SamplingParams(temperature=1.5), seed=7, max_tokens=60, stop=[])
         events, res = await _collect(g)
         engine.stop()
         return new, events, res
@@ -100,10 +105,10 @@ def test_streamed_text_adds_up_and_state_holds_every_token(lm):
     assert [e.index for e in events] == list(range(len(events)))
     assert res.n_tokens == new.n_tokens + len(events)
     # the committed state equals teacher-forcing the same tokens
-    st = lm.load_state(new.state)
+    st = lm.load_state(new.commit.snapshot)
     _, st = lm.consume(res.token_ids, st)
     torch.testing.assert_close(
-        lm.next_logits(st), lm.next_logits(lm.load_state(res.state)), atol=1e-4, rtol=0
+        lm.next_logits(st), lm.next_logits(lm.load_state(res.commit.snapshot)), atol=1e-4, rtol=0
     )
 
 
@@ -112,12 +117,12 @@ def test_stop_string_ends_generation(lm):
         engine = Engine(lm, name="tiny")
         engine.start()
         new = await engine.new_session([])
-        g = engine.generate(new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
+        g = engine.generate(_src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
         _, free = await _collect(g)
         # stop on a string the greedy continuation is known to produce
         stop = free.text[3:5]
         g = engine.generate(
-            new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
+            _src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
         )
         _, stopped = await _collect(g)
         engine.stop()
@@ -135,7 +140,7 @@ def test_cancelled_generation_leaves_the_batch(lm):
         engine.start()
         new = await engine.new_session([])
         g = engine.generate(
-            new.state, [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[]
+            _src(new), [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[]
         )
         got = 0
         async for _ in g:
@@ -144,9 +149,9 @@ def test_cancelled_generation_leaves_the_batch(lm):
                 break
         g.cancel()
         # jobs run between decode steps: after the first one the cancelled row has left
-        await engine.score(new.state, [1, 2], keep_state=False)
+        await engine.score(_src(new), [1, 2], keep_state=False)
         t1 = engine.scheduler.stats["tokens"]
-        await engine.score(new.state, [1, 2], keep_state=False)
+        await engine.score(_src(new), [1, 2], keep_state=False)
         t2 = engine.scheduler.stats["tokens"]
         engine.stop()
         return g, t1, t2
@@ -168,11 +173,11 @@ def test_long_jobs_are_chunked_between_decode_steps(lm):
         engine.start()
         new = await engine.new_session([])
         g = engine.generate(
-            new.state, [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
+            _src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
         )
         await g.__anext__()  # decoding has started
         before = engine.scheduler.stats["steps"]
-        scored = await engine.score(new.state, text, keep_state=True)
+        scored = await engine.score(_src(new), text, keep_state=True)
         during = engine.scheduler.stats["steps"] - before
         g.cancel()
         engine.stop()
@@ -186,5 +191,5 @@ def test_long_jobs_are_chunked_between_decode_steps(lm):
     assert scored.logprobs == pytest.approx(lps[0].tolist(), abs=1e-4)
     assert scored.n_tokens == 1 + len(text)
     torch.testing.assert_close(
-        lm.next_logits(lm.load_state(scored.state)), lm.next_logits(ref), atol=1e-4, rtol=0
+        lm.next_logits(lm.load_state(scored.commit.snapshot)), lm.next_logits(ref), atol=1e-4, rtol=0
     )

@@ -16,6 +16,7 @@ from app.store import (
     SessionBusy,
     SessionNotFound,
     SessionStore,
+    StateBlobs,
     StoreUnavailable,
     VersionMismatch,
 )
@@ -33,19 +34,19 @@ def run(coro):
 def test_expired_lock_never_loses_an_update(redis_url):
     async def go():
         store = _store(redis_url)
-        meta = await store.create(b"s0", 1, "m", "fp", ttl=60)
+        meta = await store.create(StateBlobs(b"s0"), 1, "m", "fp", ttl=60)
         a = await store.begin(meta.id)
         with pytest.raises(SessionBusy):
             await store.begin(meta.id)
         # A stalls past its lease: the lock lapses (as PEXPIRE would) and B takes over
         await store.redis.delete(store.lock_key(meta.id))
         b = await store.begin(meta.id)
-        assert (await b.commit(b"from-b", 2)).version == 1
+        assert (await b.commit(2, snapshot=b"from-b")).version == 1
         with pytest.raises(CommitConflict):
-            await a.commit(b"from-a", 9)
+            await a.commit(9, snapshot=b"from-a")
         await a.release()
         got, blob = await store.read(meta.id, with_state=True)
-        assert got.version == 1 and got.n_tokens == 2 and blob == b"from-b"
+        assert got.version == 1 and got.n_tokens == 2 and blob == StateBlobs(b"from-b")
         # B's commit released the lock; A's late release did not remove anyone else's
         c = await store.begin(meta.id)
         await a.release()
@@ -60,18 +61,18 @@ def test_expired_lock_never_loses_an_update(redis_url):
 def test_the_holder_renews_its_lease(redis_url):
     async def go():
         store = _store(redis_url, lock_lease_seconds=0.6)
-        meta = await store.create(b"s", 1, "m", "fp", ttl=60)
+        meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=60)
         async with store.writer(meta.id) as w:
             await asyncio.sleep(2.0)  # several leases long
             with pytest.raises(SessionBusy):
                 await store.begin(meta.id)
-            await w.commit(b"t", 2)
+            await w.commit(2, snapshot=b"t")
         assert (await store.read(meta.id))[0].version == 1
         async with store.writer(meta.id):
             pass  # leaving without a commit changes nothing and frees the lock
         assert (await store.read(meta.id))[0].version == 1
         async with store.writer(meta.id, expected_version=1) as w:
-            await w.commit(b"u", 3)
+            await w.commit(3, snapshot=b"u")
         with pytest.raises(VersionMismatch):
             await store.begin(meta.id, expected_version=1)
         await store.close()
@@ -82,14 +83,14 @@ def test_the_holder_renews_its_lease(redis_url):
 def test_ttl_is_set_and_slides(redis_url):
     async def go():
         store = _store(redis_url)
-        meta = await store.create(b"s", 1, "m", "fp", ttl=1000)
+        meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=1000)
         key = store.session_key(meta.id)
         await store.redis.expire(key, 10)  # as if time had passed
         await store.read(meta.id)
         assert 990 <= await store.redis.ttl(key) <= 1000
         await store.redis.expire(key, 10)
         async with store.writer(meta.id) as w:
-            await w.commit(b"t", 2)
+            await w.commit(2, snapshot=b"t")
         assert 990 <= await store.redis.ttl(key) <= 1000
         assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
         fork = await store.fork(meta.id)
@@ -101,7 +102,7 @@ def test_ttl_is_set_and_slides(redis_url):
         await store.delete(meta.id)
         with pytest.raises(SessionNotFound):
             await store.read(meta.id)
-        assert (await store.read(fork.id, with_state=True))[1] == b"t"
+        assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"t")
         await store.close()
 
     run(go())
@@ -120,7 +121,7 @@ def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
 
     async def go():
         store = _store(redis_url)
-        meta = await store.create(b"v0", 1, "m", "fp", ttl=60)
+        meta = await store.create(StateBlobs(b"v0"), 1, "m", "fp", ttl=60)
         writers: dict[int, object] = {}
         version, state = 0, b"v0"
         for op, i in ops:
@@ -134,11 +135,11 @@ def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
             elif op == "commit" and w is not None:
                 new = f"w{i}@{w.meta.version}".encode()
                 if w.meta.version == version:
-                    assert (await w.commit(new, 1)).version == version + 1
+                    assert (await w.commit(1, snapshot=new)).version == version + 1
                     version, state = version + 1, new
                 else:
                     with pytest.raises(CommitConflict):
-                        await w.commit(new, 1)
+                        await w.commit(1, snapshot=new)
                     await w.release()
                 del writers[i]
             elif op == "release" and w is not None:
@@ -147,7 +148,7 @@ def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
             elif op == "expire":
                 await store.redis.delete(store.lock_key(meta.id))
             got, blob = await store.read(meta.id, with_state=True)
-            assert got.version == version and blob == state
+            assert got.version == version and blob == StateBlobs(state)
         for w in writers.values():
             await w.release()
         await store.close()
@@ -161,7 +162,7 @@ def test_dead_redis_fails_fast_with_store_unavailable():
         with pytest.raises(StoreUnavailable):
             await store.ping()
         with pytest.raises(StoreUnavailable):
-            await store.create(b"s", 1, "m", "fp", ttl=5)
+            await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=5)
         with pytest.raises(StoreUnavailable):
             await store.read("0" * 32)
         with pytest.raises(StoreUnavailable):

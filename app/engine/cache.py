@@ -1,0 +1,75 @@
+"""The hot state cache: recently used session states kept on the device, LRU within a
+byte budget.
+
+A cached state is only a shortcut: Redis holds the truth. Before a request uses a cached
+state, its version is confirmed against Redis in the same round trip that starts the
+request (`SessionStore.begin/read(held_version=...)`); if another replica has moved the
+session on, Redis returns the bytes and the state is reloaded. An entry is replaced only
+after its session's commit succeeded, so the cache never holds an uncommitted state.
+
+Entries are read by the event loop (which passes the opaque State on to the scheduler
+thread, never touching its tensors) and written by both, so every access takes the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from model import State
+
+
+class HotCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[int, State, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session_id: str) -> tuple[int, State] | None:
+        """(version, state) of a cached session, marking it recently used."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return None
+            self._entries.move_to_end(session_id)
+            return entry[0], entry[1]
+
+    def count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+
+    def put(self, session_id: str, version: int, state: State) -> None:
+        size = state.nbytes()
+        with self._lock:
+            old = self._entries.pop(session_id, None)
+            if old is not None:
+                if old[0] > version:  # never replace a newer state with an older one
+                    self._entries[session_id] = old
+                    return
+                self._bytes -= old[2]
+            if size > self.max_bytes:
+                return
+            self._entries[session_id] = (version, state, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, _, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            old = self._entries.pop(session_id, None)
+            if old is not None:
+                self._bytes -= old[2]
