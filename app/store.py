@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+
+from app import metrics
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -254,7 +256,9 @@ def _blobs(raw: list[Any]) -> StateBlobs | None:
     """The state bytes after the meta fields, or None when the caller's version was current."""
     if len(raw) <= 9 or raw[9] is None:
         return None
-    return StateBlobs(bytes(raw[9]), tuple(bytes(d) for d in raw[10]))
+    blobs = StateBlobs(bytes(raw[9]), tuple(bytes(d) for d in raw[10]))
+    metrics.STATE_BYTES_READ.inc(blobs.nbytes)
+    return blobs
 
 
 def _arg(version: int | None) -> str:
@@ -307,6 +311,7 @@ class SessionStore:
         try:
             return await script(keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            metrics.REDIS_ERRORS.inc()
             raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
 
     @staticmethod
@@ -335,6 +340,7 @@ class SessionStore:
                 [int(ttl), model, fingerprint, int(n_tokens), state.snapshot, *state.deltas],
             )
             if raw:
+                metrics.STATE_BYTES_WRITTEN.inc(state.nbytes)
                 return _meta(sid, raw)
 
     async def read(
@@ -445,6 +451,7 @@ class Writer:
         s = self.store
         sid = self.meta.id
         mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
+        assert blob is not None
         res = await s._run(
             s._commit,
             s._keys(sid, lock=True),
@@ -457,6 +464,7 @@ class Writer:
             raise CommitConflict(sid, self.meta.version, int(res[1]))
         self._done = True
         self._renewer.cancel()
+        metrics.STATE_BYTES_WRITTEN.inc(len(blob))
         return _meta(sid, res[1:])
 
     async def release(self) -> None:

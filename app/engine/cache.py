@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from app import metrics
 from model import State
 
 
@@ -50,6 +51,7 @@ class HotCache:
                 self.hits += 1
             else:
                 self.misses += 1
+        (metrics.HOT_CACHE_HITS if hit else metrics.HOT_CACHE_MISSES).inc()
 
     def put(self, session_id: str, version: int, state: State) -> None:
         size = state.nbytes()

@@ -109,6 +109,16 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="recur-scheduler", daemon=True)
         self.stats = {"steps": 0, "tokens": 0, "max_batch": 0}
 
+    @property
+    def num_running(self) -> int:
+        """Sessions in the running batch (decoding or consuming their prompt)."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for the scheduler, not yet started."""
+        return self.queued_requests
+
     # -- called from the event loop ----------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
