@@ -49,3 +49,12 @@ class Settings(BaseSettings):
         2.0, gt=0, description="socket timeout for Redis, so a dead Redis fails fast"
     )
     log_level: str = Field("info", description="uvicorn log level")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
+    )
+    fault_pause_before_commit: float = Field(
+        0.0,
+        ge=0,
+        description="FOR TESTS ONLY (fault injection): seconds every writer stalls, its lease renewal "
+        "stopped, just before its commit; proves the version fence (tests/faults). Never set it in production",
+    )

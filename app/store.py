@@ -273,8 +273,10 @@ class SessionStore:
         key_prefix: str = "recur:",
         lock_lease_seconds: float = 10.0,
         timeout: float = 2.0,
+        fault_pause_before_commit: float = 0.0,
     ):
         self.prefix = key_prefix
+        self.fault_pause_before_commit = fault_pause_before_commit  # tests only
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
         self.redis = aioredis.Redis.from_url(
             url,
@@ -452,6 +454,9 @@ class Writer:
         sid = self.meta.id
         mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
         assert blob is not None
+        if s.fault_pause_before_commit:  # fault injection for tests: a writer that stalls
+            self._renewer.cancel()  # (a stalled process renews nothing) until its lease lapses
+            await asyncio.sleep(s.fault_pause_before_commit)
         res = await s._run(
             s._commit,
             s._keys(sid, lock=True),

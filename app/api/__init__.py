@@ -15,6 +15,7 @@ from app.engine import Engine
 from app.store import SessionStore
 
 from . import errors, health, sessions
+from .body_limit import BodyLimit
 
 
 def model_name(name_or_dir: str) -> str:
@@ -34,6 +35,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             key_prefix=settings.key_prefix,
             lock_lease_seconds=settings.lock_lease_seconds,
             timeout=settings.redis_timeout,
+            fault_pause_before_commit=settings.fault_pause_before_commit,
         )
         app.state.store = store
         loaded = (
@@ -68,6 +70,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
     app.state.settings = settings
     app.state.engine = None
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
     app.include_router(sessions.router)
     return app

@@ -34,6 +34,7 @@ class ErrorType(str, enum.Enum):
     model_mismatch = "model_mismatch"
     version_mismatch = "version_mismatch"
     prompt_too_long = "prompt_too_long"
+    body_too_large = "body_too_large"
     state_corrupt = "state_corrupt"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
@@ -51,6 +52,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.model_mismatch: 409,
     ErrorType.version_mismatch: 412,
     ErrorType.prompt_too_long: 413,
+    ErrorType.body_too_large: 413,
     ErrorType.state_corrupt: 500,
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
@@ -136,7 +138,11 @@ def install(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        etype = {404: ErrorType.not_found, 405: ErrorType.method_not_allowed}.get(exc.status_code)
+        etype = {
+            404: ErrorType.not_found,
+            405: ErrorType.method_not_allowed,
+            413: ErrorType.body_too_large,
+        }.get(exc.status_code)
         if etype is None:
             return JSONResponse(
                 body(ErrorType.invalid_request, str(exc.detail)),
