@@ -42,14 +42,15 @@ ref-env: $(REF_STAMP)
 run: $(STAMP)
 	$(BIN)/recur serve $(ARGS)
 
+# the default suite; long runs are marked `slow` and run with `make test-slow`
 test: $(STAMP) $(REF_STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
 bench: $(STAMP)
-	$(PY) bench/model_step.py
+	$(PY) bench/report.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench

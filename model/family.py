@@ -96,11 +96,14 @@ class LanguageModel(nn.Module):
             )
         self.check_state_tensors(tensors)
         param_dtype = next(self.parameters()).dtype
-        tensors = {
-            k: (v.to(device=self.device, dtype=param_dtype) if v.is_floating_point() else v.to(self.device))
-            for k, v in tensors.items()
-        }
-        return self.rebuild_state(tensors)
+        on_gpu = self.device.type == "cuda"
+        moved = {}
+        for k, v in tensors.items():
+            if on_gpu:  # pinned host memory lets the copy run asynchronously
+                v = v.pin_memory()
+            v = v.to(self.device, non_blocking=on_gpu)
+            moved[k] = v.to(param_dtype) if v.is_floating_point() else v
+        return self.rebuild_state(moved)
 
     def stack_states(self, states: list[State]) -> State:
         return State.stack(states)

@@ -168,6 +168,7 @@ class State:
         store_dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
         dtype_name = next(k for k, v in STORAGE_DTYPES.items() if v == store_dtype)
         tensors, lengths = {}, {}
+        on_gpu = any(t.is_cuda for t in self.tensors.values())
         for name in self.persistent or tuple(self.tensors):
             t = self.tensors[name].detach()
             dim = self.seq_dims.get(name)
@@ -178,7 +179,13 @@ class State:
                 lengths[name] = [dim, length]
             if t.is_floating_point():
                 t = t.to(store_dtype)
-            tensors[name] = t.contiguous().cpu()
+            if on_gpu:  # device -> pinned host copies, all queued before one synchronise
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                tensors[name] = host.copy_(t, non_blocking=True)
+            else:
+                tensors[name] = t.contiguous()
+        if on_gpu:
+            torch.cuda.synchronize()
         header = {
             "format": FORMAT_VERSION,
             "family": self.family,

@@ -15,6 +15,7 @@ never merges more than about one snapshot's worth of deltas.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Engine:
         cpu_threads: int = 0,
         hot_cache_bytes: int = 256 * 2**20,
         delta_persistence: bool = True,
+        compile: bool = False,
     ):
         if cpu_threads:
             # tiny decode steps gain nothing from intra-op threads and lose a lot to contention
@@ -67,8 +69,17 @@ class Engine:
         self.state_dtype = state_dtype
         self.delta_persistence = delta_persistence
         self.cache = HotCache(hot_cache_bytes)
+        # seconds spent turning bytes into states and states into bytes (bench/persistence.py)
+        self.timings = {"load_s": 0.0, "serialise_s": 0.0}
+        decode = lm.forward
+        if compile:
+            # shapes change with the batch and the memory's fill level: dynamic, so they do
+            # not each recompile; on CUDA, reduce-overhead replays the step as a CUDA graph
+            mode = "reduce-overhead" if lm.device.type == "cuda" else "default"
+            decode = torch.compile(lm.forward, dynamic=True, mode=mode)
         self.scheduler = Scheduler(
             lm,
+            decode=decode,
             load=self._load,
             commit=self._commit,
             max_batch_size=max_batch_size,
@@ -129,7 +140,9 @@ class Engine:
             state = source.cached
         else:
             assert source.blobs is not None
+            t0 = time.perf_counter()
             state = self.lm.load_state(source.blobs.snapshot, source.blobs.deltas)
+            self.timings["load_s"] += time.perf_counter() - t0
             if source.session_id is not None:
                 self.cache.put(source.session_id, source.version, state)
         if int(state.n_tokens[0]) != source.n_tokens:
@@ -139,6 +152,13 @@ class Engine:
         return state
 
     def _commit(self, source: StateSource | None, state: State) -> Commit:
+        t0 = time.perf_counter()
+        try:
+            return self._serialise(source, state)
+        finally:
+            self.timings["serialise_s"] += time.perf_counter() - t0
+
+    def _serialise(self, source: StateSource | None, state: State) -> Commit:
         n = int(state.n_tokens[0])
         if source is None or not self.delta_persistence or source.snapshot_bytes == 0:
             return Commit(n, state.to_bytes(self.state_dtype), None, state)

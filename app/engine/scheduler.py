@@ -82,6 +82,7 @@ class Scheduler:
         self,
         lm: LanguageModel,
         *,
+        decode: Callable[[torch.Tensor, State], tuple[torch.Tensor, State]] | None = None,
         load: Callable[[StateSource], State],
         commit: Callable[[StateSource | None, State], Commit],
         max_batch_size: int = 32,
@@ -93,6 +94,7 @@ class Scheduler:
         self.lm = lm
         self.tokenizer: Tokenizer = lm.tokenizer
         self._load_state, self._commit_state = load, commit
+        self._decode = decode or lm.forward  # the one-token step (possibly compiled)
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._queue_lock = threading.Lock()
@@ -283,7 +285,7 @@ class Scheduler:
         ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
         for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
             self._on_token(r, tid, lp)
-        _, self._batch = self.lm.forward(ids[:, None], self._batch)
+        _, self._batch = self._decode(ids[:, None], self._batch)
         self.stats["steps"] += 1
         self.stats["tokens"] += len(rows)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(rows))

@@ -177,3 +177,22 @@ def test_full_queue_refuses_at_once(lm):
         engine.stop()
 
     asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager(lm):
+    """The `compile` setting changes speed, never tokens (on CPU compiling takes ~1.5 min)."""
+
+    async def run(compile: bool):
+        engine = Engine(lm, name="tiny", compile=compile)
+        engine.start()
+        new = await engine.new_session(list(b"ROMEO:"))
+        src = StateSource.from_bytes(new.commit.snapshot, new.n_tokens)
+        gen = engine.generate(src, [], GREEDY, seed=None, max_tokens=24, stop=[])
+        out = [(ev.id, ev.logprob) async for ev in gen]
+        engine.stop()
+        return out
+
+    eager, compiled = asyncio.run(run(False)), asyncio.run(run(True))
+    assert [i for i, _ in eager] == [i for i, _ in compiled]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(eager, compiled, strict=True)) <= 1e-4

