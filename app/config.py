@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -42,6 +42,23 @@ class Settings(BaseSettings):
         description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine",
     )
     max_batch_size: int = Field(32, ge=1, description="most sessions decoded together in one forward pass")
+    max_queued_requests: int = Field(
+        256, ge=1, description="requests waiting for the scheduler beyond which new ones get 429"
+    )
+    max_queued_tokens: int = Field(
+        262_144, ge=1, description="prompt tokens waiting for the scheduler beyond which new requests get 429"
+    )
+    hot_cache_mb: float = Field(
+        256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
+    )
+    delta_persistence: bool = Field(
+        True, description="commit only what changed in a state (a delta) instead of the whole state"
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode step (CUDA graphs via mode reduce-overhead on CUDA); "
+        "compiling takes minutes, so it is off by default and pays off only on a GPU",
+    )
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"
     )
@@ -58,3 +75,34 @@ class Settings(BaseSettings):
         description="FOR TESTS ONLY (fault injection): seconds every writer stalls, its lease renewal "
         "stopped, just before its commit; proves the version fence (tests/faults). Never set it in production",
     )
+    log_format: Literal["json", "text"] = Field(
+        "json", description="json: one JSON object per line, with request_id and session_id; text: plain"
+    )
+    api_keys: SecretStr | None = Field(
+        None,
+        description="comma-separated API keys; when any key is set, every /v1 route needs "
+        "`Authorization: Bearer KEY`, and each key is a tenant that sees only its own sessions",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="file of API keys, one per line (blank lines and # comments skipped); adds to api_keys",
+    )
+    metrics_access: Literal["open", "api_key", "off"] = Field(
+        "open", description="/metrics: open to all, api_key (any valid key), or off (404)"
+    )
+
+    def load_api_keys(self) -> list[str]:
+        """Every configured key (the file is read now). Raises ValueError with a clear message."""
+        keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
+        if self.api_keys_file is not None:
+            try:
+                lines = self.api_keys_file.read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot read the API key file {self.api_keys_file}: {exc.strerror}"
+                ) from None
+            from_file = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            if not from_file:  # never let an empty file silently leave /v1 open
+                raise ValueError(f"the API key file {self.api_keys_file} holds no keys")
+            keys += from_file
+        return [k for k in keys if k]

@@ -12,6 +12,8 @@ import sys
 import typing
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from app.config import Settings
 
 log = logging.getLogger("recur.serve")
@@ -28,7 +30,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif ann in (int, float):
             kwargs["type"] = ann
-        elif ann is Path or ann is str or args == [str]:
+        elif ann is Path or ann is str or args in ([str], [Path], [SecretStr]):
             kwargs["type"] = str
         else:  # a new settings type must say how it is parsed
             raise TypeError(f"no command-line parser for setting {name}: {ann}")
@@ -53,10 +55,16 @@ def run(settings: Settings) -> int:
     import uvicorn
 
     import model
+    from app import logs
     from app.api import create_app
     from app.embedded_redis import EmbeddedRedis
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        settings.load_api_keys()
+    except ValueError as exc:
+        print(f"recur serve: {exc}", file=sys.stderr)
+        return 2
     try:
         lm = model.load(settings.model, device=settings.device, precision=settings.precision)
     except FileNotFoundError as exc:
@@ -74,7 +82,12 @@ def run(settings: Settings) -> int:
         settings = settings.model_copy(update={"redis_url": url})
     try:
         uvicorn.run(
-            create_app(settings, lm), host=settings.host, port=settings.port, log_level=settings.log_level
+            create_app(settings, lm),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            log_config=None,  # keep the handlers of app.logs (JSON lines)
+            access_log=False,  # app.api.middleware logs each request, with its ids
         )
     finally:
         if embedded is not None:

@@ -13,6 +13,9 @@ Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex 
         ttl          seconds of idleness after which the session expires
         state        the state snapshot (`State.to_bytes`: safetensors + JSON; never pickled)
         delta_bytes  total size of the deltas below
+        owner        the tenant: a hash of the API key that created it (never the key);
+                     absent = '' (no keys). Every script treats another owner's session
+                     as missing, so a tenant cannot even learn that it exists
     P deltas:{ID}    list, the state deltas committed since the snapshot, oldest first
                      (`State.delta_bytes`); the state is snapshot + deltas, merged in order
     P lock:{ID}      string, the writer lock: a random token, with a short lease (PX)
@@ -44,12 +47,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-
-from app import metrics
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from app import metrics
 
 _ID_RE = re.compile(r"[0-9a-f]{32}")
 _META = ("version", "n_tokens", "model", "fingerprint", "created_at", "expires_at", "ttl")
@@ -118,26 +121,29 @@ local function with_state(m, key, deltas, cached)
 end
 """
 
-# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, snapshot, deltas...
+# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, owner, snapshot, deltas...
 _CREATE = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local ts = string.format('%.6f', now())
 local size = 0
 redis.call('DEL', KEYS[2])
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   size = size + string.len(ARGV[i])
 end
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[5], 'delta_bytes', size)
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[6], 'delta_bytes', size)
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[5]) end
 touch(KEYS[1], KEYS[2])
 return meta(KEYS[1])
 """
 
-# KEYS: session, deltas. ARGV: '1' to include the state, the version the caller holds or ''.
-# Returns meta [+ snapshot, deltas] or nil.
+# KEYS: session, deltas. ARGV: '1' to include the state, the version the caller holds or '',
+# owner. Returns meta [+ snapshot, deltas] or nil.
 _READ = _LUA_TOUCH + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[3] then
+  return false
+end
 touch(KEYS[1], KEYS[2])
 local m = meta(KEYS[1])
 if ARGV[1] == '1' then with_state(m, KEYS[1], KEYS[2], ARGV[2]) end
@@ -145,9 +151,11 @@ return m
 """
 
 # KEYS: session, deltas, lock. ARGV: lock token, lease ms, expected version or '',
-# the version the caller holds or ''.
+# the version the caller holds or '', owner.
 _BEGIN = _LUA_TOUCH + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[5] then
+  return {'missing'}
+end
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 if ARGV[3] ~= '' and v ~= ARGV[3] then return {'mismatch', v} end
@@ -191,9 +199,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: session, deltas, lock. ARGV: expected version or ''. A session being written is busy.
+# KEYS: session, deltas, lock. ARGV: expected version or '', owner. A session being written is busy.
 _DELETE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[2] then
+  return {'missing'}
+end
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
 if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
@@ -332,21 +342,21 @@ class SessionStore:
 
     # -- sessions ----------------------------------------------------------------------------
     async def create(
-        self, state: StateBlobs, n_tokens: int, model: str, fingerprint: str, ttl: int
+        self, state: StateBlobs, n_tokens: int, model: str, fingerprint: str, ttl: int, owner: str = ""
     ) -> SessionMeta:
         while True:  # 128 random bits never collide in practice; the script refuses if they do
             sid = new_session_id()
             raw = await self._run(
                 self._create,
                 self._keys(sid),
-                [int(ttl), model, fingerprint, int(n_tokens), state.snapshot, *state.deltas],
+                [int(ttl), model, fingerprint, int(n_tokens), owner, state.snapshot, *state.deltas],
             )
             if raw:
                 metrics.STATE_BYTES_WRITTEN.inc(state.nbytes)
                 return _meta(sid, raw)
 
     async def read(
-        self, session_id: str, with_state: bool = False, held_version: int | None = None
+        self, session_id: str, with_state: bool = False, held_version: int | None = None, owner: str = ""
     ) -> tuple[SessionMeta, StateBlobs | None]:
         """Metadata (and the committed state), re-arming the TTL. No lock needed.
 
@@ -355,23 +365,27 @@ class SessionStore:
         """
         self._check_id(session_id)
         raw = await self._run(
-            self._read, self._keys(session_id), ["1" if with_state else "0", _arg(held_version)]
+            self._read, self._keys(session_id), ["1" if with_state else "0", _arg(held_version), owner]
         )
         if not raw:
             raise SessionNotFound(session_id)
         return _meta(session_id, raw), _blobs(raw)
 
-    async def fork(self, session_id: str, expected_version: int | None = None) -> SessionMeta:
-        """A new session holding the committed state of `session_id` (version 0)."""
-        meta, state = await self.read(session_id, with_state=True)
+    async def fork(
+        self, session_id: str, expected_version: int | None = None, owner: str = ""
+    ) -> SessionMeta:
+        """A new session holding the committed state of `session_id` (version 0), same owner."""
+        meta, state = await self.read(session_id, with_state=True, owner=owner)
         if expected_version is not None and meta.version != expected_version:
             raise VersionMismatch(session_id, expected_version, meta.version)
         assert state is not None
-        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl)
+        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl, owner)
 
-    async def delete(self, session_id: str, expected_version: int | None = None) -> None:
+    async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
         self._check_id(session_id)
-        res = await self._run(self._delete, self._keys(session_id, lock=True), [_arg(expected_version)])
+        res = await self._run(
+            self._delete, self._keys(session_id, lock=True), [_arg(expected_version), owner]
+        )
         status = res[0].decode()
         if status == "missing":
             raise SessionNotFound(session_id)
@@ -382,7 +396,11 @@ class SessionStore:
 
     @contextlib.asynccontextmanager
     async def writer(
-        self, session_id: str, expected_version: int | None = None, held_version: int | None = None
+        self,
+        session_id: str,
+        expected_version: int | None = None,
+        held_version: int | None = None,
+        owner: str = "",
     ) -> AsyncIterator[Writer]:
         """Hold the session's writer lock for the duration of the block.
 
@@ -392,21 +410,25 @@ class SessionStore:
         and `await w.commit(...)` writes the new one, fenced on the version read here.
         Leaving the block without committing changes nothing.
         """
-        w = await self.begin(session_id, expected_version, held_version)
+        w = await self.begin(session_id, expected_version, held_version, owner)
         try:
             yield w
         finally:
             await w.release()
 
     async def begin(
-        self, session_id: str, expected_version: int | None = None, held_version: int | None = None
+        self,
+        session_id: str,
+        expected_version: int | None = None,
+        held_version: int | None = None,
+        owner: str = "",
     ) -> Writer:
         self._check_id(session_id)
         token = secrets.token_hex(16)
         res = await self._run(
             self._begin,
             self._keys(session_id, lock=True),
-            [token, self.lock_lease_ms, _arg(expected_version), _arg(held_version)],
+            [token, self.lock_lease_ms, _arg(expected_version), _arg(held_version), owner],
         )
         status = res[0].decode()
         if status == "missing":

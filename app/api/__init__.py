@@ -7,15 +7,18 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 import model
+from app import metrics as service_metrics
 from app.config import Settings
 from app.engine import Engine
 from app.store import SessionStore
 
-from . import errors, health, sessions
+from . import completions, errors, health, metrics, playground, sessions
 from .body_limit import BodyLimit
+from .deps import authenticate, bind_session
+from .middleware import RequestContext
 
 
 def model_name(name_or_dir: str) -> str:
@@ -50,10 +53,18 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             name=model_name(settings.model),
             state_dtype=settings.state_dtype,
             max_batch_size=settings.max_batch_size,
+            max_queued_requests=settings.max_queued_requests,
+            max_queued_tokens=settings.max_queued_tokens,
             cpu_threads=settings.cpu_threads,
+            hot_cache_bytes=int(settings.hot_cache_mb * 2**20),
+            delta_persistence=settings.delta_persistence,
+            compile=settings.compile,
         )
         engine.start()
         app.state.engine = engine
+        service_metrics.bind_engine(
+            lambda: engine.scheduler.num_running, lambda: engine.scheduler.num_waiting
+        )
         try:
             yield
         finally:
@@ -69,8 +80,15 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
     )
     app.state.settings = settings
     app.state.engine = None
+    app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext)
     app.include_router(health.router)
-    app.include_router(sessions.router)
+    app.include_router(metrics.router)
+    app.include_router(playground.router)
+    # every /v1 route authenticates (when keys are set) and logs with its session id
+    v1 = [Depends(authenticate), Depends(bind_session)]
+    app.include_router(sessions.router, dependencies=v1)
+    app.include_router(completions.router, dependencies=v1)
     return app

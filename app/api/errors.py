@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.engine import EmptyContext, EngineError
+from app.engine import EmptyContext, EngineError, QueueFull
 from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
 from model import StateError
 
@@ -26,6 +26,8 @@ log = logging.getLogger("recur.api")
 
 class ErrorType(str, enum.Enum):
     invalid_request = "invalid_request"
+    unauthorized = "unauthorized"
+    model_not_found = "model_not_found"
     not_found = "not_found"
     method_not_allowed = "method_not_allowed"
     session_not_found = "session_not_found"
@@ -35,6 +37,7 @@ class ErrorType(str, enum.Enum):
     version_mismatch = "version_mismatch"
     prompt_too_long = "prompt_too_long"
     body_too_large = "body_too_large"
+    queue_full = "queue_full"
     state_corrupt = "state_corrupt"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
@@ -44,6 +47,8 @@ class ErrorType(str, enum.Enum):
 
 STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
+    ErrorType.unauthorized: 401,
+    ErrorType.model_not_found: 404,
     ErrorType.not_found: 404,
     ErrorType.method_not_allowed: 405,
     ErrorType.session_not_found: 404,
@@ -53,6 +58,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.version_mismatch: 412,
     ErrorType.prompt_too_long: 413,
     ErrorType.body_too_large: 413,
+    ErrorType.queue_full: 429,
     ErrorType.state_corrupt: 500,
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
@@ -69,15 +75,17 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (StoreUnavailable, ErrorType.redis_unavailable),
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
+    (QueueFull, ErrorType.queue_full),
     (EngineError, ErrorType.internal_error),
 ]
 
 
 class ApiError(Exception):
-    def __init__(self, type: ErrorType, message: str):
+    def __init__(self, type: ErrorType, message: str, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.type = type
         self.message = message
+        self.headers = headers
 
 
 def classify(exc: BaseException) -> tuple[ErrorType, str]:
@@ -95,7 +103,14 @@ def body(etype: ErrorType, message: str) -> dict:
     return {"error": {"type": etype.value, "message": message}}
 
 
+# seconds a client should wait before retrying, for the error types that say "try later"
+RETRY_AFTER = {ErrorType.queue_full: 1, ErrorType.redis_unavailable: 1, ErrorType.not_ready: 5}
+
+
 def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if etype in RETRY_AFTER:
+        headers.setdefault("Retry-After", str(RETRY_AFTER[etype]))
     return JSONResponse(body(etype, message), status_code=STATUS[etype], headers=headers)
 
 
@@ -124,7 +139,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def install(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         etype, message = classify(exc)
-        return response(etype, message)
+        return response(etype, message, headers=exc.headers if isinstance(exc, ApiError) else None)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

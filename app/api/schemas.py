@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ErrorType
 
@@ -79,6 +79,26 @@ class Generate(Request):
     logprobs: bool = False
 
 
+class GenerateQuery(BaseModel):
+    """`GET .../generate` (for EventSource): Generate's fields as query parameters; always streams."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    prompt: str = ""
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=16
+    )
+    logprobs: bool = False
+    access_token: str | None = Field(
+        None, description="the API key, for clients that cannot send headers (EventSource)"
+    )
+
+
 class GeneratedToken(Response):
     index: int
     id: int
@@ -118,6 +138,122 @@ class ScoreResult(Response):
     tokens: list[ScoredToken]
     total_logprob: float
     session: SessionRef
+
+
+# -- OpenAI-compatible completions ----------------------------------------------------------
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class Completion(Request):
+    """OpenAI's `POST /v1/completions` body, plus `session_id` (and `top_k`). Fields OpenAI
+    has but recur cannot honour are accepted only at their neutral values."""
+
+    model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
+    prompt: Prompt = ""
+    max_tokens: int | None = Field(16, ge=1, description="null: the server's max_tokens setting")
+    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="recur extension; 0 = off")
+    n: int | None = Field(None, description="only 1: a session has one continuation")
+    best_of: int | None = Field(None, description="only 1")
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=16, description="generation ends after the token that completes one (kept in text)"
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="any value returns the sampled tokens' log-probs; top_logprobs is null"
+    )
+    echo: bool = Field(False, description="only false")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    user: str | None = Field(None, max_length=256, description="logged, not used")
+    frequency_penalty: float | None = Field(None, description="only 0")
+    presence_penalty: float | None = Field(None, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, description="only empty")
+    suffix: str | None = Field(None, description="only null")
+    session_id: str | None = Field(
+        None, description="continue this session (or send X-Session-Id); absent: a new session is created"
+    )
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only 1 is supported: a recurrent session has one continuation")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _zero(cls, v: float | None) -> float | None:
+        if v not in (None, 0):
+            raise ValueError("penalties are not supported; send 0 or leave it out")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _empty(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported; send {} or leave it out")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(Response):
+    text: str
+    index: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionUsage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResult(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None
+    session_id: str = Field(description="the session generated in (also the X-Session-Id header)")
+    session: SessionRef | None = Field(None, description="the session after the commit (in the last chunk)")
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "recur"
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 # -- health ---------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The session resource: create, read, delete, fork, generate (SSE or JSON), score.
 
+`GET .../generate` is the same generation for `EventSource` (which can only GET): its
+parameters come in the query string, and it always streams.
+
 Routers validate, translate to engine calls, and commit through the store; they never
 touch tensors and never build error bodies (see errors.py). Every mutating route holds
 the session's writer lock from start to commit, and commits fenced on the version it
@@ -8,28 +11,27 @@ started from, so a failed, cancelled or disconnected request changes nothing.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from datetime import datetime, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from app.engine import Engine, Generation, TokenEvent
-from app.store import SessionMeta, Writer
-from model.sampling import SamplingParams
+from app.store import SessionMeta
 
-from . import errors
-from .deps import EngineDep, IfMatchDep, SettingsDep, StoreDep
+from . import errors, generation
+from .deps import EngineDep, IfMatchDep, OwnerDep, SettingsDep, StoreDep
 from .errors import ApiError, ErrorType, responses
+from .generation import Run, begin, commit, prompt_ids, read, sampling_params, start
 from .schemas import (
     CreateSession,
     Generate,
     GenerateDone,
     GeneratedToken,
+    GenerateQuery,
     GenerateResult,
     Score,
     ScoredToken,
@@ -40,10 +42,10 @@ from .schemas import (
     Usage,
 )
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
 E = ErrorType
-_SESSION_ERRORS = (E.session_not_found, E.redis_unavailable, E.invalid_request)
+_SESSION_ERRORS = (E.session_not_found, E.redis_unavailable, E.invalid_request, E.unauthorized)
 _WRITE_ERRORS = (*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.model_mismatch, E.invalid_request)
 
 
@@ -71,59 +73,28 @@ def _etag(meta: SessionMeta) -> dict[str, str]:
     return {"ETag": f'"{meta.version}"'}
 
 
-def _prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) -> list[int]:
-    ids = engine.tokenize(prompt)
-    if len(ids) > max_prompt_tokens:
-        raise ApiError(
-            E.prompt_too_long,
-            f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}",
-        )
-    bad = [i for i in ids if not 0 <= i < engine.vocab_size]
-    if bad:
-        raise ApiError(
-            E.invalid_request, f"token id {bad[0]} is outside the model's vocabulary [0, {engine.vocab_size})"
-        )
-    return ids
-
-
-def _check_model(meta: SessionMeta, engine: Engine) -> None:
-    if meta.fingerprint != engine.fingerprint:
-        raise ApiError(
-            E.model_mismatch,
-            f"session {meta.id} belongs to model {meta.model!r} ({meta.fingerprint}); "
-            f"this server runs {engine.name!r} ({engine.fingerprint})",
-        )
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 # -- routes ------------------------------------------------------------------------------------
 @router.post(
     "",
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(E.prompt_too_long, E.invalid_request, E.redis_unavailable),
+    responses=responses(E.prompt_too_long, E.invalid_request, E.redis_unavailable, E.unauthorized),
 )
 async def create_session(
     response: Response,
     engine: EngineDep,
     store: StoreDep,
     settings: SettingsDep,
+    owner: OwnerDep,
     body: Annotated[CreateSession | None, Body()] = None,
 ) -> SessionInfo:
     body = body or CreateSession.model_validate({})
     ttl = body.ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(E.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
-    ids = _prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    await store.ping()  # fail fast, before spending model time, when Redis is down
-    consumed = await engine.new_session(ids)
-    assert consumed.state is not None
-    meta = await store.create(consumed.state, consumed.n_tokens, engine.name, engine.fingerprint, ttl)
+    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    meta = await generation.create_session(engine, store, ids, ttl, owner)
     response.headers.update(_etag(meta))
     response.headers["Location"] = f"/v1/sessions/{meta.id}"
     return _info(meta)
@@ -135,8 +106,8 @@ async def create_session(
     summary="Read a session's metadata (ETag = version)",
     responses=responses(*_SESSION_ERRORS),
 )
-async def get_session(session_id: str, response: Response, store: StoreDep) -> SessionDetail:
-    meta, _ = await store.read(session_id)
+async def get_session(session_id: str, response: Response, store: StoreDep, owner: OwnerDep) -> SessionDetail:
+    meta, _ = await store.read(session_id, owner=owner)
     response.headers.update(_etag(meta))
     return SessionDetail(**_info(meta).model_dump(), state_bytes=meta.state_bytes)
 
@@ -147,8 +118,11 @@ async def get_session(session_id: str, response: Response, store: StoreDep) -> S
     summary="Delete a session",
     responses=responses(*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.invalid_request),
 )
-async def delete_session(session_id: str, store: StoreDep, expected: IfMatchDep) -> Response:
-    await store.delete(session_id, expected)
+async def delete_session(
+    session_id: str, store: StoreDep, engine: EngineDep, expected: IfMatchDep, owner: OwnerDep
+) -> Response:
+    await store.delete(session_id, expected, owner)
+    engine.forget(session_id)
     return Response(status_code=204)
 
 
@@ -160,9 +134,9 @@ async def delete_session(session_id: str, store: StoreDep, expected: IfMatchDep)
     responses=responses(*_SESSION_ERRORS, E.version_mismatch, E.invalid_request),
 )
 async def fork_session(
-    session_id: str, response: Response, store: StoreDep, expected: IfMatchDep
+    session_id: str, response: Response, store: StoreDep, expected: IfMatchDep, owner: OwnerDep
 ) -> SessionInfo:
-    meta = await store.fork(session_id, expected)
+    meta = await store.fork(session_id, expected, owner)
     response.headers.update(_etag(meta))
     response.headers["Location"] = f"/v1/sessions/{meta.id}"
     return _info(meta)
@@ -181,23 +155,20 @@ async def score(
     store: StoreDep,
     settings: SettingsDep,
     expected: IfMatchDep,
+    owner: OwnerDep,
 ) -> ScoreResult:
-    ids = _prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     if body.commit:
-        async with store.writer(session_id, expected) as w:
-            _check_model(w.meta, engine)
-            consumed = await engine.score(w.state, ids, keep_state=True)
-            assert consumed.state is not None
-            meta = await w.commit(consumed.state, consumed.n_tokens)
+        writer, source = await begin(engine, store, session_id, expected, owner)
+        try:
+            consumed = await engine.score(source, ids, keep_state=True)
+            assert consumed.commit is not None
+            meta = await commit(writer, engine, consumed.commit)
+        finally:
+            await writer.release()
     else:
-        meta, blob = await store.read(session_id, with_state=True)
-        if expected is not None and meta.version != expected:
-            raise ApiError(
-                E.version_mismatch, f"session {session_id!r} is at version {meta.version}, not {expected}"
-            )
-        _check_model(meta, engine)
-        assert blob is not None
-        consumed = await engine.score(blob, ids, keep_state=False)
+        meta, source = await read(engine, store, session_id, expected, owner)
+        consumed = await engine.score(source, ids, keep_state=False)
     tokens = [
         ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
         for i, lp in zip(ids, consumed.logprobs, strict=True)
@@ -234,94 +205,83 @@ async def generate(
     store: StoreDep,
     settings: SettingsDep,
     expected: IfMatchDep,
+    owner: OwnerDep,
 ) -> GenerateResult | EventSourceResponse:
-    ids = _prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    try:
-        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p)
-    except ValueError as exc:
-        raise ApiError(E.invalid_request, str(exc)) from None
-    writer = await store.begin(session_id, expected)
-    try:
-        _check_model(writer.meta, engine)
-        gen = engine.generate(
-            writer.state,
-            ids,
-            params,
-            seed=body.seed,
-            max_tokens=min(body.max_tokens, settings.max_tokens),
-            stop=list(body.stop),
-        )
-    except BaseException:
-        await writer.release()
-        raise
+    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    run = await start(
+        engine,
+        store,
+        settings,
+        session_id,
+        ids=ids,
+        params=sampling_params(body.temperature, body.top_k, body.top_p),
+        seed=body.seed,
+        max_tokens=body.max_tokens,
+        stop=list(body.stop),
+        expected=expected,
+        owner=owner,
+    )
     if body.stream:
-        return EventSourceResponse(
-            _stream(gen, writer, len(ids), body.logprobs),
-            background=BackgroundTask(_abandon, gen, writer),
-            ping=15,
-        )
-    # non-streaming: a client that hangs up abandons the generation, so nothing is committed
-    collect = asyncio.ensure_future(_collect(gen))
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():
-            raise ApiError(E.client_disconnected, "the client disconnected; nothing was committed")
-        events = collect.result()
-        assert gen.result is not None
-        meta = await writer.commit(gen.result.state, gen.result.n_tokens)
-    finally:
-        collect.cancel()
-        watcher.cancel()
-        await _abandon(gen, writer)
+        return EventSourceResponse(_stream(run, body.logprobs), background=BackgroundTask(run.close), ping=15)
+    meta = await run.complete(request)
     tokens = [
         GeneratedToken(index=e.index, id=e.id, text=e.text, logprob=e.logprob if body.logprobs else None)
-        for e in events
+        for e in run.tokens
     ]
-    return GenerateResult(**_done(gen, meta, len(ids)).model_dump(), tokens=tokens)
+    return GenerateResult(**_done(run, meta).model_dump(), tokens=tokens)
 
 
-async def _collect(gen: Generation) -> list[TokenEvent]:
-    return [ev async for ev in gen]
+@router.get(
+    "/{session_id}/generate",
+    summary="The streaming generate for EventSource: parameters in the query string",
+    responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "as POST"},
+        **responses(*_WRITE_ERRORS, E.prompt_too_long, E.session_conflict),
+    },
+)
+async def generate_get(
+    session_id: str,
+    query: Annotated[GenerateQuery, Query()],
+    request: Request,
+    engine: EngineDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    expected: IfMatchDep,
+    owner: OwnerDep,
+) -> EventSourceResponse:
+    body = Generate(**query.model_dump(exclude={"access_token"}), stream=True)
+    response = await generate(session_id, body, request, engine, store, settings, expected, owner)
+    assert isinstance(response, EventSourceResponse)
+    return response
 
 
-def _done(gen: Generation, meta: SessionMeta, prompt_tokens: int) -> GenerateDone:
-    res = gen.result
-    assert res is not None
+def _done(run: Run, meta: SessionMeta) -> GenerateDone:
     return GenerateDone(
-        text=res.text,
-        finish_reason=res.finish_reason,  # type: ignore[arg-type]
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(res.token_ids)),
+        text=run.text,
+        finish_reason=run.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=run.prompt_tokens, completion_tokens=len(run.tokens)),
         session=_ref(meta),
     )
 
 
-async def _abandon(gen: Generation, writer: Writer) -> None:
-    gen.cancel()
-    await writer.release()
-
-
-def _sse_json(data: dict) -> str:
+def sse_json(data: dict) -> str:
     # ASCII-only JSON: generated text can hold characters (U+2028, U+0085, ...) that some
     # SSE clients take for line breaks; escaped, every event is one line of plain ASCII
     return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
 
 
-async def _stream(gen: Generation, writer: Writer, prompt_tokens: int, logprobs: bool):
+async def _stream(run: Run, logprobs: bool):
     try:
-        async for ev in gen:
+        async for ev in run.stream():
             data = {"index": ev.index, "id": ev.id, "text": ev.text}
             if logprobs:
                 data["logprob"] = ev.logprob
-            yield ServerSentEvent(data=_sse_json(data), event="token")
-        assert gen.result is not None
-        meta = await writer.commit(gen.result.state, gen.result.n_tokens)
-        yield ServerSentEvent(
-            data=_sse_json(_done(gen, meta, prompt_tokens).model_dump(mode="json")), event="done"
-        )
+            yield ServerSentEvent(data=sse_json(data), event="token")
+        assert run.meta is not None
+        yield ServerSentEvent(data=sse_json(_done(run, run.meta).model_dump(mode="json")), event="done")
     except Exception as exc:  # after streaming began: an error event, and nothing committed
         etype, message = errors.classify(exc)
-        yield ServerSentEvent(data=_sse_json(errors.body(etype, message)), event="error")
+        yield ServerSentEvent(data=sse_json(errors.body(etype, message)), event="error")
     finally:
         with contextlib.suppress(BaseException):
-            await _abandon(gen, writer)
+            await run.close()

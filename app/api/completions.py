@@ -1,0 +1,209 @@
+"""OpenAI-compatible routes: `POST /v1/completions` and `GET /v1/models`.
+
+A completion runs in a recur session: the body field `session_id` or the `X-Session-Id`
+header continues one (its recurrent state is the context, so the prompt only needs the
+new text); without either, a new session is created. Either way the session's id comes
+back in the `X-Session-Id` header and the body, and the generation is committed to it
+exactly as `POST /v1/sessions/{id}/generate` would (the same code path: generation.py).
+
+Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1, a stop string is
+kept in `text` (the state has consumed it), and `logprobs` are the sampled tokens' own
+(no `top_logprobs`). Errors keep recur's body, `{"error": {"type", "message"}}`, which the
+openai SDK raises as its usual exceptions; mid-stream, an error is a data chunk
+`{"error": ...}`, which the SDK raises too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from app import logs
+from app.engine import TokenEvent
+
+from . import errors, generation
+from .deps import EngineDep, OwnerDep, SettingsDep, StoreDep
+from .errors import ApiError, ErrorType, responses
+from .generation import Run, sse_json
+from .schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResult,
+    CompletionUsage,
+    ModelCard,
+    ModelList,
+    SessionRef,
+)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+E = ErrorType
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+_STARTED = time.time()
+
+
+@router.get("/models", response_model=ModelList, summary="The served model (OpenAI format)")
+async def list_models(engine: EngineDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=engine.name, created=int(_STARTED))])
+
+
+def _logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
+    offsets = []
+    for ev in events:
+        offsets.append(offset)
+        offset += len(ev.text)
+    return CompletionLogprobs(
+        tokens=[ev.text for ev in events], token_logprobs=[ev.logprob for ev in events], text_offset=offsets
+    )
+
+
+def _usage(run: Run) -> CompletionUsage:
+    n = len(run.tokens)
+    return CompletionUsage(
+        prompt_tokens=run.prompt_tokens, completion_tokens=n, total_tokens=run.prompt_tokens + n
+    )
+
+
+def _ref(run: Run) -> SessionRef:
+    assert run.meta is not None
+    return SessionRef(id=run.meta.id, version=run.meta.version, n_tokens=run.meta.n_tokens)
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionResult,
+    response_model_exclude_none=False,
+    summary="OpenAI-compatible text completion, in a new or a continued session",
+    responses={
+        200: {
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": "stream=true: `data: {completion chunk}` events, then `data: [DONE]`",
+        },
+        **responses(
+            E.invalid_request,
+            E.unauthorized,
+            E.model_not_found,
+            E.session_not_found,
+            E.session_busy,
+            E.model_mismatch,
+            E.prompt_too_long,
+            E.redis_unavailable,
+        ),
+    },
+)
+async def create_completion(
+    body: Completion,
+    request: Request,
+    response: Response,
+    engine: EngineDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    x_session_id: Annotated[
+        str | None, Header(alias="X-Session-Id", description="the session to continue (or body session_id)")
+    ] = None,
+) -> CompletionResult | EventSourceResponse:
+    started = time.perf_counter()
+    if body.model is not None and body.model != engine.name:
+        raise ApiError(
+            E.model_not_found, f"model {body.model!r} is not served here; this server runs {engine.name!r}"
+        )
+    if body.session_id and x_session_id and body.session_id != x_session_id:
+        raise ApiError(E.invalid_request, "session_id and the X-Session-Id header name different sessions")
+    ids = generation.prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    params = generation.sampling_params(
+        1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
+    )
+    sid = body.session_id or x_session_id
+    if sid is None:  # a fresh session: BOS now, the prompt with the generation
+        sid = (await generation.create_session(engine, store, [], settings.session_ttl, owner)).id
+    else:
+        logs.session_id.set(sid)
+    run = await generation.start(
+        engine,
+        store,
+        settings,
+        sid,
+        ids=ids,
+        params=params,
+        seed=body.seed,
+        max_tokens=body.max_tokens or settings.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        expected=None,
+        owner=owner,
+        started=started,
+    )
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
+    headers = {"X-Session-Id": sid}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(
+            _chunks(run, head, sid, engine.fingerprint, body.logprobs is not None, include_usage),
+            headers=headers,
+            background=BackgroundTask(run.close),
+            ping=15,
+        )
+    await run.complete(request)
+    response.headers.update(headers)
+    return CompletionResult(
+        **head,
+        system_fingerprint=engine.fingerprint,
+        choices=[
+            CompletionChoice(
+                text=run.text,
+                logprobs=_logprobs(run.tokens, 0) if body.logprobs is not None else None,
+                finish_reason=_FINISH[run.finish_reason],  # type: ignore[arg-type]
+            )
+        ],
+        usage=_usage(run),
+        session_id=sid,
+        session=_ref(run),
+    )
+
+
+async def _chunks(run: Run, head: dict, sid: str, fingerprint: str, logprobs: bool, include_usage: bool):
+    def chunk(
+        choices: list[CompletionChoice],
+        usage: CompletionUsage | None = None,
+        session: SessionRef | None = None,
+    ) -> ServerSentEvent:
+        body = CompletionResult(
+            **head,
+            system_fingerprint=fingerprint,
+            choices=choices,
+            usage=usage,
+            session_id=sid,
+            session=session,
+        )
+        data = body.model_dump(mode="json")  # usage: null in every chunk but the last, as OpenAI's
+        if session is None:
+            del data["session"]
+        return ServerSentEvent(data=sse_json(data))
+
+    offset = 0
+    try:
+        async for ev in run.stream():
+            lp = _logprobs([ev], offset) if logprobs else None
+            offset += len(ev.text)
+            yield chunk([CompletionChoice(text=ev.text, logprobs=lp, finish_reason=None)])
+        # committed: the finish reason, with the session as it now is
+        yield chunk(
+            [CompletionChoice(text="", finish_reason=_FINISH[run.finish_reason])],  # type: ignore[arg-type]
+            session=_ref(run),
+        )
+        if include_usage:
+            yield chunk([], usage=_usage(run))
+    except Exception as exc:  # after streaming began: an error chunk (the SDK raises it); nothing committed
+        etype, message = errors.classify(exc)
+        yield ServerSentEvent(data=sse_json(errors.body(etype, message)))
+    finally:
+        with contextlib.suppress(BaseException):
+            await run.close()
+    yield ServerSentEvent(data="[DONE]")

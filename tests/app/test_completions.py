@@ -1,0 +1,143 @@
+"""The OpenAI-compatible routes, driven by the official `openai` SDK over real HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def oa(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _generate(http: httpx.Client, sid: str, **body: object) -> dict:
+    r = http.post(f"/v1/sessions/{sid}/generate", json={"stream": False, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _session(http: httpx.Client, sid: str) -> dict:
+    r = http.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_models_lists_the_served_model(oa):
+    models = oa.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].object == "model"
+
+
+def test_completion_in_a_new_session(oa, http):
+    raw = oa.completions.with_raw_response.create(model="tiny", prompt="ROMEO:", max_tokens=8, temperature=0)
+    c = raw.parse()
+    assert c.object == "text_completion" and c.model == "tiny" and c.id.startswith("cmpl-")
+    assert len(c.choices) == 1 and c.choices[0].index == 0
+    assert c.choices[0].finish_reason == "length" and c.choices[0].logprobs is None
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (6, 8, 14)
+    sid = c.session_id  # type: ignore[attr-defined]
+    assert raw.headers["x-session-id"] == sid and len(sid) == 32
+    s = _session(http, sid)
+    assert s["version"] == 1 and s["n_tokens"] == 1 + 6 + 8  # BOS, prompt, completion
+    assert c.session == {"id": sid, "version": 1, "n_tokens": 15}  # type: ignore[attr-defined]
+    # the same as the session API: a fresh session, then one generate with the prompt
+    fresh = http.post("/v1/sessions").json()["id"]
+    assert _generate(http, fresh, prompt="ROMEO:", max_tokens=8, temperature=0)["text"] == c.choices[0].text
+
+
+def test_streaming_chunks_usage_and_done(oa, http, server):
+    stream = oa.completions.create(
+        model="tiny",
+        prompt="ab",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+    *tokens, finish, usage = chunks
+    assert len(tokens) == 10
+    assert all(c.choices[0].finish_reason is None and c.usage is None for c in tokens)
+    assert finish.choices[0].text == "" and finish.choices[0].finish_reason == "length"
+    assert usage.choices == [] and usage.usage is not None
+    assert (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (2, 10)
+    sid = finish.session_id  # type: ignore[attr-defined]
+    assert finish.session["version"] == 1  # type: ignore[attr-defined]
+    text = "".join(c.choices[0].text for c in tokens)
+    fresh = http.post("/v1/sessions").json()["id"]
+    assert _generate(http, fresh, prompt="ab", max_tokens=10, temperature=0)["text"] == text
+    assert _session(http, sid)["n_tokens"] == 1 + 2 + 10
+
+    # on the wire: data-only events, usage null until the last chunk, then [DONE]
+    body = {"prompt": "x", "max_tokens": 3, "stream": True, "session_id": sid}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["x-session-id"] == sid
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    assert '"usage":null' in lines[0]
+
+
+def test_a_session_continued_across_calls(oa, http):
+    first = oa.completions.create(model="tiny", prompt="To be, or", max_tokens=6, temperature=0)
+    sid = first.session_id  # type: ignore[attr-defined]
+    second = oa.completions.create(
+        model="tiny", prompt=" not", max_tokens=6, temperature=0, extra_body={"session_id": sid}
+    )
+    assert second.session_id == sid  # type: ignore[attr-defined]
+    assert second.session == {"id": sid, "version": 2, "n_tokens": 1 + 9 + 6 + 4 + 6}  # type: ignore[attr-defined]
+    assert second.usage.prompt_tokens == 4
+    # the second call continued the recurrent state: it equals one generate in one session
+    # that consumed everything before it
+    history = "To be, or" + first.choices[0].text + " not"
+    one = http.post("/v1/sessions", json={"prompt": history}).json()["id"]
+    assert _generate(http, one, max_tokens=6, temperature=0)["text"] == second.choices[0].text
+
+    # the X-Session-Id header works too, streaming
+    third = oa.completions.create(
+        model="tiny",
+        prompt="!",
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_headers={"X-Session-Id": sid},
+    )
+    text = "".join(c.choices[0].text for c in third if c.choices)
+    after = _session(http, sid)
+    assert after["version"] == 3 and after["n_tokens"] == 1 + 9 + 6 + 4 + 6 + 1 + 4
+    assert (
+        _generate(http, one, prompt=second.choices[0].text + "!", max_tokens=4, temperature=0)["text"] == text
+    )
+
+
+def test_token_id_prompts_logprobs_and_seed(oa):
+    a = oa.completions.create(model="tiny", prompt=[72, 105], max_tokens=5, seed=7, logprobs=1)
+    b = oa.completions.create(model="tiny", prompt="Hi", max_tokens=5, seed=7, logprobs=0)
+    assert a.choices[0].text == b.choices[0].text  # same tokens, same seed: same sample
+    lp = a.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs) == 5 and "".join(lp.tokens) == a.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_errors_surface_as_sdk_exceptions(oa, http):
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        oa.completions.create(model="tiny", prompt="x", n=2)
+    assert e.value.status_code == 422 and e.value.type == "invalid_request" and "n" in str(e.value)
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model="gpt-4", prompt="x")
+    assert e.value.type == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model="tiny", prompt="x", extra_body={"session_id": "0" * 32})
+    assert e.value.type == "session_not_found"
+    with pytest.raises(openai.UnprocessableEntityError):
+        oa.completions.create(model="tiny", prompt="x", presence_penalty=1.0)
+    # the house error body, unchanged
+    r = http.post("/v1/completions", json={"prompt": "x", "n": 3})
+    assert r.status_code == 422 and set(r.json()["error"]) == {"type", "message"}
+    # nothing was created or changed by a refused request
+    sid = http.post("/v1/sessions").json()["id"]
+    r = http.post("/v1/completions", json={"prompt": [999999], "session_id": sid})
+    assert r.status_code == 422 and _session(http, sid)["version"] == 0

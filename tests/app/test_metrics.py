@@ -1,0 +1,105 @@
+"""`/metrics` (Prometheus text format, parsed with prometheus-client's own parser) and the
+structured JSON logs, over real HTTP against `python -m app`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from .sse_client import generate
+
+GENERATE = "/v1/sessions/{session_id}/generate"
+
+
+def scrape(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_generation_metrics_count_what_happened(http):
+    before = scrape(http)
+    sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
+    tokens, final, done = generate(http, sid, max_tokens=7, temperature=0)
+    assert final == "done" and len(tokens) == 7
+    r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de"})
+    assert r.status_code == 200
+    assert http.get("/v1/sessions/" + "0" * 32).status_code == 404
+    after = scrape(http)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    ok = {"method": "POST", "route": GENERATE, "status": "200"}
+    assert delta("recur_http_requests_total", **ok) == 2
+    assert delta("recur_http_requests_total", method="POST", route="/v1/sessions", status="201") == 1
+    assert (
+        delta("recur_http_requests_total", method="GET", route="/v1/sessions/{session_id}", status="404") == 1
+    )
+    assert delta("recur_http_request_duration_seconds_count", method="POST", route=GENERATE) == 2
+    assert delta("recur_generation_tokens_total") == 12
+    assert delta("recur_prompt_tokens_total") == 2
+    assert delta("recur_time_to_first_token_seconds_count") == 2
+    assert delta("recur_inter_token_latency_seconds_count") == (7 - 1) + (5 - 1)
+    assert delta("recur_time_to_first_token_seconds_sum") > 0
+    assert delta("recur_e2e_request_latency_seconds_count") == 2
+    assert delta("recur_request_success_total", finished_reason="length") == 2
+    # no session id ever becomes a label value
+    assert sid not in http.get("/metrics").text
+    # idle now: nothing running, nothing queued; every other family is exported
+    assert value(after, "recur_num_requests_running") == 0
+    assert value(after, "recur_num_requests_waiting") == 0
+    names = {name for name, _ in after}
+    for family in (
+        "recur_state_bytes_read_total",
+        "recur_state_bytes_written_total",
+        "recur_hot_cache_hits_total",
+        "recur_hot_cache_misses_total",
+        "recur_redis_errors_total",
+    ):
+        assert family in names, family
+
+
+def test_json_logs_carry_request_and_session_ids(http, server):
+    sid = http.post("/v1/sessions").json()["id"]
+    r = http.post(
+        f"/v1/sessions/{sid}/generate",
+        json={"max_tokens": 2, "stream": False},
+        headers={"X-Request-Id": "req-test-42"},
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-test-42"
+    # a request id that is not a sane token is replaced, never echoed
+    r = http.get("/healthz", headers={"X-Request-Id": "bad id\twith spaces"})
+    rid = r.headers["x-request-id"]
+    assert rid != "bad id\twith spaces" and len(rid) == 32
+
+    def records() -> list[dict]:
+        lines = server.log.read_text().splitlines()
+        return [json.loads(ln) for ln in lines if ln.startswith("{")]
+
+    deadline = time.monotonic() + 10
+    while True:
+        mine = [x for x in records() if x.get("request_id") == "req-test-42"]
+        if mine or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    access = [x for x in mine if x["logger"] == "recur.access"]
+    assert len(access) == 1
+    line = access[0]
+    assert line["session_id"] == sid and line["status"] == 200 and line["route"] == GENERATE
+    assert line["method"] == "POST" and line["level"] == "info" and line["duration_ms"] >= 0
+    assert any(x.get("request_id") == rid and x["path"] == "/healthz" for x in records())
+    # every line the server logged since startup is one JSON object
+    text = server.log.read_text()
+    assert all(ln.startswith("{") for ln in text.splitlines() if ln.strip())
