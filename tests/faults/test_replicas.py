@@ -1,0 +1,247 @@
+"""Several server processes on one Redis: racing writers, a stalled writer, and a
+conversation handed back and forth between replicas.
+
+Replicas A and B serve normally. Replica S stalls every commit (the test-only setting
+`fault_pause_before_commit`: the writer stops renewing its lock and sleeps before the
+commit script runs), with a lock lease far shorter than the stall, so another writer can
+take the lapsed lock and commit first. The version fence must then refuse S's commit.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import ServerProcess
+
+from .harness import error_type, start_all, store_for, stored, stream_generate
+
+STALL_SECONDS = 2.0
+COMMON = dict(cpu_threads=1, max_tokens=64)
+
+
+@dataclass
+class Cluster:
+    a: ServerProcess
+    b: ServerProcess
+    stalled: ServerProcess
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, redis_url, tmp_path_factory) -> Iterator[Cluster]:
+    prefix = f"replicas-{secrets.token_hex(4)}:"  # one key space: the replicas share sessions
+    tmp = tmp_path_factory.mktemp("replicas")
+    a = ServerProcess(model_dir, tmp / "a", redis_url, key_prefix=prefix, **COMMON)
+    b = ServerProcess(model_dir, tmp / "b", redis_url, key_prefix=prefix, **COMMON)
+    s = ServerProcess(
+        model_dir, tmp / "s", redis_url, key_prefix=prefix, lock_lease_seconds=0.3,
+        fault_pause_before_commit=STALL_SECONDS, **COMMON,
+    )  # fmt: skip
+    try:
+        start_all(a, b, s)
+        yield Cluster(a, b, s)
+    finally:
+        for srv in (a, b, s):
+            srv.stop()
+
+
+@pytest.fixture
+def rdb(redis_url) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+def create(c: httpx.Client, prompt: str | list[int]) -> dict:
+    r = c.post("/v1/sessions", json={"prompt": prompt})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+# -- racing writers -----------------------------------------------------------------------
+@dataclass
+class Success:
+    version: int
+    n_tokens: int
+    consumed: int  # tokens this request added to the state
+    replica: str
+
+
+def test_racing_writers_lose_no_update(cluster, lm, rdb):
+    """50 concurrent mutating requests on one session, spread over two replicas; each
+    retries on 409 until it commits. Every commit lands exactly once, in order."""
+    with cluster.a.client() as c:
+        start = create(c, "race")
+    sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
+    successes: list[Success] = []
+    busy = 0
+    failures: list[str] = []
+    lock = threading.Lock()
+    go = threading.Barrier(50)
+
+    def attempt(c: httpx.Client, kind: str, rng: random.Random, i: int) -> tuple[int, int, int] | str:
+        """One request: (version, n_tokens, tokens consumed) on success, else the error type."""
+        if kind == "score":
+            ids = list(rng.randbytes(rng.randint(1, 9)))
+            r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": ids, "commit": True})
+            if r.status_code != 200:
+                return f"{r.status_code} {error_type(r)}"
+            s = r.json()["session"]
+            return s["version"], s["n_tokens"], len(ids)
+        if kind == "generate":
+            body = {"prompt": "g", "max_tokens": rng.randint(1, 6), "stream": False, "seed": i}
+            r = c.post(f"/v1/sessions/{sid}/generate", json=body)
+            if r.status_code != 200:
+                return f"{r.status_code} {error_type(r)}"
+            d = r.json()
+            used = d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"]
+            return d["session"]["version"], d["session"]["n_tokens"], used
+        o = stream_generate(c, sid, {"max_tokens": rng.randint(1, 6), "seed": i})
+        if o.kind != "done":
+            return f"{o.status} {o.error}" if o.kind == "http" else f"{o.kind} {o.error}"
+        return o.version, o.n_tokens, o.tokens
+
+    def worker(i: int) -> None:
+        nonlocal busy
+        rng = random.Random(i)
+        name, srv = ("a", cluster.a) if i % 2 else ("b", cluster.b)
+        kind = ("score", "generate", "stream")[i % 3]
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            go.wait()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                got = attempt(c, kind, rng, i)
+                if isinstance(got, tuple):
+                    with lock:
+                        successes.append(Success(*got, replica=name))
+                    return
+                if got != "409 session_busy":
+                    with lock:
+                        failures.append(f"{kind} via {name}: {got}")
+                    return
+                with lock:
+                    busy += 1
+                time.sleep(rng.uniform(0.001, 0.02))
+            with lock:
+                failures.append(f"{kind} via {name}: never committed")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert busy > 0  # the requests really did collide
+    assert {s.replica for s in successes} == {"a", "b"}
+    # versions rise by exactly one per success, and each commit builds on the one before
+    successes.sort(key=lambda s: s.version)
+    assert [s.version for s in successes] == list(range(v0 + 1, v0 + 51))
+    n = n0
+    for s in successes:
+        n += s.consumed
+        assert s.n_tokens == n, (s, n)
+    final = stored(rdb, store_for(cluster.a), sid, lm)
+    assert (final.version, final.n_tokens) == (v0 + 50, n0 + sum(s.consumed for s in successes))
+
+
+# -- stalled writer -------------------------------------------------------------------------
+def _wait_locked(rdb: redis.Redis, key: str) -> None:
+    end = time.monotonic() + 60
+    while not rdb.exists(key):
+        assert time.monotonic() < end, "the stalled request never took the lock"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("route", ["score", "stream"])
+def test_stalled_writer_cannot_commit_over_a_newer_version(cluster, lm, rdb, route):
+    keys = store_for(cluster.a)
+    with cluster.a.client() as ca:
+        sid = create(ca, "stall")["id"]
+        control = create(ca, "stall")["id"]  # the same history, written by A alone
+        result: list = []
+
+        def stalled_request() -> None:
+            with cluster.stalled.client() as cs:
+                if route == "score":
+                    result.append(
+                        cs.post(f"/v1/sessions/{sid}/score", json={"prompt": "STALLED", "commit": True})
+                    )
+                else:
+                    result.append(stream_generate(cs, sid, {"prompt": "STALLED", "max_tokens": 5}))
+
+        t = threading.Thread(target=stalled_request)
+        t.start()
+        _wait_locked(rdb, keys.lock_key(sid))
+        # the stalled writer stops renewing; once its lease lapses, A takes the lock and commits
+        end = time.monotonic() + 30
+        while True:
+            r = ca.post(f"/v1/sessions/{sid}/score", json={"prompt": " A wins", "commit": True})
+            if r.status_code != 409 or time.monotonic() > end:
+                break
+            time.sleep(0.02)
+        assert r.status_code == 200, r.text
+        t.join(timeout=60)
+        assert not t.is_alive()
+        # the stalled request fails cleanly, having committed nothing
+        if route == "score":
+            (res,) = result
+            assert res.status_code == 409 and error_type(res) == "session_conflict", res.text
+        else:
+            (out,) = result
+            assert (out.kind, out.error) == ("error", "session_conflict"), out
+        assert (
+            ca.post(f"/v1/sessions/{control}/score", json={"prompt": " A wins", "commit": True}).status_code
+            == 200
+        )
+        # the session is exactly A's commit: same version, size, and next-token distribution
+        got, want = stored(rdb, keys, sid, lm), stored(rdb, keys, control, lm)
+        assert (
+            (got.version, got.n_tokens)
+            == (want.version, want.n_tokens)
+            == (1, r.json()["session"]["n_tokens"])
+        )
+        probe = {"prompt": " next"}
+        pa = ca.post(f"/v1/sessions/{sid}/score", json=probe).json()["tokens"]
+        pc = ca.post(f"/v1/sessions/{control}/score", json=probe).json()["tokens"]
+        assert [t["logprob"] for t in pa] == pytest.approx([t["logprob"] for t in pc], abs=1e-5)
+
+
+# -- handover ------------------------------------------------------------------------------
+def _converse(clients: list[httpx.Client]) -> tuple[list[float], list[int]]:
+    """One conversation: each turn scores a user message and generates a reply, turns
+    alternating over `clients`. Returns every log-prob (scored and generated) and the
+    generated token ids."""
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    words = text.split(" ")
+    sid = create(clients[0], words[0])["id"]
+    lps: list[float] = []
+    ids: list[int] = []
+    for turn, word in enumerate(words[1:]):
+        c = clients[turn % len(clients)]
+        r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": " " + word, "commit": True})
+        assert r.status_code == 200, r.text
+        lps += [t["logprob"] for t in r.json()["tokens"]]
+        c = clients[(turn + 1) % len(clients)]
+        body = {"max_tokens": 3, "temperature": 0.7, "seed": turn, "logprobs": True, "stream": False}
+        r = c.post(f"/v1/sessions/{sid}/generate", json=body)
+        assert r.status_code == 200, r.text
+        lps += [t["logprob"] for t in r.json()["tokens"]]
+        ids += [t["id"] for t in r.json()["tokens"]]
+    return lps, ids
+
+
+def test_handover_between_replicas_matches_one_process(cluster):
+    with cluster.a.client() as ca, cluster.b.client() as cb:
+        alternating = _converse([ca, cb])
+        single = _converse([ca])
+    assert alternating[1] == single[1]  # the same sampled tokens
+    assert alternating[0] == pytest.approx(single[0], abs=1e-4)
+    assert len(alternating[0]) > 60
