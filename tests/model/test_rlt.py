@@ -326,3 +326,27 @@ def test_a_tiny_training_run_reduces_the_loss(tmp_path):
     )
     losses = train(cfg, progress=False)["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_the_shipped_rlt_loads_and_knows_shakespeare():
+    lm = model.load("shakespeare-rlt", device="cpu")
+    assert isinstance(lm, RLT) and lm.fingerprint == model.load("shakespeare-rlt", device="cpu").fingerprint
+    from model.corpus import load_split
+
+    name, text = load_split("shakespeare", "test")[0]
+    ids = [lm.tokenizer.bos_id, *lm.tokenizer.encode(text[20000:20600])]
+    lp, _ = lm.consume(ids, lm.new_state(1))
+    bits_per_byte = -float(lp[0, 1:].sum()) / torch.log(torch.tensor(2.0)).item() / (len(ids) - 1)
+    assert bits_per_byte < 3.5, (name, bits_per_byte)  # uniform over bytes would be 8
+
+    def greedy() -> list[int]:
+        with torch.no_grad():
+            _, state = lm(torch.tensor([[lm.tokenizer.bos_id, *lm.tokenizer.encode("ROMEO:")]]))
+            out = []
+            for _ in range(50):
+                nxt = lm.next_logits(state).argmax(-1)
+                out.append(int(nxt))
+                _, state = lm(nxt[:, None], state)
+        return out
+
+    assert greedy() == greedy()
