@@ -38,7 +38,7 @@ def _error(r: httpx.Response) -> ChatError:
 
 def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
     """(event name, JSON data) of each Server-Sent Event; comments (pings) are skipped."""
-    name, data = "message", []
+    name, data = "message", []  # type: list[str]
     for line in response.iter_lines():
         if line == "":
             if data:

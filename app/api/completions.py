@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -140,7 +140,11 @@ async def create_completion(
         owner=owner,
         started=started,
     )
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
+    head: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": engine.name,
+    }
     headers = {"X-Session-Id": sid}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -168,7 +172,9 @@ async def create_completion(
     )
 
 
-async def _chunks(run: Run, head: dict, sid: str, fingerprint: str, logprobs: bool, include_usage: bool):
+async def _chunks(
+    run: Run, head: dict[str, Any], sid: str, fingerprint: str, logprobs: bool, include_usage: bool
+):
     def chunk(
         choices: list[CompletionChoice],
         usage: CompletionUsage | None = None,
