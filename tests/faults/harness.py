@@ -201,3 +201,13 @@ def running(*servers: ServerProcess) -> Iterator[None]:
     finally:
         for s in servers:
             s.stop()
+
+
+def stream_events(client: httpx.Client, path: str, body: dict) -> tuple[int, list[tuple[str, dict]]]:
+    """A streaming POST read to its end: (status, events); a non-200 gives its error body
+    as one ("http", body) event."""
+    with client.stream("POST", path, json={"stream": True, **body}) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, [("http", r.json())]
+        return 200, list(events(r))

@@ -1,0 +1,93 @@
+"""Planted state: a pickle that would run code when unpickled is written straight into a
+session's state in Redis. Every route that uses the state must refuse it with a clean
+error; the payload must never run (its marker file never appears); the server keeps
+serving everyone else. Both model families.
+
+The planted write also bumps the session's version, as any real write does, so a server
+holding the session's previous state in its hot cache must go back to Redis for it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from tests.faults.harness import store_for, stream_events
+
+from .conftest import assert_error
+
+
+class Payload:
+    """Unpickling this creates `marker` (and would do anything else just as easily)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _pickle(marker: Path) -> bytes:
+    return pickle.dumps(Payload(marker))
+
+
+def _torch_save(marker: Path) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"n_tokens": Payload(marker)}, buf)  # a zip around a pickle: what torch.load would run
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("family", ["txl", "rlt"])
+@pytest.mark.parametrize("variant", ["pickle-snapshot", "torch-save-snapshot", "pickle-delta"])
+def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_path, family, variant):
+    server = hostile_servers[family]
+    keys = store_for(server)
+    marker = tmp_path / "PWNED"
+    r = redis.Redis.from_url(redis_url)
+    with server.client() as c:
+        sid = c.post("/v1/sessions", json={"prompt": "victim"}).json()["id"]
+        healthy = c.post("/v1/sessions", json={"prompt": "bystander"}).json()["id"]
+        assert c.post(f"/v1/sessions/{sid}/score", json={"prompt": "!", "commit": True}).status_code == 200
+        skey = keys.session_key(sid)
+        if variant == "pickle-delta":
+            r.rpush(keys.deltas_key(sid), _pickle(marker))
+        else:
+            blob = _pickle(marker) if variant == "pickle-snapshot" else _torch_save(marker)
+            r.delete(keys.deltas_key(sid))
+            r.hset(skey, mapping={"state": blob, "delta_bytes": 0})
+        version = r.hincrby(skey, "version", 1)
+
+        for path, body in [
+            ("/score", {"prompt": "x"}),
+            ("/score", {"prompt": "x", "commit": True}),
+            ("/generate", {"max_tokens": 2, "stream": False}),
+        ]:
+            assert_error(c.post(f"/v1/sessions/{sid}{path}", json=body), 500, "state_corrupt")
+        # a stream refuses either before it starts or with an `error` event
+        status, evs = stream_events(c, f"/v1/sessions/{sid}/generate", {"max_tokens": 2})
+        if status == 200:
+            assert evs and evs[-1][0] == "error" and evs[-1][1]["error"]["type"] == "state_corrupt", evs
+            assert all(name != "done" for name, _ in evs)
+        else:
+            assert status == 500 and evs[0][1]["error"]["type"] == "state_corrupt"
+        # reading metadata and forking never parse the blob; the fork is refused just the same
+        assert c.get(f"/v1/sessions/{sid}").json()["version"] == version
+        fork = c.post(f"/v1/sessions/{sid}/fork")
+        assert fork.status_code == 201
+        assert_error(
+            c.post(f"/v1/sessions/{fork.json()['id']}/score", json={"prompt": "x"}), 500, "state_corrupt"
+        )
+
+        assert not marker.exists(), "the planted pickle was unpickled"
+        assert int(r.hget(skey, "version")) == version  # nothing was committed over it
+        # everyone else is served as before, and the bad session can still be deleted
+        ok = c.post(f"/v1/sessions/{healthy}/generate", json={"max_tokens": 3, "stream": False})
+        assert ok.status_code == 200, ok.text
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 204
+        assert c.get("/readyz").status_code == 200
+    r.close()
