@@ -38,7 +38,8 @@ def _error(r: httpx.Response) -> ChatError:
 
 def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
     """(event name, JSON data) of each Server-Sent Event; comments (pings) are skipped."""
-    name, data = "message", []  # type: list[str]
+    name = "message"
+    data: list[str] = []
     for line in response.iter_lines():
         if line == "":
             if data:
