@@ -358,7 +358,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_at
         running += value
         running_n += 1
         now = time.perf_counter()
-        tok_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+        rate = bar.format_dict.get("rate")  # tqdm's smoothed steps/s (None until it knows)
+        tok_s = (rate if rate else (step - step_last) / max(now - t_last, 1e-9)) * tokens_per_step
         bar.set_postfix(loss=f"{value:.3f}", bpb=f"{value / math.log(2):.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
         bar.update(1)
 
@@ -400,7 +401,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_at
         "steps": step,
         "params": n_params,
         "tokens": step * tokens_per_step,
-        "best_valid_bpb": best,
+        "best_valid_bpb": best if math.isfinite(best) else None,
         "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 1),
         "losses": losses,
     }
@@ -434,8 +435,15 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
         if f.name in ("out", "family", "model", "corpus"):
             continue
         typ = type(getattr(defaults, f.name))
+        if f.name == "steps":  # None = not given, so --resume can tell an explicit re-plan
+            p.add_argument("--steps", type=int, default=None, help=f"optimiser steps (default {defaults.steps})")
+            continue
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=getattr(defaults, f.name))
-    p.add_argument("--resume", action="store_true", help="continue OUT's run from OUT/last (its saved config wins)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue OUT's run from OUT/last with its saved config (only --steps may re-plan the schedule)",
+    )
     p.add_argument("--stop-at", type=int, help="stop after this step (checkpointed; the schedule still spans --steps)")
     p.add_argument("--plot", metavar="RUN_DIR", help="only render RUN_DIR/log.csv to RUN_DIR/loss.png, then exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -451,11 +459,16 @@ def _main(args) -> int:
     if args.resume:
         cfg = load_config(out)
         cfg.device, cfg.threads, cfg.precision = args.device, args.threads, args.precision
+        if args.steps is not None:
+            # re-plans the cosine from the resumed step on (a deliberate, logged change)
+            cfg.steps = args.steps
     else:
         model_cfg = json.loads(args.config) if args.config else {}
         model_cfg.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
         kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
         kwargs.update(out=out, family=args.family, corpus=args.corpus, model=model_cfg)
+        if kwargs["steps"] is None:
+            kwargs["steps"] = TrainConfig(out=out).steps
         cfg = TrainConfig(**kwargs)
     summary = train(cfg, resume=args.resume, progress=not args.no_progress, stop_at=args.stop_at)
     summary.pop("losses")
