@@ -236,7 +236,16 @@ def plot_curve(log_csv: str | Path, png: str | Path, title: str = "") -> Path:
         lo = min(b for _, b in train + valid)
         ax.set_ylim(max(0.0, lo - 0.2), min(8.5, max(lo + 2.5, 3.0)))
     ax.grid(alpha=0.3)
-    ax.legend()
+    lrs = [(int(r["tokens"]), float(r["lr"])) for r in rows if r["lr"]]
+    if lrs:
+        ax2 = ax.twinx()
+        ax2.plot([t / 1e6 for t, _ in lrs], [lr for _, lr in lrs], color="0.6", lw=0.8, ls="--", label="learning rate")
+        ax2.set_ylabel("learning rate", color="0.45")
+        ax2.set_ylim(0, max(lr for _, lr in lrs) * 1.1)
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper right")
+    else:
+        ax.legend()
     if title:
         ax.set_title(title)
     fig.tight_layout()
