@@ -356,8 +356,13 @@ class TransformerXL(LanguageModel):
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
+
+    def blocks(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (an nn.ModuleList only promises Modules)."""
+        return list(self.layers)  # type: ignore[arg-type]
 
     def train(self, mode: bool = True) -> TransformerXL:
         self._rk_table = None  # weights may change: the relative-key table is stale
@@ -415,7 +420,7 @@ class TransformerXL(LanguageModel):
         mem = tensors["mem"]
         ks, vs = [], []
         with self.autocast():
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.blocks()):
                 k, v = layer.dec_attn.project_kv(mem[:, i])
                 ks.append(k)
                 vs.append(v)
@@ -444,7 +449,7 @@ class TransformerXL(LanguageModel):
     def _rel_keys(self, layer: int, pos_seq: torch.Tensor) -> torch.Tensor:
         """W_{k,R} R for the given distances: (K,) -> (K, H, dh)."""
         cfg = self.config
-        attn = self.layers[layer].dec_attn
+        attn = self.blocks()[layer].dec_attn
         if self.training:
             return attn.r_net(sinusoid(pos_seq, cfg.d_model)).view(-1, cfg.n_head, cfg.d_head)
         # inference: a per-layer table over all distances the chunk can need
@@ -453,7 +458,7 @@ class TransformerXL(LanguageModel):
             size = max(need, cfg.mem_len + cfg.tgt_len + 1)
             r = sinusoid(torch.arange(size, device=pos_seq.device), cfg.d_model)
             self._rk_table = [
-                lay.dec_attn.r_net(r).view(size, cfg.n_head, cfg.d_head).detach() for lay in self.layers
+                lay.dec_attn.r_net(r).view(size, cfg.n_head, cfg.d_head).detach() for lay in self.blocks()
             ]
         return self._rk_table[layer][pos_seq]
 
@@ -483,13 +488,13 @@ class TransformerXL(LanguageModel):
         new_mem, new_k, new_v = [], [], []
         with self.autocast():
             h = self.drop(self.word_emb(tokens) * self.emb_scale)  # (B, T, d)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.blocks()):
                 m_i = mem[:, i]
                 new_mem.append(torch.cat([m_i, h.to(m_i.dtype)], 1)[:, K - keep :].detach())
                 attn = layer.dec_attn
                 u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
                 vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
-                kv = None if kv_cache is None else (kv_cache[0][:, i], kv_cache[1][:, i])
+                kv = None if kv_cache is None else (kv_cache[0][:, i], kv_cache[1][:, i])  # type: ignore[index]
                 h, k, v = attn(h, m_i, self._rel_keys(i, pos_seq), mask, u, vb, kv)
                 h = layer.pos_ff(h)
                 if not self.training:
