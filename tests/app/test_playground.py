@@ -147,8 +147,12 @@ def test_click_through_create_generate_fork_delete(browser, server, http):
             len(output.get_attribute("textContent")) >= 5 or output.get_attribute("data-state") != "streaming"
         ),
     )
-    d.find_element("id", "stop").click()
-    assert output.get_attribute("data-state") == "stopped"
+    stop = d.find_element("id", "stop")
+    assert output.get_attribute("data-state") == "streaming", d.find_element("id", "status").text
+    assert stop.is_enabled()
+    stop.click()
+    _wait(d, lambda _: output.get_attribute("data-state") != "streaming", timeout=10)
+    assert output.get_attribute("data-state") == "stopped", d.find_element("id", "status").text
     assert _wait(d, lambda _: _unlocked(http, sid), timeout=30)
     assert http.get(f"/v1/sessions/{sid}").json()["version"] == 1
 
