@@ -89,12 +89,13 @@ class RLTConfig:
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (B, T, 1, hd/2)
 
 
-def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> Rope:
-    """Absolute positions (B, T) -> cos, sin (B, T, 1, hd/2). Angles in float64, so a
-    position gets the same rotation whichever chunk it arrives in."""
+def rope_angles(pos: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
+    """Absolute positions (B, T) -> cos, sin (B, T, 1, hd/2) in `dtype`. Angles are computed
+    in float64, so a position gets the same rotation whichever chunk it arrives in, even
+    far into a long session."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
     ang = pos.to(torch.float64)[..., None] * inv_freq
-    return ang.cos()[:, :, None], ang.sin()[:, :, None]
+    return ang.cos()[:, :, None].to(dtype), ang.sin()[:, :, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cs: Rope, n_head: int) -> torch.Tensor:
@@ -392,7 +393,7 @@ class RLT(LanguageModel):
         C = cfg.max_context
         dev = tokens.device
         pos = n[:, None] + torch.arange(T, device=dev)  # (B, T) absolute positions
-        cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base)
+        cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)
         ctx_valid = n.clamp(max=C - 1)  # (B,) real cached encoder / memory entries per row
         with self.autocast():
             # causal encoder, one batch over the chunk
