@@ -50,6 +50,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import metrics
@@ -125,14 +127,17 @@ end
 _CREATE = _LUA_TOUCH + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local ts = string.format('%.6f', now())
+-- the first write must be one Redis refuses over maxmemory (HSET, not DEL): after a
+-- script's first write, Redis lets the rest through, so a full Redis would take it all
+redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[6], 'delta_bytes', 0)
 local size = 0
 redis.call('DEL', KEYS[2])
 for i = 7, #ARGV do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   size = size + string.len(ARGV[i])
 end
-redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[6], 'delta_bytes', size)
+if size > 0 then redis.call('HSET', KEYS[1], 'delta_bytes', size) end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[5]) end
 touch(KEYS[1], KEYS[2])
 return meta(KEYS[1])
@@ -175,9 +180,9 @@ if v ~= ARGV[1] then return {'conflict', v} end
 if ARGV[4] == 'delta' then
   redis.call('RPUSH', KEYS[2], ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'delta_bytes', string.len(ARGV[5]))
-else
-  redis.call('DEL', KEYS[2])
+else  -- (HSET before DEL: the first write is the one a full Redis refuses, see _CREATE)
   redis.call('HSET', KEYS[1], 'state', ARGV[5], 'delta_bytes', 0)
+  redis.call('DEL', KEYS[2])
 end
 redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2])
 touch(KEYS[1], KEYS[2])
@@ -325,6 +330,13 @@ class SessionStore:
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             metrics.REDIS_ERRORS.inc()
             raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+        except RedisResponseError as exc:
+            if not isinstance(exc, RedisOutOfMemoryError) and "OOM" not in str(exc):
+                raise
+            # maxmemory reached under `noeviction`: the script's first write was refused, so
+            # nothing was written; the session stays as it was
+            metrics.REDIS_ERRORS.inc()
+            raise StoreUnavailable("Redis is full (maxmemory reached): nothing was written") from None
 
     @staticmethod
     def _check_id(session_id: str) -> None:
