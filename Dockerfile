@@ -36,6 +36,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# the shipped model the image serves by default; the build fails if it is not shipped
+ARG RECUR_MODEL=shakespeare
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first and alone: the largest layer, and it changes least often.
@@ -46,10 +48,11 @@ COPY model/ model/
 COPY app/ app/
 # torch is already satisfied, so this adds only recur and its other dependencies.
 RUN pip install --no-cache-dir . \
-    && python -c "import model.checkpoint as c; s = c.shipped(); assert 'shakespeare' in s, f'shipped weights missing: {s}'"
+    && python -c "import sys, model.checkpoint as c; print('default model:', c.resolve(sys.argv[1]))" "${RECUR_MODEL}"
 
 # -- runtime: the venv, a non-root user, nothing else ---------------------------------
 FROM base AS runtime
+ARG RECUR_MODEL=shakespeare
 RUN groupadd --system --gid 10001 recur \
     && useradd --system --uid 10001 --gid recur --create-home --home-dir /home/recur \
        --shell /usr/sbin/nologin recur \
@@ -60,7 +63,7 @@ COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     RECUR_HOST=0.0.0.0 \
     RECUR_PORT=8000 \
-    RECUR_MODEL=shakespeare \
+    RECUR_MODEL=${RECUR_MODEL} \
     RECUR_DEVICE=auto \
     RECUR_REDIS_URL=redis://redis:6379/0 \
     RECUR_DATA_DIR=/var/lib/recur
