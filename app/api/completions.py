@@ -16,6 +16,7 @@ openai SDK raises as its usual exceptions; mid-stream, an error is a data chunk
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from typing import Annotated, Any
@@ -43,6 +44,7 @@ from .schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("recur.openai")
 
 E = ErrorType
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -140,6 +142,8 @@ async def create_completion(
         owner=owner,
         started=started,
     )
+    if body.user is not None:  # OpenAI's end-user id: recorded for the operator, never used
+        log.info("completion for user %r", body.user, extra={"openai_user": body.user})
     head: dict[str, Any] = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),

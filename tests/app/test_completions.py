@@ -3,6 +3,7 @@ both model families (the routes never know which one they serve)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -50,8 +51,10 @@ def test_models_lists_the_served_model(oa):
     assert models.data[0].object == "model"
 
 
-def test_completion_in_a_new_session(oa, http):
-    raw = oa.completions.with_raw_response.create(model="tiny", prompt="ROMEO:", max_tokens=8, temperature=0)
+def test_completion_in_a_new_session(oa, http, server):
+    raw = oa.completions.with_raw_response.create(
+        model="tiny", prompt="ROMEO:", max_tokens=8, temperature=0, user="user-42"
+    )
     c = raw.parse()
     assert c.object == "text_completion" and c.model == "tiny" and c.id.startswith("cmpl-")
     assert len(c.choices) == 1 and c.choices[0].index == 0
@@ -62,6 +65,9 @@ def test_completion_in_a_new_session(oa, http):
     s = _session(http, sid)
     assert s["version"] == 1 and s["n_tokens"] == 1 + 6 + 8  # BOS, prompt, completion
     assert c.session == {"id": sid, "version": 1, "n_tokens": 15}  # type: ignore[attr-defined]
+    # `user` is logged (with the session), not used
+    logged = [json.loads(ln) for ln in server.log.read_text().splitlines() if '"openai_user"' in ln]
+    assert [(x["openai_user"], x["session_id"]) for x in logged] == [("user-42", sid)]
     # the same as the session API: a fresh session, then one generate with the prompt
     fresh = http.post("/v1/sessions").json()["id"]
     assert _generate(http, fresh, prompt="ROMEO:", max_tokens=8, temperature=0)["text"] == c.choices[0].text
