@@ -82,7 +82,7 @@ def presented_key(request: Request) -> str | None:
 
 async def authenticate(request: Request) -> str:
     """The caller's tenant: `""` when the server has no keys (open), else the key's owner
-    hash. 401 without a valid key. (async: the session id context it may set must stick.)"""
+    hash. 401 without a valid key."""
     keys: list[bytes] = request.app.state.api_keys
     if not keys:
         return ""
@@ -97,7 +97,8 @@ async def authenticate(request: Request) -> str:
 
 
 async def bind_session(request: Request) -> None:
-    """Put the path's session id into the log context of this request."""
+    """Put the path's session id into the log context of this request. (async: run in the
+    request's own context, so the value sticks for the rest of the request.)"""
     sid = request.path_params.get("session_id")
     if sid is not None:
         logs.session_id.set(sid)
