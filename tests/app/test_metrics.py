@@ -4,10 +4,17 @@ structured JSON logs, over real HTTP against `python -m app`."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
+import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from app.api import create_app
+from app.config import Settings
+from tests.conftest import free_port
 
 from .sse_client import generate
 
@@ -103,3 +110,33 @@ def test_json_logs_carry_request_and_session_ids(http, server):
     # every line the server logged since startup is one JSON object
     text = server.log.read_text()
     assert all(ln.startswith("{") for ln in text.splitlines() if ln.strip())
+
+
+@pytest.mark.parametrize(
+    "access, keys, status",
+    [("off", None, 404), ("api_key", None, 200), ("api_key", "k1", 401), ("open", "k1", 200)],
+)
+def test_metrics_access_setting(access, keys, status):
+    """`/metrics` per RECUR_METRICS_ACCESS, served by uvicorn over real HTTP (the route
+    needs neither the model nor Redis, so the app runs without its lifespan)."""
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", metrics_access=access, api_keys=keys))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, lifespan="off", log_config=None, access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == status, r.text
+        if status != 200:
+            assert r.json()["error"]["type"] == {404: "not_found", 401: "unauthorized"}[status]
+        else:
+            assert "recur_generation_tokens_total" in r.text
+        if keys:
+            ok = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {keys}"})
+            assert ok.status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
