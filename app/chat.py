@@ -172,3 +172,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"recur chat: {exc}", file=sys.stderr)
             return 1
         return chat.loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.chat [SESSION] [--url URL]`: `recur chat` without importing the model
+    packages (`recur` loads torch for its other subcommands), so it starts at once."""
+    parser = argparse.ArgumentParser(prog="python -m app.chat")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,9 @@ class ChatProcess:
     def __init__(self, url: str, *args: str):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "chat", "--url", url, *args],
+            # `recur chat` is `python -m app.cli chat`, which imports torch first; the same
+            # client without that start-up cost (the last test runs the real command)
+            [sys.executable, "-m", "app.chat", "--url", url, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -135,7 +137,7 @@ def test_ctrl_c_cancels_the_generation_and_keeps_the_version(server, http):
         chat.proc.kill()
 
 
-def test_chat_with_an_unknown_session_says_so(server):
+def test_recur_chat_with_an_unknown_session_says_so(server):
     r = subprocess.run(
         [sys.executable, "-m", "app.cli", "chat", "--url", server.url, "0" * 32],
         capture_output=True,
