@@ -27,7 +27,9 @@ State (batch-first; all persistent, nothing derived):
   swa_k/v [B, L_D, S, d]     per-decoder-layer window cache, at most W-1 past positions
   n_tokens [B]               absolute position of the next token (RoPE uses it)
 Keys are stored already rotated at their absolute position. Time axes are left-padded when
-streams of different lengths are batched; masks ignore the padding.
+streams of different lengths are batched; masks ignore the padding. Nothing in the state
+is detached: training back-propagates through s_t, the window caches and the encoder and
+memory entries into earlier segments until `recur train` truncates (`--bptt-segments`).
 
 Deviations from the report, both made for serving:
   * Bounded context, `max_context` = C. The report keeps the whole prefix in the encoder
@@ -36,7 +38,7 @@ Deviations from the report, both made for serving:
     memory cross-attention (a sliding window), and the state keeps at most C-1 past entries
     per encoder layer and memory group. Because the window is applied per position, not per
     chunk, results never depend on where chunk or request boundaries fell, even for a chunk
-    longer than C. For the first C tokens of a stream the model is exactly the report's.
+    longer than C. Within the first C tokens of a stream the bound changes nothing.
   * RoPE in the memory is applied after the projection, per head, to both the memory keys
     and the cross-attention queries (the usual placement), so memory scores depend on the
     distance t - j only; read literally, the notation W_K^g RoPE(.) would make them depend
