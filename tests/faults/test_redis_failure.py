@@ -6,6 +6,8 @@ on the same port and directory, and keep the same server process throughout.
   returns well inside that bound);
 - /readyz goes 503, then back to 200 without restarting the server;
 - no acknowledged commit is lost: every 200/`done` a client saw is in Redis afterwards.
+
+And a full Redis (maxmemory reached, `noeviction`) refuses writes: 503, nothing changed.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import pytest
 import redis
 
 from tests.conftest import ServerProcess
@@ -38,9 +42,53 @@ class Outcome:
     seconds: float
 
 
-def test_redis_killed_under_load(model_dir, lm, tmp_path):
-    red = DurableRedis(tmp_path / "redis")
-    srv = ServerProcess(model_dir, tmp_path / "srv", red.url, **SETTINGS).start()
+@pytest.fixture(scope="module")
+def durable(model_dir, tmp_path_factory) -> Iterator[tuple[DurableRedis, ServerProcess]]:
+    tmp = tmp_path_factory.mktemp("durable")
+    red = DurableRedis(tmp / "redis")
+    srv = ServerProcess(model_dir, tmp / "srv", red.url, **SETTINGS)
+    try:
+        srv.start()
+        yield red, srv
+    finally:
+        srv.stop()
+        red.stop()
+
+
+def test_a_full_redis_refuses_writes_with_503(durable, lm):
+    red, srv = durable
+    r = redis.Redis.from_url(red.url)
+    try:
+        with srv.client() as c:
+            sid = c.post("/v1/sessions", json={"prompt": "full"}).json()["id"]
+            assert (
+                c.post(f"/v1/sessions/{sid}/score", json={"prompt": "!", "commit": True}).status_code == 200
+            )
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", 1)  # every write is over the limit now
+            try:
+                for method, path, body in [
+                    ("POST", "/v1/sessions", {"prompt": "new"}),
+                    ("POST", f"/v1/sessions/{sid}/score", {"prompt": "x", "commit": True}),
+                    ("POST", f"/v1/sessions/{sid}/generate", {"max_tokens": 2, "stream": False}),
+                    ("POST", f"/v1/sessions/{sid}/generate", {"max_tokens": 2}),
+                    ("POST", f"/v1/sessions/{sid}/fork", None),
+                ]:
+                    resp = c.request(method, path, json=body)
+                    assert resp.status_code == 503, (path, resp.status_code, resp.text)
+                    assert error_type(resp) == "redis_unavailable"
+            finally:
+                r.config_set("maxmemory", 0)
+            s = stored(r, store_for(srv), sid, lm)
+            assert (s.version, s.n_tokens) == (1, 1 + len("full!"))
+            resp = c.post(f"/v1/sessions/{sid}/score", json={"prompt": "?", "commit": True})
+            assert resp.status_code == 200 and resp.json()["session"]["version"] == 2
+    finally:
+        r.close()
+
+
+def test_redis_killed_under_load(durable, lm):
+    red, srv = durable
     pid = srv.proc.pid if srv.proc else None
     keys = store_for(srv)
     phase = "before"
@@ -149,7 +197,6 @@ def test_redis_killed_under_load(model_dir, lm, tmp_path):
         assert srv.proc is not None and srv.proc.pid == pid and srv.proc.poll() is None
     finally:
         stop.set()
-        srv.stop()
 
     # nothing but successes, fast Redis failures, and a stale lock's brief 409
     allowed = {
@@ -177,4 +224,3 @@ def test_redis_killed_under_load(model_dir, lm, tmp_path):
             assert (s.version, s.n_tokens) == seen[-1], (sid, s.version, seen[-3:])
     finally:
         red_client.close()
-        red.stop()

@@ -91,3 +91,31 @@ def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_p
         assert c.delete(f"/v1/sessions/{sid}").status_code == 204
         assert c.get("/readyz").status_code == 200
     r.close()
+
+
+@pytest.mark.parametrize("family", ["txl", "rlt"])
+def test_a_lost_delta_list_is_refused_not_silently_rolled_back(hostile_servers, redis_url, family):
+    """If a session's deltas vanish (say, evicted by a Redis wrongly set to an LRU policy),
+    snapshot alone is an older state than the session claims: continuing from it would
+    silently fork the conversation. It must be refused instead."""
+    server = hostile_servers[family]
+    keys = store_for(server)
+    r = redis.Redis.from_url(redis_url)
+    with server.client() as c:
+        sid = c.post("/v1/sessions", json={"prompt": "remember"}).json()["id"]
+        assert (
+            c.post(f"/v1/sessions/{sid}/score", json={"prompt": " this", "commit": True}).status_code == 200
+        )
+        assert r.llen(keys.deltas_key(sid)) >= 1  # the commit was stored as a delta
+        r.delete(keys.deltas_key(sid))
+        version = r.hincrby(keys.session_key(sid), "version", 1)  # (past any hot copy)
+        for path, body in [
+            ("/score", {"prompt": "x"}),
+            ("/score", {"prompt": "x", "commit": True}),
+            ("/generate", {"max_tokens": 2, "stream": False}),
+        ]:
+            resp = c.post(f"/v1/sessions/{sid}{path}", json=body)
+            assert resp.status_code == 500, resp.text
+            assert resp.json()["error"]["type"] in ("state_corrupt", "internal_error")
+        assert int(r.hget(keys.session_key(sid), "version")) == version
+    r.close()
