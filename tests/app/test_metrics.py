@@ -16,9 +16,10 @@ from app.api import create_app
 from app.config import Settings
 from tests.conftest import free_port
 
-from .sse_client import generate
+from .sse_client import events, generate
 
 GENERATE = "/v1/sessions/{session_id}/generate"
+SERVER_SETTINGS = {"max_tokens": 100_000}  # so a generation is still running while scraped
 
 
 def scrape(http: httpx.Client) -> dict[tuple[str, tuple], float]:
@@ -76,6 +77,22 @@ def test_generation_metrics_count_what_happened(http):
         "recur_redis_errors_total",
     ):
         assert family in names, family
+
+
+def test_the_batch_gauge_sees_a_running_generation(http, server):
+    sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
+    body = {"prompt": "go on\n", "max_tokens": 100_000, "temperature": 0}
+    with server.client() as other, other.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as r:
+        stream = events(r)  # (kept: a dropped generator would close the connection)
+        assert next(stream)[0] == "token"
+        running = scrape(http)
+        assert value(running, "recur_num_requests_running") == 1
+    # the client hung up: the generation leaves the batch within a step
+    deadline = time.monotonic() + 30
+    while value(scrape(http), "recur_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the abandoned generation never left the batch"
+        time.sleep(0.05)
+    assert http.get(f"/v1/sessions/{sid}").json()["version"] == 0
 
 
 def test_json_logs_carry_request_and_session_ids(http, server):
