@@ -184,3 +184,24 @@ def test_a_key_file_without_keys_refuses_to_start(tmp_path: Path):
     keyfile.with_name("k").write_text("k3\n# k4\n k5 \n")
     assert both.load_api_keys() == ["k1", "k2", "k3", "k5"]
     assert Settings().load_api_keys() == []
+
+
+def test_chat_sends_the_key_from_its_key_file(server, a, tmp_path: Path):
+    sid = a.post("/v1/sessions", json={"prompt": "hi"}).json()["id"]
+    keyfile = tmp_path / "key"
+
+    def chat(key: str) -> subprocess.CompletedProcess:
+        keyfile.write_text(key + "\n")
+        return subprocess.run(
+            [sys.executable, "-m", "app.chat", sid, "--url", server.url, "--api-key-file", str(keyfile)],
+            input="/info\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        )
+
+    r = chat(A)
+    assert r.returncode == 0 and f"[session {sid} · version 0 · 3 tokens]" in r.stdout, r.stdout + r.stderr
+    r = chat(B)  # another tenant: the session does not exist for it
+    assert r.returncode == 1 and "session_not_found" in r.stderr
