@@ -13,6 +13,7 @@ Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex 
         ttl          seconds of idleness after which the session expires
         state        the state snapshot (`State.to_bytes`: safetensors + JSON; never pickled)
         delta_bytes  total size of the deltas below
+        commit       random id of the commit that wrote the current state (64 bits, never reused)
         owner        the tenant: a hash of the API key that created it (never the key);
                      absent = '' (no keys). Every script treats another owner's session
                      as missing, so a tenant cannot even learn that it exists
@@ -28,8 +29,10 @@ Every operation on a session is one Lua script (registered once), so it is atomi
 lock and reads the state in one step; `commit` writes the new state only if the version
 is still the one `begin` read (the fence), so a writer whose lock lease expired can never
 overwrite a newer commit. A commit either appends a delta or replaces the snapshot and
-clears the deltas, in the same step as the version bump. Reads accept the version the
-caller already holds (a hot cache) and then return no state bytes when it is current.
+clears the deltas, in the same step as the version bump. Reads accept the commit id of
+the state the caller already holds (a hot cache) and then return no state bytes when it is
+still the current one. Commit ids, unlike version numbers, are never issued twice, even
+after Redis loses a commit.
 Each use of a session re-arms its TTL (sliding expiry).
 
 A dead or unreachable Redis surfaces as `StoreUnavailable` within the socket timeout,
@@ -111,29 +114,32 @@ local function meta(key)
   local m = redis.call('HMGET', key, 'version', 'n_tokens', 'model', 'fingerprint', 'created_at', 'expires_at', 'ttl')
   m[8] = tostring(redis.call('HSTRLEN', key, 'state'))
   m[9] = redis.call('HGET', key, 'delta_bytes') or '0'
+  m[10] = redis.call('HGET', key, 'commit') or ''
   return m
 end
--- the state bytes, unless the caller already holds version `cached`
-local function with_state(m, key, deltas, cached)
-  if m[1] ~= cached then
-    m[10] = redis.call('HGET', key, 'state')
-    m[11] = redis.call('LRANGE', deltas, 0, -1)
+-- the state bytes, unless the caller already holds the state of commit `held`
+local function with_state(m, key, deltas, held)
+  if held == '' or m[10] ~= held then
+    m[11] = redis.call('HGET', key, 'state')
+    m[12] = redis.call('LRANGE', deltas, 0, -1)
   end
   return m
 end
 """
 
-# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, owner, snapshot, deltas...
-_CREATE = _LUA_TOUCH + """
+# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, owner, commit id, snapshot, deltas...
+_CREATE = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local ts = string.format('%.6f', now())
 -- the first write must be one Redis refuses over maxmemory (HSET, not DEL): after a
 -- script's first write, Redis lets the rest through, so a full Redis would take it all
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[6], 'delta_bytes', 0)
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[7], 'delta_bytes', 0, 'commit', ARGV[6])
 local size = 0
 redis.call('DEL', KEYS[2])
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   size = size + string.len(ARGV[i])
 end
@@ -142,10 +148,13 @@ if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[5]) end
 touch(KEYS[1], KEYS[2])
 return meta(KEYS[1])
 """
+)
 
-# KEYS: session, deltas. ARGV: '1' to include the state, the version the caller holds or '',
-# owner. Returns meta [+ snapshot, deltas] or nil.
-_READ = _LUA_TOUCH + """
+# KEYS: session, deltas. ARGV: '1' to include the state, the commit id whose state the caller
+# holds or '', owner. Returns meta [+ snapshot, deltas] or nil.
+_READ = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[3] then
   return false
 end
@@ -154,10 +163,13 @@ local m = meta(KEYS[1])
 if ARGV[1] == '1' then with_state(m, KEYS[1], KEYS[2], ARGV[2]) end
 return m
 """
+)
 
 # KEYS: session, deltas, lock. ARGV: lock token, lease ms, expected version or '',
-# the version the caller holds or '', owner.
-_BEGIN = _LUA_TOUCH + """
+# the commit id whose state the caller holds or '', owner.
+_BEGIN = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[5] then
   return {'missing'}
 end
@@ -170,10 +182,14 @@ local m = with_state(meta(KEYS[1]), KEYS[1], KEYS[2], ARGV[4])
 table.insert(m, 1, 'ok')
 return m
 """
+)
 
 # KEYS: session, deltas, lock. ARGV: expected version, n_tokens, lock token,
-# 'delta' | 'snapshot', blob. A delta is appended; a snapshot replaces state and deltas.
-_COMMIT = _LUA_TOUCH + """
+# 'delta' | 'snapshot', blob, new commit id. A delta is appended; a snapshot replaces
+# state and deltas.
+_COMMIT = (
+    _LUA_TOUCH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if v ~= ARGV[1] then return {'conflict', v} end
@@ -184,13 +200,14 @@ else  -- (HSET before DEL: the first write is the one a full Redis refuses, see 
   redis.call('HSET', KEYS[1], 'state', ARGV[5], 'delta_bytes', 0)
   redis.call('DEL', KEYS[2])
 end
-redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2])
+redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2], 'commit', ARGV[6])
 touch(KEYS[1], KEYS[2])
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 local m = meta(KEYS[1])
 table.insert(m, 1, 'ok')
 return m
 """
+)
 
 # KEYS: lock. ARGV: token, lease ms. Renews the lease only for the holder.
 _RENEW = """
@@ -229,6 +246,7 @@ class SessionMeta:
     ttl: int
     snapshot_bytes: int  # size of the stored snapshot
     delta_bytes: int  # total size of the deltas stored after it
+    commit_id: str  # random id of the commit that wrote the current state (never reused)
 
     @property
     def state_bytes(self) -> int:
@@ -251,8 +269,15 @@ def new_session_id() -> str:
     return secrets.token_hex(16)
 
 
+def new_commit_id() -> str:
+    """Names one committed state. Versions can repeat if Redis loses a commit (the next
+    commit reuses the number for other content); 64 random bits never do, so a hot cache
+    keyed by commit id can never mistake a lost state for the current one."""
+    return secrets.token_hex(8)
+
+
 def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
-    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:9]]
+    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:10]]
     return SessionMeta(
         id=session_id,
         version=int(s[0]),
@@ -264,14 +289,15 @@ def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
         ttl=int(s[6]),
         snapshot_bytes=int(s[7]),
         delta_bytes=int(s[8]),
+        commit_id=str(s[9]),
     )
 
 
 def _blobs(raw: list[Any]) -> StateBlobs | None:
-    """The state bytes after the meta fields, or None when the caller's version was current."""
-    if len(raw) <= 9 or raw[9] is None:
+    """The state bytes after the meta fields, or None when the caller held the current commit."""
+    if len(raw) <= 10 or raw[10] is None:
         return None
-    blobs = StateBlobs(bytes(raw[9]), tuple(bytes(d) for d in raw[10]))
+    blobs = StateBlobs(bytes(raw[10]), tuple(bytes(d) for d in raw[11]))
     metrics.STATE_BYTES_READ.inc(blobs.nbytes)
     return blobs
 
@@ -361,23 +387,32 @@ class SessionStore:
             raw = await self._run(
                 self._create,
                 self._keys(sid),
-                [int(ttl), model, fingerprint, int(n_tokens), owner, state.snapshot, *state.deltas],
+                [
+                    int(ttl),
+                    model,
+                    fingerprint,
+                    int(n_tokens),
+                    owner,
+                    new_commit_id(),
+                    state.snapshot,
+                    *state.deltas,
+                ],
             )
             if raw:
                 metrics.STATE_BYTES_WRITTEN.inc(state.nbytes)
                 return _meta(sid, raw)
 
     async def read(
-        self, session_id: str, with_state: bool = False, held_version: int | None = None, owner: str = ""
+        self, session_id: str, with_state: bool = False, held_commit: str | None = None, owner: str = ""
     ) -> tuple[SessionMeta, StateBlobs | None]:
         """Metadata (and the committed state), re-arming the TTL. No lock needed.
 
-        With `held_version` (the version of a state the caller already holds), the state
+        With `held_commit` (the commit id of a state the caller already holds), the state
         bytes come back only if the session has moved past it.
         """
         self._check_id(session_id)
         raw = await self._run(
-            self._read, self._keys(session_id), ["1" if with_state else "0", _arg(held_version), owner]
+            self._read, self._keys(session_id), ["1" if with_state else "0", held_commit or "", owner]
         )
         if not raw:
             raise SessionNotFound(session_id)
@@ -411,18 +446,18 @@ class SessionStore:
         self,
         session_id: str,
         expected_version: int | None = None,
-        held_version: int | None = None,
+        held_commit: str | None = None,
         owner: str = "",
     ) -> AsyncIterator[Writer]:
         """Hold the session's writer lock for the duration of the block.
 
         Raises SessionNotFound, SessionBusy (another writer holds it) or VersionMismatch
         (`expected_version` given and stale) before the block runs. Inside, `w.state` is
-        the committed state (None if it is `held_version`, which the caller already holds)
+        the committed state (None if it is `held_commit`'s, which the caller already holds)
         and `await w.commit(...)` writes the new one, fenced on the version read here.
         Leaving the block without committing changes nothing.
         """
-        w = await self.begin(session_id, expected_version, held_version, owner)
+        w = await self.begin(session_id, expected_version, held_commit, owner)
         try:
             yield w
         finally:
@@ -432,7 +467,7 @@ class SessionStore:
         self,
         session_id: str,
         expected_version: int | None = None,
-        held_version: int | None = None,
+        held_commit: str | None = None,
         owner: str = "",
     ) -> Writer:
         self._check_id(session_id)
@@ -440,7 +475,7 @@ class SessionStore:
         res = await self._run(
             self._begin,
             self._keys(session_id, lock=True),
-            [token, self.lock_lease_ms, _arg(expected_version), _arg(held_version), owner],
+            [token, self.lock_lease_ms, _arg(expected_version), held_commit or "", owner],
         )
         status = res[0].decode()
         if status == "missing":
@@ -494,7 +529,7 @@ class Writer:
         res = await s._run(
             s._commit,
             s._keys(sid, lock=True),
-            [self.meta.version, int(n_tokens), self._token, mode, blob],
+            [self.meta.version, int(n_tokens), self._token, mode, blob, new_commit_id()],
         )
         status = res[0].decode()
         if status == "missing":

@@ -47,7 +47,7 @@ async def run_config(lm, url: str, name: str, kw: dict, history: int, requests: 
         base = dict(engine.timings)
         t0 = time.perf_counter()
         held = engine.held(meta.id)
-        w = await store.begin(meta.id, None, held[0] if held else None)
+        w = await store.begin(meta.id, None, held.commit_id if held else None)
         t_read = time.perf_counter() - t0
         gen = engine.generate(
             engine.source(w.meta, w.state, held),

@@ -80,7 +80,7 @@ async def begin(
     when Redis confirms it is current (then no state bytes travel), else the bytes Redis
     returns. On any error the lock is released."""
     held = engine.held(session_id)
-    writer = await store.begin(session_id, expected, held[0] if held else None, owner)
+    writer = await store.begin(session_id, expected, held.commit_id if held else None, owner)
     try:
         check_model(writer.meta, engine)
         return writer, engine.source(writer.meta, writer.state, held)
@@ -95,7 +95,7 @@ async def read(
     """The committed state without taking the lock (read-only requests)."""
     held = engine.held(session_id)
     meta, blobs = await store.read(
-        session_id, with_state=True, held_version=held[0] if held else None, owner=owner
+        session_id, with_state=True, held_commit=held.commit_id if held else None, owner=owner
     )
     if expected is not None and meta.version != expected:
         raise ApiError(

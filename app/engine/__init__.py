@@ -1,7 +1,8 @@
 """The engine: scheduler, executor thread and batch. The only part of `app/` that touches
 tensors or the model; it never builds an HTTP response."""
 
-from .engine import Consumed, Engine, Held
+from .cache import Held
+from .engine import Consumed, Engine
 from .requests import (
     Commit,
     EmptyContext,

@@ -26,11 +26,9 @@ from model import LanguageModel, State
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
-from .cache import HotCache
+from .cache import Held, HotCache
 from .requests import Commit, EngineError, Generation, StateSource
 from .scheduler import Scheduler
-
-Held = tuple[int, State] | None  # (version, state) from the hot cache
 
 
 @dataclass(frozen=True)
@@ -101,25 +99,24 @@ class Engine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     # -- states: the hot cache and persistence (event loop side) --------------------------------
-    def held(self, session_id: str) -> Held:
+    def held(self, session_id: str) -> Held | None:
         """The state of `session_id` this replica holds on the device, if any. The caller
         keeps the reference, so a later eviction cannot take it away mid-request."""
         return self.cache.get(session_id)
 
-    def source(self, meta: SessionMeta, blobs: StateBlobs | None, held: Held) -> StateSource:
+    def source(self, meta: SessionMeta, blobs: StateBlobs | None, held: Held | None) -> StateSource:
         """The starting state of a request on `meta`: the bytes Redis returned or, when it
-        returned none because `held` is current, the held state."""
+        returned none because `held` is the current commit, the held state."""
         cached = None
         if blobs is None:
-            if held is None or held[0] != meta.version:
-                raise EngineError(
-                    f"session {meta.id}: Redis sent no state and none is held at v{meta.version}"
-                )
-            cached = held[1]
+            if held is None or held.commit_id != meta.commit_id:
+                raise EngineError(f"session {meta.id}: Redis sent no state and the current one is not held")
+            cached = held.state
         self.cache.count(hit=cached is not None)
         return StateSource(
             meta.id,
             meta.version,
+            meta.commit_id,
             meta.n_tokens,
             blobs,
             cached,
@@ -129,7 +126,7 @@ class Engine:
 
     def remember(self, meta: SessionMeta, commit: Commit) -> None:
         """Record a committed state as the hot copy of its session."""
-        self.cache.put(meta.id, meta.version, commit.state)
+        self.cache.put(meta.id, Held(meta.version, meta.commit_id, commit.state))
 
     def forget(self, session_id: str) -> None:
         self.cache.drop(session_id)
@@ -144,7 +141,7 @@ class Engine:
             state = self.lm.load_state(source.blobs.snapshot, source.blobs.deltas)
             self.timings["load_s"] += time.perf_counter() - t0
             if source.session_id is not None:
-                self.cache.put(source.session_id, source.version, state)
+                self.cache.put(source.session_id, Held(source.version, source.commit_id, state))
         if int(state.n_tokens[0]) != source.n_tokens:
             raise EngineError(
                 f"stored state has consumed {int(state.n_tokens[0])} tokens, the session says {source.n_tokens}"

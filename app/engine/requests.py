@@ -35,6 +35,7 @@ class StateSource:
 
     session_id: str | None
     version: int
+    commit_id: str
     n_tokens: int
     blobs: StateBlobs | None = None
     cached: State | None = None
@@ -44,7 +45,7 @@ class StateSource:
     @classmethod
     def from_bytes(cls, blob: bytes, n_tokens: int) -> StateSource:
         """A state given as one snapshot (no session behind it)."""
-        return cls(None, 0, n_tokens, StateBlobs(blob), snapshot_bytes=len(blob))
+        return cls(None, 0, "", n_tokens, StateBlobs(blob), snapshot_bytes=len(blob))
 
 
 @dataclass(frozen=True)

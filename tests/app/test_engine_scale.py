@@ -44,7 +44,7 @@ class Replica:
 
     async def generate(self, sid: str, prompt: list[int], max_tokens: int = 5):
         held = self.engine.held(sid)
-        w = await self.store.begin(sid, None, held[0] if held else None)
+        w = await self.store.begin(sid, None, held.commit_id if held else None)
         try:
             self.bytes_read.append(w.state.nbytes if w.state else 0)
             gen = self.engine.generate(
