@@ -63,9 +63,10 @@ class ChatProcess:
                     ) from None
 
     def send(self, line: str) -> int:
-        """Type a line; returns where in the output the answer begins."""
+        """Wait for the prompt, type a line; returns where in the output the answer begins."""
         assert self.proc.stdin is not None
-        mark = len(self.output)
+        mark = self.wait_for(r"\n> $", 0).end()
+        assert mark == len(self.output)
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return mark
