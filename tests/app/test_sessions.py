@@ -440,7 +440,9 @@ def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis
     direct.hset(keys.session_key(a["id"]), "fingerprint", "0123456789abcdef")
     for path, body in [("/score", {"prompt": "x"}), ("/generate", {"max_tokens": 2})]:
         error(http.post(f"/v1/sessions/{a['id']}{path}", json=body), 409, "model_mismatch")
-    direct.hset(keys.session_key(b["id"]), "state", b"\x00" * 40)
+    # a damaged state under a new commit id, as any other writer's commit would leave it
+    # (the replica's hot copy belongs to the old commit id, so the bytes are read and checked)
+    direct.hset(keys.session_key(b["id"]), mapping={"state": b"\x00" * 40, "commit": "feedfacefeedface"})
     error(http.post(f"/v1/sessions/{b['id']}/score", json={"prompt": "x"}), 500, "state_corrupt")
     error(
         http.post(f"/v1/sessions/{b['id']}/generate", json={"max_tokens": 2, "stream": False}),
