@@ -31,6 +31,16 @@ from .requests import Commit, EngineError, Generation, StateSource
 from .scheduler import Scheduler
 
 
+def _owning(state: State) -> State:
+    """`state`, or a copy whose tensors own exactly their memory. A row split off a batch
+    (and a sliding window narrowed out of a longer tensor) is a view that keeps the whole
+    storage alive while `nbytes()` counts only the view: kept in the hot cache, it would
+    hold up to batch-size times its budget."""
+    if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state.tensors.values()):
+        return state
+    return state.clone()
+
+
 @dataclass(frozen=True)
 class Consumed:
     """The outcome of teacher-forcing tokens into a state."""
@@ -138,7 +148,7 @@ class Engine:
         else:
             assert source.blobs is not None
             t0 = time.perf_counter()
-            state = self.lm.load_state(source.blobs.snapshot, source.blobs.deltas)
+            state = _owning(self.lm.load_state(source.blobs.snapshot, source.blobs.deltas))
             self.timings["load_s"] += time.perf_counter() - t0
             if source.session_id is not None:
                 self.cache.put(source.session_id, Held(source.version, source.commit_id, state))
@@ -151,7 +161,8 @@ class Engine:
     def _commit(self, source: StateSource | None, state: State) -> Commit:
         t0 = time.perf_counter()
         try:
-            return self._serialise(source, state)
+            # the committed state goes on to the hot cache: it must own its memory (see _owning)
+            return self._serialise(source, _owning(state))
         finally:
             self.timings["serialise_s"] += time.perf_counter() - t0
 
