@@ -1,14 +1,24 @@
-"""Fixtures of the fault tests: every test that touches state runs once per model family."""
+"""Fixtures of the fault tests: every test that touches state runs once per model family.
+
+`family` is package-scoped, so pytest runs every fault test of one family, then every one
+of the other, and the servers a family's tests share start once per family.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import model
+from tests.conftest import ServerProcess
 
-from .harness import FAMILIES, make_models
+from .harness import FAMILIES, DurableRedis, make_models
+
+# the server the crash and Redis-failure tests share (they kill it, and its Redis, and
+# restart both in place): fast Redis timeouts, short leases, room for long generations
+DURABLE_SETTINGS = dict(cpu_threads=1, redis_timeout=3, lock_lease_seconds=1, max_tokens=1000)
 
 
 @pytest.fixture(scope="session")
@@ -16,17 +26,44 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_models(tmp_path_factory.mktemp("fault-models"))
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="package", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def model_dir(family: str, family_dirs: dict[str, Path]) -> Path:
     return family_dirs[family]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def lm(model_dir: Path) -> model.LanguageModel:
     """The served model, loaded in the test process, to check stored states against."""
     return model.load(model_dir, device="cpu")
+
+
+@pytest.fixture(scope="package")
+def durable(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[DurableRedis, ServerProcess]]:
+    """A redis-server with an fsync-always AOF, and one server on it."""
+    tmp = tmp_path_factory.mktemp("durable")
+    red = DurableRedis(tmp / "redis")
+    srv = ServerProcess(model_dir, tmp / "srv", red.url, **DURABLE_SETTINGS)
+    try:
+        srv.start()
+        yield red, srv
+    finally:
+        srv.stop()
+        red.stop()
+
+
+@pytest.fixture
+def durable_up(durable: tuple[DurableRedis, ServerProcess]) -> tuple[DurableRedis, ServerProcess]:
+    """`durable`, running (a test that failed half-way may have left either one down)."""
+    red, srv = durable
+    if red.proc is None or red.proc.poll() is not None:
+        red.start()
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.start()
+    return red, srv

@@ -14,19 +14,16 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import ServerProcess
-
 from .harness import StreamOutcome, local_logprobs, retry_busy, store_for, stored, stream_generate
 
 N_SESSIONS = 20
-SETTINGS = dict(cpu_threads=1, lock_lease_seconds=1, max_tokens=1000, max_batch_size=32)
-PROBE = list(b" probe, after the crash")
+PROBE = list(b" probe!")
 
 
-def test_sigkill_during_streaming_generations(model_dir, lm, redis_url, tmp_path):
-    srv = ServerProcess(model_dir, tmp_path / "srv", redis_url, **SETTINGS).start()
+def test_sigkill_during_streaming_generations(durable_up, lm):
+    red, srv = durable_up
     keys = store_for(srv)
-    r = redis.Redis.from_url(redis_url)
+    r = redis.Redis.from_url(red.url)
     try:
         with srv.client() as c:
             sids = []
@@ -107,5 +104,4 @@ def test_sigkill_during_streaming_generations(model_dir, lm, redis_url, tmp_path
                 after = stored(r, keys, sid, lm)
                 assert (after.version, after.n_tokens) == (s.version + 1, d["session"]["n_tokens"])
     finally:
-        srv.stop()
         r.close()

@@ -15,22 +15,17 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import redis
 
-from tests.conftest import ServerProcess
-
-from .harness import DurableRedis, error_type, store_for, stored, stream_generate
+from .harness import error_type, store_for, stored, stream_generate
 
 N_SESSIONS = 6
 CLIENT_BOUND = 20.0  # seconds any client waits for anything; a hang would hit it
 # greedy decoding of these random tiny models never samples EOS: the stream runs to its end
 GREEDY_LONG = {"max_tokens": 1000, "temperature": 0}
-SETTINGS = dict(cpu_threads=1, redis_timeout=1, lock_lease_seconds=1, max_tokens=1000)
 
 
 @dataclass
@@ -42,21 +37,8 @@ class Outcome:
     seconds: float
 
 
-@pytest.fixture(scope="module")
-def durable(model_dir, tmp_path_factory) -> Iterator[tuple[DurableRedis, ServerProcess]]:
-    tmp = tmp_path_factory.mktemp("durable")
-    red = DurableRedis(tmp / "redis")
-    srv = ServerProcess(model_dir, tmp / "srv", red.url, **SETTINGS)
-    try:
-        srv.start()
-        yield red, srv
-    finally:
-        srv.stop()
-        red.stop()
-
-
-def test_a_full_redis_refuses_writes_with_503(durable, lm):
-    red, srv = durable
+def test_a_full_redis_refuses_writes_with_503(durable_up, lm):
+    red, srv = durable_up
     r = redis.Redis.from_url(red.url)
     try:
         with srv.client() as c:
@@ -87,8 +69,8 @@ def test_a_full_redis_refuses_writes_with_503(durable, lm):
         r.close()
 
 
-def test_redis_killed_under_load(durable, lm):
-    red, srv = durable
+def test_redis_killed_under_load(durable_up, lm):
+    red, srv = durable_up
     pid = srv.proc.pid if srv.proc else None
     keys = store_for(srv)
     phase = "before"

@@ -248,12 +248,6 @@ def test_handover_between_replicas_matches_one_process(cluster):
 
 
 # -- Redis loses a commit ------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: after Redis loses a commit, its version number is issued again for other "
-    "content, and a replica whose hot cache holds the lost commit's state takes it as current "
-    "(the cache is keyed by version alone); see docs/RELIABILITY.md",
-)
 def test_a_hot_cache_never_outlives_a_commit_redis_lost(cluster, rdb):
     """Redis loses the last commit (an everysec AOF after a host crash, or a failover to a
     replica that had not received it): the session is back at v0. Another replica then

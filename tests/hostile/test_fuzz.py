@@ -2,14 +2,16 @@
 generated from the schema, for every route. No response may be a 5xx, and every error
 must carry exactly the error body `{"error": {"type", "message"}}`.
 
-Half the requests on a session route are aimed at a real, live session (schemathesis
-alone would only ever find unknown ids), so fuzzed bodies reach the engine and the store.
+Half the requests on a session route are aimed at one of a few live sessions
+(schemathesis alone would only ever find unknown ids), so fuzzed bodies, headers and
+If-Match values reach the engine and the store.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -39,25 +41,41 @@ def error_body_is_the_error_schema(ctx, response, case) -> None:
     assert isinstance(err["message"], str) and err["message"], "empty error message"
 
 
-@pytest.fixture(scope="module")
-def live_session(server):
-    """A callable giving the id of a live session (a fresh one each time: fuzzed requests
-    may delete, fill or lock the sessions they are given)."""
-    client = httpx.Client(base_url=server.url, timeout=30)
-    rng = random.Random(0)
+class LiveSessions:
+    """A few live sessions that fuzzed requests on session routes are aimed at, half the
+    time; one that a fuzzed DELETE removed is replaced by a fresh one."""
 
-    def make() -> str | None:
-        if rng.random() < 0.5:
-            return None
-        r = client.post("/v1/sessions", json={"prompt": "fuzz"})
+    def __init__(self, url: str, size: int = 6):
+        self.client = httpx.Client(base_url=url, timeout=30)
+        self.rng = random.Random(0)
+        self.ids = [self._create() for _ in range(size)]
+
+    def _create(self) -> str:
+        r = self.client.post("/v1/sessions", json={"prompt": "fuzz"})
         assert r.status_code == 201, r.text
         return str(r.json()["id"])
 
-    yield make
-    client.close()
+    def aim(self, case) -> int | None:
+        """Point `case` at a live session (returns its slot), or leave it as generated."""
+        if not (case.path_parameters and "session_id" in case.path_parameters) or self.rng.random() < 0.5:
+            return None
+        slot = self.rng.randrange(len(self.ids))
+        case.path_parameters["session_id"] = self.ids[slot]
+        return slot
+
+    def after(self, slot: int | None, case, status: int) -> None:
+        if slot is not None and case.method.upper() == "DELETE" and status == 204:
+            self.ids[slot] = self._create()
 
 
-def test_api_never_fails_with_5xx_or_a_malformed_error(server, live_session):
+@pytest.fixture(scope="module")
+def live(server) -> Iterator[LiveSessions]:
+    sessions = LiveSessions(server.url)
+    yield sessions
+    sessions.client.close()
+
+
+def test_api_never_fails_with_5xx_or_a_malformed_error(server, live):
     # (schemathesis's pytest plugin does not run on pytest 9: drive its strategies directly)
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
     checks = [not_a_server_error, error_body_is_the_error_schema]
@@ -77,11 +95,9 @@ def test_api_never_fails_with_5xx_or_a_malformed_error(server, live_session):
             phases=[Phase.explicit, Phase.generate, Phase.shrink],
         )
         def fuzz(case) -> None:
-            if case.path_parameters and "session_id" in case.path_parameters:
-                sid = live_session()
-                if sid is not None:
-                    case.path_parameters["session_id"] = sid
+            slot = live.aim(case)
             response = case.call(timeout=30)
+            live.after(slot, case, response.status_code)
             counts[case.operation.label] += 1
             case.validate_response(response, checks=checks)
 

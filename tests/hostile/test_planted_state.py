@@ -3,14 +3,15 @@ session's state in Redis. Every route that uses the state must refuse it with a 
 error; the payload must never run (its marker file never appears); the server keeps
 serving everyone else. Both model families.
 
-The planted write also bumps the session's version, as any real write does, so a server
-holding the session's previous state in its hot cache must go back to Redis for it.
+The planted write also sets a new version and commit id, as any real write does, so a
+server holding the session's previous state in its hot cache must go back to Redis for it.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import secrets
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,13 @@ def _torch_save(marker: Path) -> bytes:
     return buf.getvalue()
 
 
+def _as_a_new_commit(r: redis.Redis, session_key: str) -> int:
+    """Make the planted state look like any writer's commit: a new version and commit id,
+    so no replica takes a state it holds in its hot cache for it."""
+    r.hset(session_key, "commit", secrets.token_hex(8))
+    return int(r.hincrby(session_key, "version", 1))
+
+
 @pytest.mark.parametrize("family", ["txl", "rlt"])
 @pytest.mark.parametrize("variant", ["pickle-snapshot", "torch-save-snapshot", "pickle-delta"])
 def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_path, family, variant):
@@ -60,7 +68,7 @@ def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_p
             blob = _pickle(marker) if variant == "pickle-snapshot" else _torch_save(marker)
             r.delete(keys.deltas_key(sid))
             r.hset(skey, mapping={"state": blob, "delta_bytes": 0})
-        version = r.hincrby(skey, "version", 1)
+        version = _as_a_new_commit(r, skey)
 
         for path, body in [
             ("/score", {"prompt": "x"}),
@@ -108,7 +116,7 @@ def test_a_lost_delta_list_is_refused_not_silently_rolled_back(hostile_servers, 
         )
         assert r.llen(keys.deltas_key(sid)) >= 1  # the commit was stored as a delta
         r.delete(keys.deltas_key(sid))
-        version = r.hincrby(keys.session_key(sid), "version", 1)  # (past any hot copy)
+        version = _as_a_new_commit(r, keys.session_key(sid))
         for path, body in [
             ("/score", {"prompt": "x"}),
             ("/score", {"prompt": "x", "commit": True}),
