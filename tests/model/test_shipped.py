@@ -1,0 +1,62 @@
+"""The shipped Shakespeare checkpoint: loads by name, is what we shipped, and still writes.
+
+If these pins change, the checkpoint in model/weights/shakespeare/ changed: update
+docs/MODEL_CARD.md with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import model
+from model import checkpoint, corpus, evaluate
+
+FINGERPRINT = "e3da372c148c7856"
+GREEDY_AFTER_ROMEO = "\n\n\n\nSCENE II. A Room in the Palace.\n\n[Enter CLOWN,"
+MAX_BYTES = 25 * 1024 * 1024
+
+
+def greedy(lm: model.LanguageModel, prompt: str, n: int) -> str:
+    tok = lm.tokenizer
+    assert tok is not None and tok.bos_id is not None
+    _, st = lm(torch.tensor([[tok.bos_id, *tok.encode(prompt)]]), lm.new_state(1))
+    ids = []
+    for _ in range(n):
+        nid = int(lm.next_logits(st).argmax(-1)[0])
+        ids.append(nid)
+        _, st = lm(torch.tensor([[nid]]), st)
+    return tok.decode(ids)
+
+
+def test_shipped_checkpoint_is_small_safetensors_and_loads_by_name():
+    directory = checkpoint.WEIGHTS_DIR / "shakespeare"
+    assert "shakespeare" in model.shipped()
+    files = {p.name: p.stat().st_size for p in directory.iterdir()}
+    assert set(files) == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert sum(files.values()) <= MAX_BYTES
+    lm = model.load("shakespeare", device="cpu")
+    assert lm.family == "transformer-xl" and not lm.training
+    assert lm.tokenizer is not None and lm.tokenizer.vocab_size == 258
+
+
+def test_shipped_fingerprint_is_stable():
+    assert model.load("shakespeare", device="cpu").fingerprint == FINGERPRINT
+    assert model.load(checkpoint.WEIGHTS_DIR / "shakespeare", device="cpu").fingerprint == FINGERPRINT
+
+
+def test_greedy_generation_after_romeo_is_deterministic():
+    lm = model.load("shakespeare", device="cpu")
+    first = greedy(lm, "ROMEO:", 50)
+    assert greedy(model.load("shakespeare", device="cpu"), "ROMEO:", 50) == first
+    assert first == GREEDY_AFTER_ROMEO
+
+
+def test_shipped_model_predicts_held_out_text_and_uses_its_memory():
+    """A guard on quality, not a pin: 8 kB from the middle of a held-out play."""
+    lm = model.load("shakespeare", device="cpu")
+    name, text = corpus.load_split("shakespeare", "test")[0]
+    excerpt = [(name, text[40_000:48_000])]
+    with_memory = evaluate.score_with_memory(lm, excerpt).bpb
+    without = evaluate.score_without_memory(lm, excerpt).bpb
+    assert with_memory < 2.5
+    assert with_memory < without
