@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ErrorType
 
+# A request may ask for more tokens than the server's max_tokens setting (it is capped),
+# but not for an absurd number: past this ceiling the body is invalid (422).
+MAX_TOKENS_CEILING = 2**20
+
 Prompt = Annotated[
     str | list[int],
     Field(description="text, or token ids of the served model's vocabulary"),
@@ -65,7 +69,9 @@ class SessionDetail(SessionInfo):
 # -- generate -------------------------------------------------------------------------------
 class Generate(Request):
     prompt: Prompt = ""
-    max_tokens: int = Field(64, ge=1, description="capped by the server's max_tokens setting")
+    max_tokens: int = Field(
+        64, ge=1, le=MAX_TOKENS_CEILING, description="capped by the server's max_tokens setting"
+    )
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
@@ -85,7 +91,7 @@ class GenerateQuery(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str = ""
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: int = Field(64, ge=1, le=MAX_TOKENS_CEILING)
     temperature: float = Field(1.0, ge=0)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -151,7 +157,9 @@ class Completion(Request):
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
     prompt: Prompt = ""
-    max_tokens: int | None = Field(16, ge=1, description="null: the server's max_tokens setting")
+    max_tokens: int | None = Field(
+        16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
+    )
     temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="recur extension; 0 = off")
