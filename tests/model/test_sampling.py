@@ -43,7 +43,7 @@ def test_mixed_parameters_in_one_batch_match_running_alone():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(0.0), SamplingParams(0.8, top_k=7), SamplingParams(1.0, top_p=0.5)]
     ids, lp = sample(logits, params, [make_generator(s) for s in (5, 6, 7)])
-    for i, (p, s) in enumerate(zip(params, (5, 6, 7))):
+    for i, (p, s) in enumerate(zip(params, (5, 6, 7), strict=True)):
         one, one_lp = sample(logits[i : i + 1], [p], [make_generator(s)])
         assert int(one) == int(ids[i]) and math.isclose(float(one_lp), float(lp[i]), rel_tol=1e-6)
 

@@ -32,7 +32,7 @@ def stream_and_chunks(draw):
     ones = draw(st.lists(st.integers(1, length - 2), max_size=4))
     cuts = sorted(set(cuts) | set(ones) | {o + 1 for o in ones})
     bounds = [0, *cuts, length]
-    sizes = [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     seed = draw(st.integers(0, 2**16))
     return length, sizes, seed
 
