@@ -43,11 +43,6 @@ SMALL = {
 }
 CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
-    "| Transformer-XL 4 × 128 × 256": (
-        "transformer-xl",
-        {"d_model": 256, "d_head": 64, "d_inner": 1024},
-        None,
-    ),
     "| RLT, `recur init --family rlt` defaults": ("rlt", {}, SMALL["rlt"]),
 }
 # a row for a shipped model ("| Shipped `NAME`") is checked against its config.json
