@@ -302,6 +302,17 @@ def _blobs(raw: list[Any]) -> StateBlobs | None:
     return blobs
 
 
+def _check_status(res: list[Any], session_id: str, expected_version: int | None) -> None:
+    """Raise the error a script's refusal (`missing`, `busy`, `mismatch`) stands for."""
+    status = res[0].decode()
+    if status == "missing":
+        raise SessionNotFound(session_id)
+    if status == "busy":
+        raise SessionBusy(session_id)
+    if status == "mismatch":
+        raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+
+
 def _arg(version: int | None) -> str:
     return "" if version is None else str(int(version))
 
@@ -433,13 +444,7 @@ class SessionStore:
         res = await self._run(
             self._delete, self._keys(session_id, lock=True), [_arg(expected_version), owner]
         )
-        status = res[0].decode()
-        if status == "missing":
-            raise SessionNotFound(session_id)
-        if status == "busy":
-            raise SessionBusy(session_id)
-        if status == "mismatch":
-            raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+        _check_status(res, session_id, expected_version)
 
     @contextlib.asynccontextmanager
     async def writer(
@@ -477,13 +482,7 @@ class SessionStore:
             self._keys(session_id, lock=True),
             [token, self.lock_lease_ms, _arg(expected_version), held_commit or "", owner],
         )
-        status = res[0].decode()
-        if status == "missing":
-            raise SessionNotFound(session_id)
-        if status == "busy":
-            raise SessionBusy(session_id)
-        if status == "mismatch":
-            raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
+        _check_status(res, session_id, expected_version)
         return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
 
 

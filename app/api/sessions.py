@@ -73,6 +73,13 @@ def _etag(meta: SessionMeta) -> dict[str, str]:
     return {"ETag": f'"{meta.version}"'}
 
 
+def _created(response: Response, meta: SessionMeta) -> SessionInfo:
+    """A 201 body for a new session, with its ETag and Location."""
+    response.headers.update(_etag(meta))
+    response.headers["Location"] = f"/v1/sessions/{meta.id}"
+    return _info(meta)
+
+
 # -- routes ------------------------------------------------------------------------------------
 @router.post(
     "",
@@ -94,10 +101,7 @@ async def create_session(
     if ttl > settings.max_session_ttl:
         raise ApiError(E.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    meta = await generation.create_session(engine, store, ids, ttl, owner)
-    response.headers.update(_etag(meta))
-    response.headers["Location"] = f"/v1/sessions/{meta.id}"
-    return _info(meta)
+    return _created(response, await generation.create_session(engine, store, ids, ttl, owner))
 
 
 @router.get(
@@ -136,10 +140,7 @@ async def delete_session(
 async def fork_session(
     session_id: str, response: Response, store: StoreDep, expected: IfMatchDep, owner: OwnerDep
 ) -> SessionInfo:
-    meta = await store.fork(session_id, expected, owner)
-    response.headers.update(_etag(meta))
-    response.headers["Location"] = f"/v1/sessions/{meta.id}"
-    return _info(meta)
+    return _created(response, await store.fork(session_id, expected, owner))
 
 
 @router.post(
