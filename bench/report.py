@@ -39,6 +39,14 @@ def run(script: str, *args: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+def _save(fig: plt.Figure, name: str) -> str:
+    """Write a plot under docs/bench/ and return its path relative to docs/."""
+    fig.tight_layout()
+    fig.savefig(PLOTS / f"{name}.png", dpi=120)
+    plt.close(fig)
+    return f"bench/{name}.png"
+
+
 def plot_history(rows: list[dict]) -> str:
     xs = [r["history_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -47,10 +55,7 @@ def plot_history(rows: list[dict]) -> str:
     ax.set(xscale="log", yscale="log", xlabel="history (tokens)", ylabel="32-token request (ms)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(PLOTS / "history.png", dpi=120)
-    plt.close(fig)
-    return "bench/history.png"
+    return _save(fig, "history")
 
 
 def plot_speedup(rows: list[dict]) -> str:
@@ -61,10 +66,7 @@ def plot_speedup(rows: list[dict]) -> str:
     ax.set(xlabel="attention length", ylabel="speedup over recompute (x)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(PLOTS / "speedup.png", dpi=120)
-    plt.close(fig)
-    return "bench/speedup.png"
+    return _save(fig, "speedup")
 
 
 def plot_concurrency(rows: list[dict]) -> str:
@@ -79,10 +81,7 @@ def plot_concurrency(rows: list[dict]) -> str:
     b.legend()
     for ax in (a, b):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(PLOTS / "concurrency.png", dpi=120)
-    plt.close(fig)
-    return "bench/concurrency.png"
+    return _save(fig, "concurrency")
 
 
 def plot_persistence(rows: list[dict]) -> str:
@@ -92,10 +91,7 @@ def plot_persistence(rows: list[dict]) -> str:
     ax.barh(names, [r["write_ms"] for r in rows], left=[r["read_ms"] for r in rows], label="write ms")
     ax.set(xlabel="ms per 64-token request")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(PLOTS / "persistence.png", dpi=120)
-    plt.close(fig)
-    return "bench/persistence.png"
+    return _save(fig, "persistence")
 
 
 def table(rows: list[dict], cols: list[str]) -> str:

@@ -96,6 +96,7 @@ def _ref(run: Run) -> SessionRef:
             E.session_busy,
             E.model_mismatch,
             E.prompt_too_long,
+            E.queue_full,
             E.redis_unavailable,
         ),
     },

@@ -47,6 +47,8 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create
 E = ErrorType
 _SESSION_ERRORS = (E.session_not_found, E.redis_unavailable, E.invalid_request, E.unauthorized)
 _WRITE_ERRORS = (*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.model_mismatch, E.invalid_request)
+# every route that runs the model can find the scheduler's queue full
+_MODEL_ERRORS = (E.prompt_too_long, E.queue_full)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -86,7 +88,7 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(E.prompt_too_long, E.invalid_request, E.redis_unavailable, E.unauthorized),
+    responses=responses(*_MODEL_ERRORS, E.invalid_request, E.redis_unavailable, E.unauthorized),
 )
 async def create_session(
     response: Response,
@@ -147,7 +149,7 @@ async def fork_session(
     "/{session_id}/score",
     response_model=ScoreResult,
     summary="Teacher-forced log-probs of the given tokens, continuing the session",
-    responses=responses(*_WRITE_ERRORS, E.prompt_too_long, E.session_conflict),
+    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict),
 )
 async def score(
     session_id: str,
@@ -196,7 +198,7 @@ _SSE_DOC = {
     response_model=GenerateResult,
     response_model_exclude_none=True,
     summary="Consume the prompt, then sample tokens (SSE stream or one JSON object)",
-    responses={200: _SSE_DOC, **responses(*_WRITE_ERRORS, E.prompt_too_long, E.session_conflict)},
+    responses={200: _SSE_DOC, **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict)},
 )
 async def generate(
     session_id: str,
@@ -237,7 +239,7 @@ async def generate(
     summary="The streaming generate for EventSource: parameters in the query string",
     responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "as POST"},
-        **responses(*_WRITE_ERRORS, E.prompt_too_long, E.session_conflict),
+        **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict),
     },
 )
 async def generate_get(

@@ -44,12 +44,22 @@ def test_generation_metrics_count_what_happened(http):
     r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de"})
     assert r.status_code == 200
     assert http.get("/v1/sessions/" + "0" * 32).status_code == 404
-    after = scrape(http)
+    ok = {"method": "POST", "route": GENERATE, "status": "200"}
+    # a streamed response is counted once its body has been sent, and the scheduler
+    # lets a finished row go just after its last token: wait (boundedly) for both
+    deadline = time.monotonic() + 30
+    while True:
+        after = scrape(http)
+        settled = value(after, "recur_http_requests_total", **ok) - value(
+            before, "recur_http_requests_total", **ok
+        )
+        if (settled >= 2 and value(after, "recur_num_requests_running") == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    ok = {"method": "POST", "route": GENERATE, "status": "200"}
     assert delta("recur_http_requests_total", **ok) == 2
     assert delta("recur_http_requests_total", method="POST", route="/v1/sessions", status="201") == 1
     assert (
