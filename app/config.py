@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     hot_cache_mb: float = Field(
         256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
     )
+    malloc_trim_interval: float = Field(
+        5.0,
+        ge=0,
+        description="seconds between handing freed host memory back to the OS (glibc malloc_trim; "
+        "0 = never): without it a replica stays at the size of its largest batch ever",
+    )
     delta_persistence: bool = Field(
         True, description="commit only what changed in a state (a delta) instead of the whole state"
     )

@@ -11,7 +11,7 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
                          GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
 * app/engine (hot cache) HOT_CACHE_HITS, HOT_CACHE_MISSES
-* the two gauges read the engine's scheduler when scraped (`bind_engine`)
+* the gauges read the engine's scheduler and hot cache when scraped (`bind_engine`)
 
 This module never imports the engine, the store or FastAPI.
 """
@@ -68,6 +68,8 @@ NUM_REQUESTS_RUNNING = Gauge(
     "recur_num_requests_running", "Sessions in the running batch (decoding or consuming their prompt)"
 )
 NUM_REQUESTS_WAITING = Gauge("recur_num_requests_waiting", "Generations queued, waiting for a batch slot")
+HOT_CACHE_BYTES = Gauge("recur_hot_cache_bytes", "Bytes of session states held in the hot cache")
+HOT_CACHE_SESSIONS = Gauge("recur_hot_cache_sessions", "Sessions whose state the hot cache holds")
 
 # -- state storage -----------------------------------------------------------------------------
 STATE_BYTES_READ = Counter("recur_state_bytes_read", "State bytes read from Redis")
@@ -77,10 +79,18 @@ HOT_CACHE_MISSES = Counter("recur_hot_cache_misses", "Session states that had to
 REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
 
 
-def bind_engine(running: Callable[[], float], waiting: Callable[[], float]) -> None:
-    """Make the scheduler gauges read the live engine at each scrape."""
+def bind_engine(
+    *,
+    running: Callable[[], float],
+    waiting: Callable[[], float],
+    cache_bytes: Callable[[], float],
+    cache_sessions: Callable[[], float],
+) -> None:
+    """Make the engine's gauges read the live engine at each scrape."""
     NUM_REQUESTS_RUNNING.set_function(running)
     NUM_REQUESTS_WAITING.set_function(waiting)
+    HOT_CACHE_BYTES.set_function(cache_bytes)
+    HOT_CACHE_SESSIONS.set_function(cache_sessions)
 
 
 def exposition() -> tuple[bytes, str]:

@@ -14,6 +14,13 @@ are deliberately doubled, sent to both replicas at once: one of the pair must ge
 It reports errors by type, p50/p99 latency by kind, each replica's resident memory over
 time and its growth after warm-up (must stay under 10%), writes a PNG plot and a JSON
 summary, and exits non-zero if an unintended error occurred or memory grew too much.
+
+Warm-up is measured, not assumed: it ends when every replica's hot state cache (read from
+its /metrics) is full, and no earlier than `--warmup` of the run. A session's state grows
+with its conversation, so the cache fills only once conversations have run for a while;
+until then resident memory rises by design (the cache is bounded by its budget), and
+growth after that point is what would be a leak. Once the load stops, each replica's
+memory is sampled again when idle.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class Sample:
 class Run:
     samples: list[Sample] = field(default_factory=list)
     memory: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    # per replica, from its /metrics: (t, hot cache MiB, sessions in the running batch)
+    engine: dict[str, list[tuple[float, float, float]]] = field(default_factory=lambda: defaultdict(list))
+    idle_mib: dict[str, float] = field(default_factory=dict)  # once the load has stopped
     t0: float = 0.0
 
     def now(self) -> float:
@@ -146,15 +156,41 @@ async def _conversation(
         await rng.choice(clients).delete(f"/v1/sessions/{sid}")
 
 
-def _watch_memory(run: Run, pids: dict[str, int], stop: threading.Event, period: float) -> None:
-    procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-    while not stop.is_set():
-        for name, p in procs.items():
-            try:
-                run.memory[name].append((run.now(), p.memory_info().rss / 2**20))
-            except psutil.Error:
-                pass
-        stop.wait(period)
+def _gauges(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def _watch(run: Run, servers: dict[str, Server], stop: threading.Event, period: float) -> None:
+    procs = {name: psutil.Process(s.proc.pid) for name, s in servers.items()}
+    with httpx.Client(timeout=5) as http:
+        while not stop.is_set():
+            for name, p in procs.items():
+                try:
+                    run.memory[name].append((run.now(), p.memory_info().rss / 2**20))
+                    g = _gauges(http.get(servers[name].url + "/metrics").text)
+                    run.engine[name].append(
+                        (run.now(), g["recur_hot_cache_bytes"] / 2**20, g["recur_num_requests_running"])
+                    )
+                except (psutil.Error, httpx.HTTPError, KeyError):
+                    pass
+            stop.wait(period)
+
+
+def _warmup_end(run: Run, args: argparse.Namespace, end: float) -> tuple[float, str]:
+    """When warm-up ended: every replica's hot cache full (95% of its budget), and not
+    before `args.warmup` of the run."""
+    floor = args.warmup * end
+    full = []
+    for series in run.engine.values():
+        t = next((t for t, mib, _ in series if mib >= 0.95 * args.hot_cache_mb), None)
+        if t is None:
+            return floor, f"{args.warmup:.0%} of the run (a hot cache never filled)"
+        full.append(t)
+    if not full or max(full) <= floor:
+        return floor, f"{args.warmup:.0%} of the run (the hot caches were full by then)"
+    return max(full), "every replica's hot cache full"
 
 
 async def _drive(run: Run, urls: list[str], args: argparse.Namespace) -> None:
@@ -188,7 +224,7 @@ def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
     ok = [s for s in run.samples if s.outcome == "ok"]
     errors = Counter(s.outcome for s in run.samples if s.outcome != "ok")
     end = max(s.t for s in run.samples)
-    warm = args.warmup * end
+    warm, warm_reason = _warmup_end(run, args, end)
     by_kind = {}
     for kind in sorted({s.kind for s in run.samples}):
         xs = [s.seconds * 1000 for s in ok if s.kind == kind]
@@ -196,16 +232,21 @@ def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
     ttft = [s.ttft * 1000 for s in ok if s.ttft is not None]
     memory = {}
     for name, series in run.memory.items():
-        after = [m for t, m in series if t >= warm]
-        # baseline: just after warm-up; final: the last tenth of the run (medians, robust to a spike)
-        n = max(1, len(after) // 10)
-        base, final = statistics.median(after[:n]), statistics.median(after[-n:])
+        # baseline: the first `--window` seconds after warm-up; final: the run's last ones.
+        # Medians over windows spanning a few malloc_trim periods, so neither a spike nor
+        # where a sample falls in the trim cycle decides the figure.
+        after = [(t, m) for t, m in series if t >= warm]
+        base = statistics.median(m for t, m in after if t <= warm + args.window)
+        final = statistics.median(m for t, m in after if t >= end - args.window)
         memory[name] = {
             "start_mib": round(series[0][1], 1),
             "after_warmup_mib": round(base, 1),
             "end_mib": round(final, 1),
             "peak_mib": round(max(m for _, m in series), 1),
             "growth_after_warmup": round(final / base - 1, 4),
+            "idle_after_load_mib": round(run.idle_mib[name], 1) if name in run.idle_mib else None,
+            "hot_cache_end_mib": round(run.engine[name][-1][1], 1) if run.engine[name] else None,
+            "max_running_batch": int(max((b for _, _, b in run.engine[name]), default=0)),
         }
     unintended = {k: v for k, v in errors.items() if k not in INTENDED}
     return {
@@ -216,6 +257,7 @@ def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
         "replicas": args.replicas,
         "max_tokens": args.max_tokens,
         "hot_cache_mb": args.hot_cache_mb,
+        "malloc_trim_interval_s": args.malloc_trim_interval,
         "duration_s": round(end, 1),
         "requests": len(run.samples),
         "requests_per_s": round(len(run.samples) / end, 1),
@@ -231,6 +273,7 @@ def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
         },
         "memory": memory,
         "warmup_s": round(warm, 1),
+        "warmup_ended": warm_reason,
         # the raw series (every 5th memory sample), to re-read the run without running it again
         "memory_series_mib": {
             n: [[round(t, 1), round(m, 1)] for t, m in s[::5]] for n, s in run.memory.items()
@@ -245,12 +288,23 @@ def plot(run: Run, summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_mem, ax_lat) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, series in sorted(run.memory.items()):
-        ax_mem.plot([t for t, _ in series], [m for _, m in series], label=f"replica {name}")
-    ax_mem.axvline(summary["warmup_s"], color="grey", ls="--", lw=1, label="end of warm-up")
+    fig, (ax_mem, ax_eng, ax_lat) = plt.subplots(
+        3, 1, figsize=(9, 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.5, 3]}
+    )
+    for i, (name, series) in enumerate(sorted(run.memory.items())):
+        ax_mem.plot([t for t, _ in series], [m for _, m in series], color=f"C{i}", label=f"replica {name}")
+        eng = run.engine.get(name, [])
+        ax_eng.plot(
+            [t for t, _, _ in eng], [m for _, m, _ in eng], color=f"C{i}", label=f"hot cache {name} (MiB)"
+        )
+        ax_eng.plot([t for t, _, _ in eng], [b for _, _, b in eng], color=f"C{i}", lw=0.6, alpha=0.6, ls=":",
+                    label=f"running batch {name}")  # fmt: skip
+    for ax in (ax_mem, ax_eng):
+        ax.axvline(summary["warmup_s"], color="grey", ls="--", lw=1, label="end of warm-up")
     ax_mem.set_ylabel("resident memory (MiB)")
     ax_mem.legend(loc="lower right")
+    ax_eng.set_ylabel("hot cache MiB / batch rows")
+    ax_eng.legend(loc="lower right", fontsize=7, ncol=3)
     ax_mem.set_title(
         f"soak: {summary['sessions']} sessions x {summary['requests_per_session']} requests, "
         f"{summary['clients']} clients, {summary['replicas']} replicas"
@@ -309,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         "measures leaks, not the bounded cache filling up as designed",
     )
     p.add_argument("--warmup", type=float, default=0.2, help="share of the run counted as warm-up")
+    p.add_argument("--window", type=float, default=10.0, help="seconds averaged for the growth's two ends")
+    p.add_argument(
+        "--malloc-trim-interval", type=float, default=5.0, help="the replicas' RECUR_MALLOC_TRIM_INTERVAL"
+    )
+    p.add_argument("--settle", type=float, default=5.0, help="seconds idle before the after-load sample")
     p.add_argument("--delete", action="store_true", help="delete each session at the end of its conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "soak.png")
@@ -329,18 +388,21 @@ def main(argv: list[str] | None = None) -> int:
                     key_prefix="soak:",
                     cpu_threads=1,
                     hot_cache_mb=args.hot_cache_mb,
+                    malloc_trim_interval=args.malloc_trim_interval,
                 )
             )
         print(f"soak: {len(servers)} replicas up ({model_desc}); driving the load", flush=True)
         run = Run()
         stop = threading.Event()
-        names = {chr(ord("a") + i): s.proc.pid for i, s in enumerate(servers)}
+        named = {chr(ord("a") + i): s for i, s in enumerate(servers)}
         run.t0 = time.monotonic()
-        watcher = threading.Thread(target=_watch_memory, args=(run, names, stop, 0.5), daemon=True)
+        watcher = threading.Thread(target=_watch, args=(run, named, stop, 0.5), daemon=True)
         watcher.start()
         asyncio.run(_drive(run, [s.url for s in servers], args))
         stop.set()
         watcher.join()
+        time.sleep(args.settle)  # the load has stopped: what does each replica keep?
+        run.idle_mib = {n: psutil.Process(s.proc.pid).memory_info().rss / 2**20 for n, s in named.items()}
     finally:
         for s in servers:
             s.stop()

@@ -59,11 +59,15 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             hot_cache_bytes=int(settings.hot_cache_mb * 2**20),
             delta_persistence=settings.delta_persistence,
             compile=settings.compile,
+            malloc_trim_interval=settings.malloc_trim_interval,
         )
         engine.start()
         app.state.engine = engine
         service_metrics.bind_engine(
-            lambda: engine.scheduler.num_running, lambda: engine.scheduler.num_waiting
+            running=lambda: engine.scheduler.num_running,
+            waiting=lambda: engine.scheduler.num_waiting,
+            cache_bytes=lambda: engine.cache.nbytes,
+            cache_sessions=lambda: len(engine.cache),
         )
         try:
             yield

@@ -64,6 +64,7 @@ class Engine:
         hot_cache_bytes: int = 256 * 2**20,
         delta_persistence: bool = True,
         compile: bool = False,
+        malloc_trim_interval: float = 0.0,
     ):
         if cpu_threads:
             # tiny decode steps gain nothing from intra-op threads and lose a lot to contention
@@ -93,6 +94,7 @@ class Engine:
             max_batch_size=max_batch_size,
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
+            malloc_trim_interval=malloc_trim_interval,
         )
 
     def start(self) -> None:

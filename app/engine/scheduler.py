@@ -37,6 +37,7 @@ from model import LanguageModel, State
 from model.sampling import make_generator, sample
 from model.tokenizer import StreamDecoder, Tokenizer
 
+from .memory import Releaser
 from .requests import Commit, EmptyContext, Failed, Finished, Generation, QueueFull, StateSource, TokenEvent
 
 log = logging.getLogger("recur.engine")
@@ -88,6 +89,7 @@ class Scheduler:
         max_batch_size: int = 32,
         max_queued_requests: int = 256,
         max_queued_tokens: int = 262_144,
+        malloc_trim_interval: float = 0.0,
     ):
         if lm.tokenizer is None:
             raise ValueError("the model has no tokenizer")
@@ -108,13 +110,17 @@ class Scheduler:
         self._running: list[_Running] = []
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
         self._members: list[_Running] = []
+        self._num_running = 0
+        self.memory = Releaser(malloc_trim_interval)
         self._thread = threading.Thread(target=self._loop, name="recur-scheduler", daemon=True)
         self.stats = {"steps": 0, "tokens": 0, "max_batch": 0}
 
     @property
     def num_running(self) -> int:
-        """Sessions in the running batch (decoding or consuming their prompt)."""
-        return len(self._running) + len(self._prefilling)
+        """Sessions in the running batch (decoding or consuming their prompt), as of the
+        scheduler's last step: read from other threads, so the scheduler publishes it once
+        per step rather than letting a reader add up lists it is moving rows between."""
+        return self._num_running
 
     @property
     def num_waiting(self) -> int:
@@ -166,6 +172,8 @@ class Scheduler:
         with torch.no_grad():
             while True:
                 idle = not (self._jobs or self._running or self._prefilling or self._waiting)
+                if idle:
+                    self.memory.idle()
                 items = [self._inbox.get()] if idle else []
                 while True:
                     try:
@@ -183,11 +191,17 @@ class Scheduler:
                 try:
                     self._admit()
                     self._prefill()
+                    self._publish()  # before any token of this step is sent
                     if self._running:
                         self._step()
                 except Exception as exc:  # the thread must survive: fail what is in flight
                     log.exception("scheduler step failed")
                     self._fail_all(exc)
+                self._publish()
+                self.memory.worked()
+
+    def _publish(self) -> None:
+        self._num_running = len(self._running) + len(self._prefilling)
 
     def _fail_all(self, exc: BaseException) -> None:
         for r in [*self._running, *self._prefilling]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -193,3 +194,38 @@ def test_long_jobs_are_chunked_between_decode_steps(lm):
     torch.testing.assert_close(
         lm.next_logits(lm.load_state(scored.commit.snapshot)), lm.next_logits(ref), atol=1e-4, rtol=0
     )
+
+
+def test_the_running_count_never_exceeds_the_batch_limit(lm):
+    """`num_running` (the metrics gauge) is read from another thread while the scheduler
+    moves rows from prefilling to decoding: it must never count a row twice."""
+    seen: list[int] = []
+
+    async def go():
+        engine = Engine(lm, name="tiny", max_batch_size=3)
+        engine.start()
+        new = await engine.new_session([])
+        gens = [
+            engine.generate(_src(new), list(p.encode()), SamplingParams(temperature=0.0), seed=None,
+                            max_tokens=12, stop=[])  # fmt: skip
+            for p in PROMPTS * 3
+        ]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.0002):
+                seen.append(engine.scheduler.num_running)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        results = await asyncio.gather(*(_collect(g) for g in gens))
+        done.set()
+        watcher.join()
+        await asyncio.sleep(0.05)
+        idle = engine.scheduler.num_running
+        engine.stop()
+        return results, idle
+
+    results, idle = asyncio.run(go())
+    assert all(len(events) == 12 for events, _ in results)
+    assert max(seen) == 3 and idle == 0

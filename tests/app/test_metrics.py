@@ -105,6 +105,18 @@ def test_the_batch_gauge_sees_a_running_generation(http, server):
     assert http.get(f"/v1/sessions/{sid}").json()["version"] == 0
 
 
+def test_the_hot_cache_gauges_follow_its_sessions(http):
+    before = scrape(http)
+    sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
+    made = scrape(http)
+    assert value(made, "recur_hot_cache_sessions") == value(before, "recur_hot_cache_sessions") + 1
+    assert value(made, "recur_hot_cache_bytes") > value(before, "recur_hot_cache_bytes")
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+    gone = scrape(http)
+    assert value(gone, "recur_hot_cache_sessions") == value(before, "recur_hot_cache_sessions")
+    assert value(gone, "recur_hot_cache_bytes") == value(before, "recur_hot_cache_bytes")
+
+
 def test_json_logs_carry_request_and_session_ids(http, server):
     sid = http.post("/v1/sessions").json()["id"]
     r = http.post(

@@ -1,0 +1,68 @@
+"""Giving freed host memory back to the operating system.
+
+glibc's malloc keeps memory a process freed for reuse instead of returning it. A serving
+process allocates working tensors whose sizes follow the batch (every decode step of a
+16-row batch allocates and frees its own copies of the rows' states), so the freed chunks
+of yesterday's largest batch stay resident, scattered between live ones, long after the
+batch shrank: the soak (`bench/soak.py`) measured ~80 MiB of a replica's ~450 MiB held
+that way. `malloc_trim(0)` hands every whole free page back (glibc >= 2.8 releases pages
+inside the heap too, not only its top), and costs well under a millisecond here, so the
+scheduler calls it every few seconds (`RECUR_MALLOC_TRIM_INTERVAL`) and when it goes idle.
+
+Elsewhere (musl, macOS, Windows) there is no such call and this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from collections.abc import Callable
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
+
+
+class Releaser:
+    """Calls malloc_trim at most every `interval` seconds (never when `interval` is 0)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.interval = interval
+        self.enabled = interval > 0 and _TRIM is not None
+        self._clock = clock
+        self._last = clock()
+        self._dirty = False  # work ran since the last release
+        self.releases = 0
+        self.seconds = 0.0  # spent in malloc_trim (bench/memory.py reports it)
+
+    def worked(self) -> None:
+        """Record that the scheduler ran something; release if the interval has passed."""
+        self._dirty = True
+        if self.enabled and self._clock() - self._last >= self.interval:
+            self.release()
+
+    def idle(self) -> None:
+        """The scheduler is about to wait for work: release what the last burst freed."""
+        if self.enabled and self._dirty:
+            self.release()
+
+    def release(self) -> None:
+        assert _TRIM is not None
+        t0 = time.perf_counter()
+        _TRIM(0)
+        self.seconds += time.perf_counter() - t0
+        self._last = self._clock()
+        self._dirty = False
+        self.releases += 1
