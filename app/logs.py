@@ -16,6 +16,14 @@ import time
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 session_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id", default=None)
 
+
+def clip(text: str, limit: int = 64) -> str:
+    """Client-sent text (a session id, a path) as it may appear in a log line or an error
+    message: whole when short, else its start and its length, so a 5,000-character garbage
+    id is never echoed back or logged in full."""
+    return text if len(text) <= limit else f"{text[: limit - 16]}…({len(text)} chars)"
+
+
 # attributes every LogRecord has; anything else was passed with `extra=` and is logged as a field
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 

@@ -58,6 +58,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import metrics
+from app.logs import clip
 
 _ID_RE = re.compile(r"[0-9a-f]{32}")
 _META = ("version", "n_tokens", "model", "fingerprint", "created_at", "expires_at", "ttl")
@@ -69,12 +70,14 @@ class StoreError(Exception):
 
 class SessionNotFound(StoreError):
     def __init__(self, session_id: str):
-        super().__init__(f"session {session_id!r} does not exist (never created, deleted, or expired)")
+        super().__init__(f"session {clip(session_id)!r} does not exist (never created, deleted, or expired)")
 
 
 class SessionBusy(StoreError):
     def __init__(self, session_id: str):
-        super().__init__(f"session {session_id!r} is busy with another request; retry when it has finished")
+        super().__init__(
+            f"session {clip(session_id)!r} is busy with another request; retry when it has finished"
+        )
 
 
 class VersionMismatch(StoreError):

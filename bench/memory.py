@@ -9,11 +9,11 @@ seeded random order, for `--rounds` rounds. Variants:
 * `off`       no trimming (glibc as is);
 * `trim 5 s`  `malloc_trim(0)` at most every 5 s, as the server does by default
               (`RECUR_MALLOC_TRIM_INTERVAL=5`); the run is short, so this bench uses
-              `--trim-interval` (default 0.5 s) to trim as often relative to its length;
+              `--trim-interval` (default 1 s) to trim as often relative to its length;
 * `mmap 64k`  the usual alternative, a fixed glibc mmap threshold
               (`MALLOC_MMAP_THRESHOLD_=65536`): every large tensor is a fresh mapping.
 
-Usage: python bench/memory.py [--model shakespeare-rlt] [--rounds 60] [--repeats 2]
+Usage: python bench/memory.py [--model shakespeare-rlt] [--rounds 150] [--repeats 2]
 Prints ms per decode step and resident memory per variant, and their ratios to `off`.
 """
 
@@ -81,9 +81,9 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="shakespeare-rlt")
-    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=150)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--trim-interval", type=float, default=0.5)
+    p.add_argument("--trim-interval", type=float, default=1.0)
     p.add_argument("--child-trim", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child_trim is not None:

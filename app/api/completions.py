@@ -128,7 +128,7 @@ async def create_completion(
     if sid is None:  # a fresh session: BOS now, the prompt with the generation
         sid = (await generation.create_session(engine, store, [], settings.session_ttl, owner)).id
     else:
-        logs.session_id.set(sid)
+        logs.session_id.set(logs.clip(sid))
     run = await generation.start(
         engine,
         store,

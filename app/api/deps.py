@@ -101,7 +101,7 @@ async def bind_session(request: Request) -> None:
     request's own context, so the value sticks for the rest of the request.)"""
     sid = request.path_params.get("session_id")
     if sid is not None:
-        logs.session_id.set(sid)
+        logs.session_id.set(logs.clip(sid))
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app import logs
 from app.engine import EmptyContext, EngineError, QueueFull
 from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
 from model import StateError
@@ -141,6 +142,15 @@ def install(app: FastAPI) -> None:
         etype, message = classify(exc)
         return response(etype, message, headers=exc.headers if isinstance(exc, ApiError) else None)
 
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette answers these outside every middleware (ServerErrorMiddleware), so the
+        # request id the RequestContext middleware would add is added here
+        etype, message = classify(exc)
+        rid = logs.request_id.get()
+        if rid is None:
+            return response(etype, message)
+        return response(etype, f"{message} (request id {rid})", headers={"X-Request-Id": rid})
+
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         ctype = request.headers.get("content-type", "")
@@ -164,11 +174,12 @@ def install(app: FastAPI) -> None:
                 status_code=exc.status_code,
                 headers=exc.headers,
             )
-        return response(etype, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
+        path = logs.clip(request.url.path, 120)
+        return response(etype, f"{request.method} {path}: {exc.detail}", headers=exc.headers)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     handled: list[type[Exception]] = [ApiError, *(c for c, _ in _EXCEPTIONS)]
     for cls in handled:
         app.add_exception_handler(cls, on_error)
-    app.add_exception_handler(Exception, on_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -54,14 +54,15 @@ class RequestContext:
             elapsed = time.perf_counter() - started
             metrics.HTTP_REQUESTS.labels(method, template, str(status)).inc()
             metrics.HTTP_REQUEST_DURATION.labels(method, template).observe(elapsed)
+            path = logs.clip(scope["path"], 200)
             log.info(
                 "%s %s %d",
                 method,
-                scope["path"],
+                path,
                 status,
                 extra={
                     "method": method,
-                    "path": scope["path"],  # the query string is left out: it may hold an access_token
+                    "path": path,  # the query string is left out: it may hold an access_token
                     "route": template,
                     "status": status,
                     "duration_ms": round(elapsed * 1000, 2),

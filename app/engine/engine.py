@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from app.store import SessionMeta, StateBlobs
-from model import LanguageModel, State
+from model import LanguageModel, State, StateError
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -39,6 +39,16 @@ def _owning(state: State) -> State:
     if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state.tensors.values()):
         return state
     return state.clone()
+
+
+def _check_tokens(state: State, source: StateSource) -> None:
+    """A stored state that has consumed another number of tokens than its session records
+    (say, its deltas were lost) would silently fork the conversation: refuse it."""
+    if int(state.n_tokens[0]) != source.n_tokens:
+        raise StateError(
+            f"the stored state has consumed {int(state.n_tokens[0])} tokens, its session records "
+            f"{source.n_tokens}: its stored parts are inconsistent"
+        )
 
 
 @dataclass(frozen=True)
@@ -152,12 +162,9 @@ class Engine:
             t0 = time.perf_counter()
             state = _owning(self.lm.load_state(source.blobs.snapshot, source.blobs.deltas))
             self.timings["load_s"] += time.perf_counter() - t0
-            if source.session_id is not None:
-                self.cache.put(source.session_id, Held(source.version, source.commit_id, state))
-        if int(state.n_tokens[0]) != source.n_tokens:
-            raise EngineError(
-                f"stored state has consumed {int(state.n_tokens[0])} tokens, the session says {source.n_tokens}"
-            )
+        _check_tokens(state, source)
+        if source.cached is None and source.session_id is not None:  # (checked: never cache a damaged one)
+            self.cache.put(source.session_id, Held(source.version, source.commit_id, state))
         return state
 
     def _commit(self, source: StateSource | None, state: State) -> Commit:

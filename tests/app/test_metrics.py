@@ -4,17 +4,15 @@ structured JSON logs, over real HTTP against `python -m app`."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.api import create_app
 from app.config import Settings
-from tests.conftest import free_port
+from tests.conftest import serve_in_process
 
 from .sse_client import events, generate
 
@@ -159,23 +157,13 @@ def test_metrics_access_setting(access, keys, status):
     """`/metrics` per RECUR_METRICS_ACCESS, served by uvicorn over real HTTP (the route
     needs neither the model nor Redis, so the app runs without its lifespan)."""
     app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", metrics_access=access, api_keys=keys))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, lifespan="off", log_config=None, access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    with serve_in_process(app) as url:
+        r = httpx.get(f"{url}/metrics", timeout=10)
         assert r.status_code == status, r.text
         if status != 200:
             assert r.json()["error"]["type"] == {404: "not_found", 401: "unauthorized"}[status]
         else:
             assert "recur_generation_tokens_total" in r.text
         if keys:
-            ok = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {keys}"})
+            ok = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {keys}"})
             assert ok.status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

@@ -250,6 +250,7 @@ def test_garbage_and_traversal_session_ids_are_404(server, bad):
         assert status in (404, 405), (method, bad, status, payload)
         assert set(payload) == {"error"} and set(payload["error"]) == {"type", "message"}
         assert payload["error"]["type"] in ("session_not_found", "not_found", "method_not_allowed")
+        assert len(payload["error"]["message"]) < 250  # a huge id is never echoed back whole
 
 
 def test_the_server_still_serves_after_all_that(http, sid):

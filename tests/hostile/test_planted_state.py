@@ -124,6 +124,7 @@ def test_a_lost_delta_list_is_refused_not_silently_rolled_back(hostile_servers, 
         ]:
             resp = c.post(f"/v1/sessions/{sid}{path}", json=body)
             assert resp.status_code == 500, resp.text
-            assert resp.json()["error"]["type"] in ("state_corrupt", "internal_error")
+            assert resp.json()["error"]["type"] == "state_corrupt"
+            assert "inconsistent" in resp.json()["error"]["message"]
         assert int(r.hget(keys.session_key(sid), "version")) == version
     r.close()
