@@ -5,22 +5,28 @@ replicas' resident memory. Not a test: run it by hand (it takes minutes), e.g.
     nice -n 10 .venv/bin/python bench/soak.py --sessions 40    # a quick look
 
 It starts a redis-server (AOF everysec) and `--replicas` servers itself, then drives
-`--sessions` conversations of `--requests` requests each from `--clients` concurrent
-asyncio clients. A conversation hops between replicas at random; its requests are a mix
-of streaming and non-streaming generations and scores (committed or not). A few requests
-are deliberately doubled, sent to both replicas at once: one of the pair must get
-409 session_busy, the only error besides 429 (queue full) that counts as intended.
+conversations of `--requests` requests each from `--clients` concurrent asyncio clients.
+A conversation hops between replicas at random; its requests are a mix of streaming and
+non-streaming generations and scores (committed or not). A few requests are deliberately
+doubled, sent to both replicas at once: one of the pair must get 409 session_busy, the
+only error besides 429 (queue full) that counts as intended.
 
-It reports errors by type, p50/p99 latency by kind, each replica's resident memory over
-time and its growth after warm-up (must stay under 10%), writes a PNG plot and a JSON
-summary, and exits non-zero if an unintended error occurred or memory grew too much.
+The run has two phases, with the replicas left idle for `--settle` seconds after each:
 
-Warm-up is measured, not assumed: it ends when every replica's hot state cache (read from
-its /metrics) is full, and no earlier than `--warmup` of the run. A session's state grows
-with its conversation, so the cache fills only once conversations have run for a while;
-until then resident memory rises by design (the cache is bounded by its budget), and
-growth after that point is what would be a leak. Once the load stops, each replica's
-memory is sampled again when idle.
+1. warm-up: `--warmup-sessions` conversations of the same shape, enough to fill every
+   replica's hot state cache (a session's state grows with its conversation, so the
+   cache fills only once conversations have run a while) and to reach the largest
+   batches; whether the caches were full is read from each replica's /metrics;
+2. the load: `--sessions` conversations, on which errors and latency are reported.
+
+Memory growth after warm-up compares each replica's resident memory idle after the load
+with its memory idle after warm-up: at equal (no) load, so what it measures is memory the
+load left behind, a leak. Under load, resident memory also holds the running batch's
+working tensors, which rise and fall with the batch; that is plotted and reported (medians
+of the load's two halves and the peak), but it follows the load, not the time.
+
+It writes a PNG plot and a JSON summary, and exits non-zero if an unintended error
+occurred or memory grew by 10% or more.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Sample:
     outcome: str  # "ok" or "<status> <error type>"
     seconds: float
     ttft: float | None = None  # streaming: time to the first token
+    phase: str = "load"  # or "warmup"
 
 
 @dataclass
@@ -67,7 +74,9 @@ class Run:
     memory: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     # per replica, from its /metrics: (t, hot cache MiB, sessions in the running batch)
     engine: dict[str, list[tuple[float, float, float]]] = field(default_factory=lambda: defaultdict(list))
-    idle_mib: dict[str, float] = field(default_factory=dict)  # once the load has stopped
+    idle_mib: dict[str, dict[str, float]] = field(default_factory=dict)  # [when][replica], idle
+    marks: dict[str, float] = field(default_factory=dict)  # phase boundaries (seconds)
+    phase: str = "load"
     t0: float = 0.0
 
     def now(self) -> float:
@@ -124,7 +133,7 @@ async def _request(
             outcome = "ok" if r.status_code == 200 else _error(r)
     except httpx.HTTPError as exc:
         outcome = f"transport {type(exc).__name__}"
-    run.samples.append(Sample(run.now(), kind, outcome, time.monotonic() - t0, ttft))
+    run.samples.append(Sample(run.now(), kind, outcome, time.monotonic() - t0, ttft, run.phase))
 
 
 KINDS = ["stream"] * 5 + ["generate"] * 2 + ["commit"] * 2 + ["score", "read"]
@@ -137,9 +146,9 @@ async def _conversation(
     t0 = time.monotonic()
     r = await c.post("/v1/sessions", json={"prompt": " ".join(rng.choices(TEXT, k=4))})
     if r.status_code != 201:
-        run.samples.append(Sample(run.now(), "create", _error(r), time.monotonic() - t0))
+        run.samples.append(Sample(run.now(), "create", _error(r), time.monotonic() - t0, phase=run.phase))
         return
-    run.samples.append(Sample(run.now(), "create", "ok", time.monotonic() - t0))
+    run.samples.append(Sample(run.now(), "create", "ok", time.monotonic() - t0, phase=run.phase))
     sid = r.json()["id"]
     for _ in range(n):
         kind = rng.choice(KINDS)
@@ -178,26 +187,11 @@ def _watch(run: Run, servers: dict[str, Server], stop: threading.Event, period: 
             stop.wait(period)
 
 
-def _warmup_end(run: Run, args: argparse.Namespace, end: float) -> tuple[float, str]:
-    """When warm-up ended: every replica's hot cache full (95% of its budget), and not
-    before `args.warmup` of the run."""
-    floor = args.warmup * end
-    full = []
-    for series in run.engine.values():
-        t = next((t for t, mib, _ in series if mib >= 0.95 * args.hot_cache_mb), None)
-        if t is None:
-            return floor, f"{args.warmup:.0%} of the run (a hot cache never filled)"
-        full.append(t)
-    if not full or max(full) <= floor:
-        return floor, f"{args.warmup:.0%} of the run (the hot caches were full by then)"
-    return max(full), "every replica's hot cache full"
-
-
-async def _drive(run: Run, urls: list[str], args: argparse.Namespace) -> None:
+async def _drive(run: Run, urls: list[str], args: argparse.Namespace, sessions: range) -> None:
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     clients = [httpx.AsyncClient(base_url=u, timeout=120, limits=limits) for u in urls]
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(args.sessions):
+    for i in sessions:
         queue.put_nowait(i)
 
     async def client_loop() -> None:
@@ -213,6 +207,18 @@ async def _drive(run: Run, urls: list[str], args: argparse.Namespace) -> None:
         await c.aclose()
 
 
+def _idle_rss(servers: dict[str, Server], settle: float) -> dict[str, float]:
+    """Each replica's resident memory once it has been idle for `settle` seconds (the
+    median of five samples over a second)."""
+    time.sleep(settle)
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(5):
+        for name, s in servers.items():
+            samples[name].append(psutil.Process(s.proc.pid).memory_info().rss / 2**20)
+        time.sleep(0.25)
+    return {name: statistics.median(xs) for name, xs in samples.items()}
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -220,60 +226,72 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
-    ok = [s for s in run.samples if s.outcome == "ok"]
-    errors = Counter(s.outcome for s in run.samples if s.outcome != "ok")
-    end = max(s.t for s in run.samples)
-    warm, warm_reason = _warmup_end(run, args, end)
-    by_kind = {}
-    for kind in sorted({s.kind for s in run.samples}):
+def _latency(samples: list[Sample]) -> dict:
+    ok = [s for s in samples if s.outcome == "ok"]
+    out = {
+        "all": {
+            "p50": round(_pct([s.seconds * 1000 for s in ok], 0.5), 1),
+            "p99": round(_pct([s.seconds * 1000 for s in ok], 0.99), 1),
+        },
+        "ttft": {
+            "p50": round(_pct([s.ttft * 1000 for s in ok if s.ttft is not None], 0.5), 1),
+            "p99": round(_pct([s.ttft * 1000 for s in ok if s.ttft is not None], 0.99), 1),
+        },
+    }
+    for kind in sorted({s.kind for s in samples}):
         xs = [s.seconds * 1000 for s in ok if s.kind == kind]
-        by_kind[kind] = {"n": len(xs), "p50_ms": round(_pct(xs, 0.5), 1), "p99_ms": round(_pct(xs, 0.99), 1)}
-    ttft = [s.ttft * 1000 for s in ok if s.ttft is not None]
+        out[kind] = {"n": len(xs), "p50_ms": round(_pct(xs, 0.5), 1), "p99_ms": round(_pct(xs, 0.99), 1)}
+    return out
+
+
+def summarise(run: Run, args: argparse.Namespace, model_desc: str) -> dict:
+    load = [s for s in run.samples if s.phase == "load"]
+    warmup = [s for s in run.samples if s.phase == "warmup"]
+    errors = Counter(s.outcome for s in load if s.outcome != "ok")
+    warmup_errors = Counter(s.outcome for s in warmup if s.outcome != "ok")
+    unintended = {k: v for k, v in (errors + warmup_errors).items() if k not in INTENDED}
+    start, end = run.marks["load_start"], run.marks["load_end"]
+    mid = (start + end) / 2
     memory = {}
     for name, series in run.memory.items():
-        # baseline: the first `--window` seconds after warm-up; final: the run's last ones.
-        # Medians over windows spanning a few malloc_trim periods, so neither a spike nor
-        # where a sample falls in the trim cycle decides the figure.
-        after = [(t, m) for t, m in series if t >= warm]
-        base = statistics.median(m for t, m in after if t <= warm + args.window)
-        final = statistics.median(m for t, m in after if t >= end - args.window)
+        before = run.idle_mib.get("after_warmup", {}).get(name, series[0][1])
+        after = run.idle_mib["after_load"][name]
+        cache = [mib for t, mib, _ in run.engine[name] if t <= run.marks.get("warmup_end", 0.0)]
         memory[name] = {
             "start_mib": round(series[0][1], 1),
-            "after_warmup_mib": round(base, 1),
-            "end_mib": round(final, 1),
-            "peak_mib": round(max(m for _, m in series), 1),
-            "growth_after_warmup": round(final / base - 1, 4),
-            "idle_after_load_mib": round(run.idle_mib[name], 1) if name in run.idle_mib else None,
-            "hot_cache_end_mib": round(run.engine[name][-1][1], 1) if run.engine[name] else None,
+            "idle_after_warmup_mib": round(before, 1),
+            "idle_after_load_mib": round(after, 1),
+            "growth_after_warmup": round(after / before - 1, 4),
+            "under_load_mib": {
+                "first_half_median": round(statistics.median(m for t, m in series if start <= t < mid), 1),
+                "second_half_median": round(statistics.median(m for t, m in series if mid <= t <= end), 1),
+                "peak": round(max(m for t, m in series if start <= t <= end), 1),
+            },
+            "hot_cache_after_warmup_mib": round(cache[-1], 1) if cache else None,
+            "hot_cache_full_after_warmup": bool(cache) and cache[-1] >= 0.95 * args.hot_cache_mb,
             "max_running_batch": int(max((b for _, _, b in run.engine[name]), default=0)),
         }
-    unintended = {k: v for k, v in errors.items() if k not in INTENDED}
     return {
         "model": model_desc,
         "sessions": args.sessions,
         "requests_per_session": args.requests,
+        "warmup_sessions": args.warmup_sessions,
         "clients": args.clients,
         "replicas": args.replicas,
         "max_tokens": args.max_tokens,
         "hot_cache_mb": args.hot_cache_mb,
         "malloc_trim_interval_s": args.malloc_trim_interval,
-        "duration_s": round(end, 1),
-        "requests": len(run.samples),
-        "requests_per_s": round(len(run.samples) / end, 1),
+        "seed": args.seed,
+        "load_duration_s": round(end - start, 1),
+        "requests": len(load),
+        "requests_per_s": round(len(load) / (end - start), 1),
         "errors": dict(errors),
+        "warmup_requests": len(warmup),
+        "warmup_errors": dict(warmup_errors),
         "unintended_errors": unintended,
-        "latency_ms": {
-            "all": {
-                "p50": round(_pct([s.seconds * 1000 for s in ok], 0.5), 1),
-                "p99": round(_pct([s.seconds * 1000 for s in ok], 0.99), 1),
-            },
-            "ttft": {"p50": round(_pct(ttft, 0.5), 1), "p99": round(_pct(ttft, 0.99), 1)},
-            **by_kind,
-        },
+        "latency_ms": _latency(load),
         "memory": memory,
-        "warmup_s": round(warm, 1),
-        "warmup_ended": warm_reason,
+        "marks_s": {k: round(v, 1) for k, v in run.marks.items()},
         # the raw series (every 5th memory sample), to re-read the run without running it again
         "memory_series_mib": {
             n: [[round(t, 1), round(m, 1)] for t, m in s[::5]] for n, s in run.memory.items()
@@ -299,34 +317,53 @@ def plot(run: Run, summary: dict, path: Path) -> None:
         )
         ax_eng.plot([t for t, _, _ in eng], [b for _, _, b in eng], color=f"C{i}", lw=0.6, alpha=0.6, ls=":",
                     label=f"running batch {name}")  # fmt: skip
-    for ax in (ax_mem, ax_eng):
-        ax.axvline(summary["warmup_s"], color="grey", ls="--", lw=1, label="end of warm-up")
+    marks = run.marks
+    for ax in (ax_mem, ax_eng, ax_lat):
+        if "warmup_end" in marks:
+            ax.axvspan(0, marks["warmup_end"], color="grey", alpha=0.12, lw=0)
+        for a, b in (("warmup_end", "load_start"), ("load_end", "idle_end")):
+            if a in marks and b in marks:
+                ax.axvspan(marks[a], marks[b], color="C2", alpha=0.15, lw=0)
+    for i, name in enumerate(sorted(run.memory)):
+        for when, a, b in (
+            ("after_warmup", "warmup_end", "load_start"),
+            ("after_load", "load_end", "idle_end"),
+        ):
+            if name in run.idle_mib.get(when, {}) and a in marks:
+                ax_mem.plot([marks[b]], [run.idle_mib[when][name]], "o", color=f"C{i}", ms=6)
+    ax_mem.plot([], [], "o", color="k", ms=5, label="idle (compared: growth after warm-up)")
+    ax_mem.axvspan(0, 0, color="grey", alpha=0.12, label="warm-up")
+    ax_mem.axvspan(0, 0, color="C2", alpha=0.15, label="idle")
     ax_mem.set_ylabel("resident memory (MiB)")
-    ax_mem.legend(loc="lower right")
+    ax_mem.legend(loc="lower right", fontsize=8)
     ax_eng.set_ylabel("hot cache MiB / batch rows")
     ax_eng.legend(loc="lower right", fontsize=7, ncol=3)
+    growth = ", ".join(f"{n} {m['growth_after_warmup']:+.1%}" for n, m in sorted(summary["memory"].items()))
     ax_mem.set_title(
-        f"soak: {summary['sessions']} sessions x {summary['requests_per_session']} requests, "
-        f"{summary['clients']} clients, {summary['replicas']} replicas"
+        f"soak: {summary['warmup_sessions']} warm-up + {summary['sessions']} sessions x "
+        f"{summary['requests_per_session']} requests, {summary['clients']} clients, {summary['replicas']} replicas"
+        f"\nmemory growth after warm-up (idle to idle): {growth}"
     )
     ok = sorted((s for s in run.samples if s.outcome == "ok"), key=lambda s: s.t)
     ax_lat.scatter([s.t for s in ok], [s.seconds * 1000 for s in ok], s=3, alpha=0.3, label="request latency")
-    window = max(1, len(ok) // 40)
-    mids, p50, p99 = [], [], []
-    for i in range(0, len(ok), window):
-        chunk = [s.seconds * 1000 for s in ok[i : i + window]]
-        mids.append(ok[min(i + window // 2, len(ok) - 1)].t)
-        p50.append(_pct(chunk, 0.5))
-        p99.append(_pct(chunk, 0.99))
-    ax_lat.plot(mids, p50, color="C1", label="p50 (rolling)")
-    ax_lat.plot(mids, p99, color="C3", label="p99 (rolling)")
+    for k, phase in enumerate(("warmup", "load")):  # rolling percentiles, per phase
+        xs = [s for s in ok if s.phase == phase]
+        window = max(1, len(xs) // 30)
+        mids, p50, p99 = [], [], []
+        for i in range(0, len(xs), window):
+            chunk = [s.seconds * 1000 for s in xs[i : i + window]]
+            mids.append(xs[min(i + window // 2, len(xs) - 1)].t)
+            p50.append(_pct(chunk, 0.5))
+            p99.append(_pct(chunk, 0.99))
+        ax_lat.plot(mids, p50, color="C1", label=None if k else "p50 (rolling)")
+        ax_lat.plot(mids, p99, color="C3", label=None if k else "p99 (rolling)")
     bad = [s for s in run.samples if s.outcome != "ok"]
     if bad:
         ax_lat.scatter([s.t for s in bad], [s.seconds * 1000 for s in bad], s=12, marker="x", color="k",
                        label="409/429 (intended)" if not summary["unintended_errors"] else "errors")  # fmt: skip
     ax_lat.set_yscale("log")
     ax_lat.set_ylabel("latency (ms)")
-    ax_lat.set_xlabel("seconds since the load began")
+    ax_lat.set_xlabel("seconds since the warm-up began")
     ax_lat.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,14 +397,18 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=32,
         help="each replica's hot state cache: small enough to fill during warm-up, so growth after it "
-        "measures leaks, not the bounded cache filling up as designed",
+        "measures leaks, not the bounded cache filling up as designed (the summary says whether it did)",
     )
-    p.add_argument("--warmup", type=float, default=0.2, help="share of the run counted as warm-up")
-    p.add_argument("--window", type=float, default=10.0, help="seconds averaged for the growth's two ends")
+    p.add_argument(
+        "--warmup-sessions",
+        type=int,
+        default=100,
+        help="conversations run before the load, to fill the hot caches and reach the largest batches",
+    )
     p.add_argument(
         "--malloc-trim-interval", type=float, default=5.0, help="the replicas' RECUR_MALLOC_TRIM_INTERVAL"
     )
-    p.add_argument("--settle", type=float, default=5.0, help="seconds idle before the after-load sample")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds idle before each idle sample")
     p.add_argument("--delete", action="store_true", help="delete each session at the end of its conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "soak.png")
@@ -395,14 +436,25 @@ def main(argv: list[str] | None = None) -> int:
         run = Run()
         stop = threading.Event()
         named = {chr(ord("a") + i): s for i, s in enumerate(servers)}
+        urls = [s.url for s in servers]
         run.t0 = time.monotonic()
         watcher = threading.Thread(target=_watch, args=(run, named, stop, 0.5), daemon=True)
         watcher.start()
-        asyncio.run(_drive(run, [s.url for s in servers], args))
+        if args.warmup_sessions:
+            run.phase = "warmup"
+            # (session numbers after the load's, so the load is the same with or without it)
+            asyncio.run(_drive(run, urls, args, range(args.sessions, args.sessions + args.warmup_sessions)))
+            run.marks["warmup_end"] = run.now()
+            run.idle_mib["after_warmup"] = _idle_rss(named, args.settle)
+            print(f"soak: warm-up done; idle MiB {run.idle_mib['after_warmup']}", flush=True)
+        run.phase = "load"
+        run.marks["load_start"] = run.now()
+        asyncio.run(_drive(run, urls, args, range(args.sessions)))
+        run.marks["load_end"] = run.now()
+        run.idle_mib["after_load"] = _idle_rss(named, args.settle)
+        run.marks["idle_end"] = run.now()
         stop.set()
         watcher.join()
-        time.sleep(args.settle)  # the load has stopped: what does each replica keep?
-        run.idle_mib = {n: psutil.Process(s.proc.pid).memory_info().rss / 2**20 for n, s in named.items()}
     finally:
         for s in servers:
             s.stop()

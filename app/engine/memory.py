@@ -6,8 +6,9 @@ process allocates working tensors whose sizes follow the batch (every decode ste
 of yesterday's largest batch stay resident, scattered between live ones, long after the
 batch shrank: the soak (`bench/soak.py`) measured ~80 MiB of a replica's ~450 MiB held
 that way. `malloc_trim(0)` hands every whole free page back (glibc >= 2.8 releases pages
-inside the heap too, not only its top), and costs well under a millisecond here, so the
-scheduler calls it every few seconds (`RECUR_MALLOC_TRIM_INTERVAL`) and when it goes idle.
+inside the heap too, not only its top), and costs a few milliseconds here, so the
+scheduler calls it every few seconds (`RECUR_MALLOC_TRIM_INTERVAL`) and once the process
+has gone quiet.
 
 Elsewhere (musl, macOS, Windows) there is no such call and this does nothing.
 """
@@ -53,9 +54,14 @@ class Releaser:
         if self.enabled and self._clock() - self._last >= self.interval:
             self.release()
 
+    @property
+    def pending(self) -> bool:
+        """Work ran since the last release (and releasing is on)."""
+        return self.enabled and self._dirty
+
     def idle(self) -> None:
-        """The scheduler is about to wait for work: release what the last burst freed."""
-        if self.enabled and self._dirty:
+        """The process has gone quiet: release what the last burst freed."""
+        if self.pending:
             self.release()
 
     def release(self) -> None:

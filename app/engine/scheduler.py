@@ -42,6 +42,8 @@ from .requests import Commit, EmptyContext, Failed, Finished, Generation, QueueF
 
 log = logging.getLogger("recur.engine")
 
+IDLE_RELEASE_DELAY = 1.0  # seconds without work before freed memory is handed back
+
 
 @dataclass
 class _Job:
@@ -172,9 +174,7 @@ class Scheduler:
         with torch.no_grad():
             while True:
                 idle = not (self._jobs or self._running or self._prefilling or self._waiting)
-                if idle:
-                    self.memory.idle()
-                items = [self._inbox.get()] if idle else []
+                items = [self._wait()] if idle else []
                 while True:
                     try:
                         items.append(self._inbox.get_nowait())
@@ -202,6 +202,17 @@ class Scheduler:
 
     def _publish(self) -> None:
         self._num_running = len(self._running) + len(self._prefilling)
+
+    def _wait(self) -> Any:
+        """The next inbox item, when there is no work. Memory freed by the last requests is
+        given back once the whole process has been quiet for `IDLE_RELEASE_DELAY` (their
+        state bytes are freed by the event loop after their commits, not by this thread)."""
+        if self.memory.pending:
+            try:
+                return self._inbox.get(timeout=IDLE_RELEASE_DELAY)
+            except queue.Empty:
+                self.memory.idle()
+        return self._inbox.get()
 
     def _fail_all(self, exc: BaseException) -> None:
         for r in [*self._running, *self._prefilling]:

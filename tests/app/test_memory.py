@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from app.engine import memory
+from app.engine import memory, scheduler
 from app.engine.memory import Releaser
 
 
@@ -63,3 +63,26 @@ def test_a_release_gives_fragmented_free_memory_back():
     after = rss()
     del blocks
     assert before - after > 50 * 2**20, (before, after)
+
+
+@pytest.mark.skipif(memory._TRIM is None, reason="no malloc_trim in this C library")
+def test_the_scheduler_releases_once_when_the_process_goes_quiet(tiny_model_dir):
+    import asyncio
+    import time
+
+    import model
+    from app.engine import Engine
+
+    engine = Engine(model.load(tiny_model_dir, device="cpu"), name="tiny", malloc_trim_interval=3600)
+    engine.start()
+    try:
+        assert engine.scheduler.memory.releases == 0  # nothing has run
+        asyncio.run(engine.new_session(list(b"some work")))
+        deadline = time.monotonic() + 30
+        while engine.scheduler.memory.releases == 0:
+            assert time.monotonic() < deadline, "the idle scheduler never released memory"
+            time.sleep(0.05)
+        time.sleep(2 * scheduler.IDLE_RELEASE_DELAY)
+        assert engine.scheduler.memory.releases == 1  # once per quiet spell, not once per wait
+    finally:
+        engine.stop()
