@@ -489,6 +489,15 @@ class SessionStore:
         return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
 
 
+async def _keep_alive(store: SessionStore, key: str, token: str) -> None:
+    """Renew a writer's lease while its request works; if renewal fails, the fence still holds."""
+    period = store.lock_lease_ms / 3000
+    while True:
+        await asyncio.sleep(period)
+        with contextlib.suppress(StoreError):
+            await store._run(store._renew, [key], [token, store.lock_lease_ms])
+
+
 class Writer:
     """One request's hold on a session: the state it started from, and its one commit."""
 
@@ -498,16 +507,10 @@ class Writer:
         self.state = state
         self._token = token
         self._done = False
-        self._renewer = asyncio.create_task(self._keep_alive())
-
-    async def _keep_alive(self) -> None:
-        # renew the lease while the request works; if renewal fails, the fence still holds
-        period = self.store.lock_lease_ms / 3000
-        key = self.store.lock_key(self.meta.id)
-        while True:
-            await asyncio.sleep(period)
-            with contextlib.suppress(StoreError):
-                await self.store._run(self.store._renew, [key], [self._token, self.store.lock_lease_ms])
+        # (a function of the lock alone, not a method: a task whose frame held `self` would
+        # make a reference cycle, keeping this writer and the state bytes it holds alive
+        # until the cyclic garbage collector happened to run)
+        self._renewer = asyncio.create_task(_keep_alive(store, store.lock_key(meta.id), token))
 
     async def commit(
         self, n_tokens: int, *, snapshot: bytes | None = None, delta: bytes | None = None
