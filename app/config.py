@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(
         2.0, gt=0, description="socket timeout for Redis, so a dead Redis fails fast"
     )
+    redis_max_connections: int = Field(
+        64,
+        ge=1,
+        description="most connections this replica opens to Redis; a request waits (up to the Redis timeout) "
+        "for a free one rather than opening more, so a burst never floods Redis with clients",
+    )
     log_level: str = Field("info", description="uvicorn log level")
     max_body_bytes: int = Field(
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"

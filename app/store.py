@@ -64,6 +64,9 @@ _ID_RE = re.compile(r"[0-9a-f]{32}")
 _META = ("version", "n_tokens", "model", "fingerprint", "created_at", "expires_at", "ttl")
 
 
+CLIENT_NAME = "recur"  # every connection's CLIENT SETNAME, to find a replica's in CLIENT LIST
+
+
 class StoreError(Exception):
     """Base of the store's errors."""
 
@@ -328,18 +331,25 @@ class SessionStore:
         key_prefix: str = "recur:",
         lock_lease_seconds: float = 10.0,
         timeout: float = 2.0,
+        max_connections: int = 64,
         fault_pause_before_commit: float = 0.0,
     ):
         self.prefix = key_prefix
         self.fault_pause_before_commit = fault_pause_before_commit  # tests only
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
-        self.redis = aioredis.Redis.from_url(
+        # a bounded pool: past `max_connections` busy ones, a command waits for a free
+        # connection (up to `timeout`, then StoreUnavailable) instead of opening another
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1),
             decode_responses=False,
+            client_name=CLIENT_NAME,
         )
+        self.redis = aioredis.Redis.from_pool(pool)
         r = self.redis
         self._create = r.register_script(_CREATE)
         self._read = r.register_script(_READ)

@@ -38,6 +38,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             key_prefix=settings.key_prefix,
             lock_lease_seconds=settings.lock_lease_seconds,
             timeout=settings.redis_timeout,
+            max_connections=settings.redis_max_connections,
             fault_pause_before_commit=settings.fault_pause_before_commit,
         )
         app.state.store = store

@@ -213,3 +213,27 @@ def test_a_finished_writer_and_its_state_bytes_are_freed_at_once(redis_url, endi
         assert not run(go()), "a finished writer is kept alive by a reference cycle"
     finally:
         gc.enable()
+
+
+def test_a_burst_waits_for_the_bounded_pool_instead_of_flooding_redis(tmp_path):
+    """40 concurrent commands through a store allowed 3 connections: every one succeeds,
+    and Redis never sees more than 3 clients from it."""
+    from app.store import CLIENT_NAME
+    from tests.conftest import RedisProcess
+
+    own = RedisProcess(tmp_path)
+    try:
+
+        async def go():
+            store = SessionStore(own.url, max_connections=3)
+            meta = await store.create(StateBlobs(b"s" * 100_000), 1, "m", "fp", ttl=60)
+            reads = await asyncio.gather(*(store.read(meta.id, with_state=True) for _ in range(40)))
+            clients = await store.redis.client_list()
+            await store.close()
+            return reads, [c for c in clients if c.get("name") == CLIENT_NAME]
+
+        reads, ours = run(go())
+        assert all(blobs == StateBlobs(b"s" * 100_000) for _, blobs in reads)
+        assert 1 <= len(ours) <= 3
+    finally:
+        own.stop()
