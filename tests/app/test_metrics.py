@@ -132,10 +132,13 @@ def test_json_logs_carry_request_and_session_ids(http, server):
         lines = server.log.read_text().splitlines()
         return [json.loads(ln) for ln in lines if ln.startswith("{")]
 
+    # the access line is written just after the response is sent: wait (boundedly) for both
     deadline = time.monotonic() + 10
     while True:
-        mine = [x for x in records() if x.get("request_id") == "req-test-42"]
-        if mine or time.monotonic() > deadline:
+        logged = records()
+        mine = [x for x in logged if x.get("request_id") == "req-test-42"]
+        health = [x for x in logged if x.get("request_id") == rid and x.get("path") == "/healthz"]
+        if (mine and health) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     access = [x for x in mine if x["logger"] == "recur.access"]
@@ -143,7 +146,7 @@ def test_json_logs_carry_request_and_session_ids(http, server):
     line = access[0]
     assert line["session_id"] == sid and line["status"] == 200 and line["route"] == GENERATE
     assert line["method"] == "POST" and line["level"] == "info" and line["duration_ms"] >= 0
-    assert any(x.get("request_id") == rid and x["path"] == "/healthz" for x in records())
+    assert health, "the /healthz request's access line carries the id the server gave it"
     # every line the server logged since startup is one JSON object
     text = server.log.read_text()
     assert all(ln.startswith("{") for ln in text.splitlines() if ln.strip())
