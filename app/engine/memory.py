@@ -5,10 +5,10 @@ process allocates working tensors whose sizes follow the batch (every decode ste
 16-row batch allocates and frees its own copies of the rows' states), so the freed chunks
 of yesterday's largest batch stay resident, scattered between live ones, long after the
 batch shrank: in the soak (`bench/soak.py`, docs/RELIABILITY.md) an idle replica kept
-416-453 MiB resident without this and 323-337 MiB with it. `malloc_trim(0)` hands every whole free page back (glibc >= 2.8 releases pages
-inside the heap too, not only its top), and costs a few milliseconds here, so the
-scheduler calls it every few seconds (`RECUR_MALLOC_TRIM_INTERVAL`) and once the process
-has gone quiet.
+416-453 MiB resident without this and 323-337 MiB with it. `malloc_trim(0)` hands every
+whole free page back (glibc >= 2.8 releases pages inside the heap too, not only its top)
+and costs a few milliseconds here, so the scheduler calls it every few seconds
+(`RECUR_MALLOC_TRIM_INTERVAL`) and once the process has gone quiet.
 
 Elsewhere (musl, macOS, Windows) there is no such call and this does nothing.
 """
