@@ -5,8 +5,9 @@ A cached state is only a shortcut: Redis holds the truth. Before a request uses 
 state, its commit id is confirmed against Redis in the same round trip that starts the
 request (`SessionStore.begin/read(held_commit=...)`); if another replica has moved the
 session on (or Redis lost the commit the cache holds), Redis returns the bytes and the
-state is reloaded. Commit ids are random and never reused, unlike version numbers. An entry is replaced only
-after its session's commit succeeded, so the cache never holds an uncommitted state.
+state is reloaded. Commit ids are random and never reused, unlike version numbers. An
+entry is replaced only after its session's commit succeeded, so the cache never holds an
+uncommitted state.
 
 Entries are read by the event loop (which passes the opaque State on to the scheduler
 thread, never touching its tensors) and written by both, so every access takes the lock.

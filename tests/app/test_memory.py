@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import psutil
 import pytest
 import torch
 
-from app.engine import memory, scheduler
+import model
+from app.engine import Engine, memory, scheduler
 from app.engine.memory import Releaser
 
 
@@ -67,12 +71,6 @@ def test_a_release_gives_fragmented_free_memory_back():
 
 @pytest.mark.skipif(memory._TRIM is None, reason="no malloc_trim in this C library")
 def test_the_scheduler_releases_once_when_the_process_goes_quiet(tiny_model_dir):
-    import asyncio
-    import time
-
-    import model
-    from app.engine import Engine
-
     engine = Engine(model.load(tiny_model_dir, device="cpu"), name="tiny", malloc_trim_interval=3600)
     engine.start()
     try:
