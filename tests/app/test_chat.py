@@ -124,11 +124,12 @@ def test_ctrl_c_cancels_the_generation_and_keeps_the_version(server, http):
         s = session(http, sid)
         assert (s["version"], s["n_tokens"]) == (0, 4)
         # the server dropped the generation and released the lock: the next write commits
-        r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "stream": False})
+        body = {"max_tokens": 2, "stream": False, "seed": 1}
+        r = http.post(f"/v1/sessions/{sid}/generate", json=body)
         deadline = time.monotonic() + 10
         while r.status_code == 409 and time.monotonic() < deadline:  # the disconnect is seen within a step
             time.sleep(0.05)
-            r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "stream": False})
+            r = http.post(f"/v1/sessions/{sid}/generate", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["session"] == {"id": sid, "version": 1, "n_tokens": 6}
         mark = chat.send("/info")

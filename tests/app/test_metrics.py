@@ -39,7 +39,7 @@ def test_generation_metrics_count_what_happened(http):
     sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
     tokens, final, done = generate(http, sid, max_tokens=7, temperature=0)
     assert final == "done" and len(tokens) == 7
-    r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de"})
+    r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de", "seed": 1})
     assert r.status_code == 200
     assert http.get("/v1/sessions/" + "0" * 32).status_code == 404
     ok = {"method": "POST", "route": GENERATE, "status": "200"}

@@ -180,7 +180,7 @@ def test_stream_is_plain_ascii_lines(http):
 
 def test_generate_without_logprobs_and_with_prompt(http):
     s = create(http)
-    tokens, final, done = generate(http, s["id"], prompt="abc", max_tokens=3)
+    tokens, final, done = generate(http, s["id"], prompt="abc", max_tokens=3, seed=1)
     assert final == "done" and all(set(t) == {"index", "id", "text"} for t in tokens)
     assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
     assert done["session"]["n_tokens"] == 1 + 3 + 3
@@ -189,7 +189,7 @@ def test_generate_without_logprobs_and_with_prompt(http):
 def test_generate_json(http):
     s = create(http, prompt="x")
     r = http.post(
-        f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 5, "logprobs": True}
+        f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 5, "logprobs": True, "seed": 1}
     )
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     d = r.json()
