@@ -5,6 +5,10 @@
 2. Speedup of stateful decoding over recomputing an attention window from scratch for
    every token (the paper's vanilla-Transformer evaluation), at attention lengths 800,
    1,800, 2,800 and 3,800 (Dai et al. report 363x, 773x, 1,409x and 1,874x, on GPU).
+3. A decode step that grows the state in place (the default) against one that builds it
+   functionally (`lm.append_in_place = False`: `torch.cat` the new row, slice the window),
+   at 1 and 16 streams and two attention lengths. Results are bit-identical
+   (tests/model/test_state.py); only the copies differ.
 
 Usage: python bench/model_step.py [--d-model 256 --n-layer 4 ...] [--device cpu]
 Random weights are fine: timing does not depend on what the weights are.
@@ -47,13 +51,13 @@ def sync(device: torch.device) -> None:
 @torch.no_grad()
 def decode_ms(lm, state, steps: int) -> float:
     """Median wall time of one decode step (next-token logits + consuming one token)."""
-    tok = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+    tok = torch.zeros(state.batch_size, 1, dtype=torch.long, device=lm.device)
     times = []
     for _ in range(steps):
         sync(lm.device)
         t0 = time.perf_counter()
         logits = lm.next_logits(state)
-        tok[0, 0] = int(logits.argmax(-1))
+        tok[:, 0] = logits.argmax(-1)
         _, state = lm(tok, state)
         sync(lm.device)
         times.append(time.perf_counter() - t0)
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--mem-len", type=int, default=128, help="memory for benchmark 1")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--windows", default="800,1800,2800,3800", help="attention lengths for benchmark 2")
+    ap.add_argument("--growth-windows", default="128,3800", help="attention lengths for benchmark 3")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -130,6 +135,32 @@ def main() -> None:
             flush=True,
         )
 
+    growth = []
+    for window in (int(w) for w in args.growth_windows.split(",")):
+        lm3, _ = make(args, window)
+        for batch in (1, 16):
+            st = lm3.stack_states([history_state(lm3, window)] * batch)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(3):  # interleaved, so machine noise hits both alike
+                for in_place in (True, False):
+                    lm3.append_in_place = in_place
+                    times[in_place].append(decode_ms(lm3, st, args.steps // 10))
+            t_in, t_fn = min(times[True]), min(times[False])
+            growth.append(
+                {
+                    "attention_length": window,
+                    "streams": batch,
+                    "in_place_ms": round(t_in, 3),
+                    "functional_ms": round(t_fn, 3),
+                    "speedup": round(t_fn / t_in, 2),
+                }
+            )
+            print(
+                f"attention length {window}, {batch} streams: in place {t_in:.3f} ms vs functional "
+                f"{t_fn:.3f} ms   = {t_fn / t_in:.2f}x",
+                flush=True,
+            )
+
     result = {
         "model": cfg,
         "device": str(lm.device),
@@ -138,6 +169,7 @@ def main() -> None:
         "decode_ms_history_100k": round(t100k, 3),
         "ratio_100k_over_1k": round(t100k / t1k, 3),
         "speedups": speedups,
+        "growth": growth,
     }
     print("RESULT " + json.dumps(result))
 

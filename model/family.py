@@ -38,6 +38,9 @@ class LanguageModel(nn.Module):
         self.fingerprint = "unset"
         # bf16 autocast is used only on CUDA; CPU always computes in fp32
         self.precision = "fp32"
+        # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
+        # builds every step functionally (the benchmarks' baseline; results are identical)
+        self.append_in_place = True
 
     # -- to implement -------------------------------------------------------------------
     def new_state(self, batch_size: int = 1) -> State:
@@ -75,6 +78,9 @@ class LanguageModel(nn.Module):
 
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)
+
+    def grows_in_place(self) -> bool:
+        return self.append_in_place and not torch.is_grad_enabled()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.device.type == "cuda" and self.precision == "bf16":

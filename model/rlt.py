@@ -47,6 +47,7 @@ Deviations from the report, both made for serving:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel
-from .state import State, StateError
+from .state import Arena, State, StateError, Window, kv_appender
+
+# appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
+KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -151,15 +155,13 @@ class SelfAttention(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, d), already normalised
         cs: Rope,
-        cache_k: torch.Tensor,  # (B, S, d) rotated keys of earlier positions
-        cache_v: torch.Tensor,
+        kv: KV,  # cached rotated keys and values of earlier positions (B, S, d)
         allowed: torch.Tensor,  # (B, 1, T, S+T)
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, -1)
         q, k = apply_rope(q, cs, self.n_head), apply_rope(k, cs, self.n_head)
-        k = torch.cat([cache_k, k.to(cache_k.dtype)], 1)  # (B, S+T, d)
-        v = torch.cat([cache_v, v.to(cache_v.dtype)], 1)
-        return self.proj(attend(q, k, v, allowed, self.n_head)), k, v
+        k, v = kv(k, v)  # (B, S+T, d)
+        return self.proj(attend(q, k, v, allowed, self.n_head))
 
 
 class CrossAttention(nn.Module):
@@ -201,12 +203,9 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cs: Rope, cache_k: torch.Tensor, cache_v: torch.Tensor, allowed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a, k, v = self.attn(self.norm1(x), cs, cache_k, cache_v, allowed)
-        x = x + a
-        return x + self.mlp(self.norm2(x)), k, v
+    def forward(self, x: torch.Tensor, cs: Rope, kv: KV, allowed: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cs, kv, allowed)
+        return x + self.mlp(self.norm2(x))
 
 
 class DecoderBlock(nn.Module):
@@ -223,17 +222,15 @@ class DecoderBlock(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, d)
         cs: Rope,
-        cache_k: torch.Tensor,  # (B, S, d) window cache
-        cache_v: torch.Tensor,
+        kv: KV,  # the window cache (B, S, d)
         self_allowed: torch.Tensor,  # (B, 1, T, S+T)
         mem_k: torch.Tensor,  # (B, K, d) this layer's memory group, the entries in reach
         mem_v: torch.Tensor,
         mem_allowed: torch.Tensor,  # (B, 1, T, K)
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a, k, v = self.attn(self.norm1(x), cs, cache_k, cache_v, self_allowed)
-        x = x + a
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cs, kv, self_allowed)
         x = x + self.cross(self.norm2(x), cs, mem_k, mem_v, mem_allowed)
-        return x + self.mlp(self.norm3(x)), k, v
+        return x + self.mlp(self.norm3(x))
 
 
 class Memory(nn.Module):
@@ -314,9 +311,11 @@ class RLT(LanguageModel):
             nn.init.zeros_(m.bias)
 
     # -- state ----------------------------------------------------------------------------
-    def _state(self, tensors: dict[str, torch.Tensor]) -> State:
+    def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
         seq = {name: 2 for name in ("enc_k", "enc_v", "mem_k", "mem_v", "swa_k", "swa_v")}
-        return State(self.family, self.fingerprint, tensors, seq_dims=seq, persistent=STATE_NAMES)
+        return State(
+            self.family, self.fingerprint, tensors, seq_dims=seq, persistent=STATE_NAMES, arenas=arenas or {}
+        )
 
     def new_state(self, batch_size: int = 1) -> State:
         cfg, dev = self.config, self.device
@@ -397,32 +396,30 @@ class RLT(LanguageModel):
         pos = n[:, None] + torch.arange(T, device=dev)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)
         ctx_valid = n.clamp(max=C - 1)  # (B,) real cached encoder / memory entries per row
+        in_place = self.grows_in_place()
         with self.autocast():
             # causal encoder, one batch over the chunk
-            enc_k, enc_v = state["enc_k"], state["enc_v"]  # (B, L_E, M, d)
-            M = enc_k.shape[2]
+            M = state["enc_k"].shape[2]
             allowed = window_mask(
                 torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), C, M - ctx_valid
             )
             x = self.tok_emb(tokens)  # (B, T, d)
             keep = min(C - 1, M + T)
-            new_ek, new_ev = [], []
+            ek, ev = state.window("enc_k").grow(T, in_place), state.window("enc_v").grow(T, in_place)
             for i, blk in enumerate(self.encoder):
-                x, k, v = blk(x, cs, enc_k[:, i], enc_v[:, i], allowed)
-                new_ek.append(k[:, M + T - keep :])
-                new_ev.append(v[:, M + T - keep :])
+                x = blk(x, cs, kv_appender(ek, ev, i), allowed)
             e = x  # (B, T, d)
 
             # global KV memory: cached entries then this chunk's
             mk, mv = self.memory(e, cs)  # (B, G, T, d)
             Mm = state["mem_k"].shape[2]
-            dt = state["mem_k"].dtype
+            gk, gv = state.window("mem_k").grow(T, in_place), state.window("mem_v").grow(T, in_place)
             # one tensor per group (B, Mm+T, d): a decoder step's gradient then touches one group only
             mem = (
-                [torch.cat([state["mem_k"][:, g], mk[:, g].to(dt)], 1) for g in range(cfg.memory_groups)],
-                [torch.cat([state["mem_v"][:, g], mv[:, g].to(dt)], 1) for g in range(cfg.memory_groups)],
+                [gk.append(g, mk[:, g]) for g in range(cfg.memory_groups)],
+                [gv.append(g, mv[:, g]) for g in range(cfg.memory_groups)],
             )
-            swa = [(state["swa_k"][:, i], state["swa_v"][:, i]) for i in range(cfg.n_decoder_layers)]
+            swa = (state.window("swa_k"), state.window("swa_v"))
             mem_first = Mm - ctx_valid
             if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
                 s_all, swa = self._decode(e, 0, cs, swa, mem, Mm, mem_first, n)
@@ -437,37 +434,37 @@ class RLT(LanguageModel):
                 s_all = torch.cat(outs, 1)  # (B, T, d)
             logits = self.head(self.norm_out(s_all))  # (B, T, V)
 
-        dtype = state["s"].dtype
-        keep_m = min(C - 1, Mm + T)
-        tensors = {
-            "s": s_all[:, -1].to(dtype),
-            "enc_k": torch.stack(new_ek, 1).to(dtype),
-            "enc_v": torch.stack(new_ev, 1).to(dtype),
-            "mem_k": torch.stack([k[:, Mm + T - keep_m :] for k in mem[0]], 1),
-            "mem_v": torch.stack([v[:, Mm + T - keep_m :] for v in mem[1]], 1),
-            "swa_k": torch.stack([k for k, _ in swa], 1).to(dtype),
-            "swa_v": torch.stack([v for _, v in swa], 1).to(dtype),
-            "n_tokens": n + T,
+        windows = {
+            "enc_k": ek.result(keep),
+            "enc_v": ev.result(keep),
+            "mem_k": gk.result(min(C - 1, Mm + T)),
+            "mem_v": gv.result(min(C - 1, Mm + T)),
+            "swa_k": swa[0],
+            "swa_v": swa[1],
         }
-        return _at_least_fp32(logits), self._state(tensors)
+        tensors = {name: w.rows for name, w in windows.items()}
+        tensors["s"] = s_all[:, -1].to(state["s"].dtype)
+        tensors["n_tokens"] = n + T
+        arenas = {name: w.arena for name, w in windows.items() if w.arena is not None}
+        return _at_least_fp32(logits), self._state(tensors, arenas)
 
     def _decode(
         self,
         x: torch.Tensor,  # (B, T, d) decoder input u for chunk offsets t0 .. t0+T-1
         t0: int,
         cs: Rope,
-        swa: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (B, S, d) window caches
+        swa: tuple[Window, Window],  # the window caches' keys and values (B, L_D, S, d)
         mem: tuple[list[torch.Tensor], list[torch.Tensor]],  # per group k, v (B, Mm+chunk, d)
         Mm: int,  # cached memory entries before the chunk
         mem_first: torch.Tensor,  # (B,) first real memory entry per row
         n: torch.Tensor,  # (B,) tokens before the chunk
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[torch.Tensor, tuple[Window, Window]]:
         cfg = self.config
         W, C = cfg.window, cfg.max_context
         B, T, _ = x.shape
         dev = x.device
         # sliding-window self-attention: keys [cache (S); these T], row b has min(n+t0, W-1) real cached
-        S = swa[0][0].shape[1]
+        S = swa[0].rows.shape[2]
         self_allowed = window_mask(
             torch.arange(S, S + T, device=dev),
             torch.arange(S + T, device=dev),
@@ -480,21 +477,20 @@ class RLT(LanguageModel):
         lo = max(0, Mm + t0 + 1 - C)
         q_idx = torch.arange(Mm + t0, hi, device=dev)
         mem_allowed = window_mask(q_idx, torch.arange(lo, hi, device=dev), C, mem_first)
-        new_swa = []
+        in_place = self.grows_in_place()
+        sk, sv = swa[0].grow(T, in_place), swa[1].grow(T, in_place)
         for i, blk in enumerate(self.decoder):
             g = i % cfg.memory_groups
-            x, k, v = blk(
+            x = blk(
                 x,
                 cs,
-                swa[i][0],
-                swa[i][1],
+                kv_appender(sk, sv, i),
                 self_allowed,
                 mem[0][g][:, lo:hi],
                 mem[1][g][:, lo:hi],
                 mem_allowed,
             )
-            new_swa.append((k[:, S + T - keep :], v[:, S + T - keep :]))
-        return x, new_swa
+        return x, (sk.result(keep), sv.result(keep))
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():

@@ -18,6 +18,16 @@ number of new tokens, never with the state's size. `merge(snapshot, deltas)` reb
 exact state. This relies on the one rule every family's time-axis tensors keep: each is a
 sliding window that gains exactly one row per consumed token (older rows fall off).
 
+Appending without copying (`Window`, `Growth`): a decode step adds one row to every
+time-axis tensor. Built functionally (`torch.cat`, then slice the window) that step copies
+each whole window, several times per layer. Outside autograd the families instead write
+the new rows into an `Arena`, a buffer with spare rows after the window, and hand on a view
+of it; the arena is copied only when its spare rows run out (once every `ARENA_SLACK`
+steps). Rows an arena has handed out are never written again: a view may append in place
+only while it ends exactly where the arena's claimed rows end, so two states grown from one
+(a fork, a retried request) never write the same rows, and no view ever changes under its
+holder. Every other `State` operation makes ordinary tensors.
+
 This module must never unpickle anything, and knows nothing of HTTP or Redis.
 """
 
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +44,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 FORMAT_VERSION = 1
+ARENA_SLACK = 64  # spare rows an arena gets beyond the window it was made for
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -71,6 +82,9 @@ class State:
     tensors: dict[str, torch.Tensor]
     seq_dims: dict[str, int] = field(default_factory=dict)
     persistent: tuple[str, ...] = ()
+    # arenas the time-axis tensors are views of (see `Window`): never serialised, and
+    # dropped by every operation that makes new tensors
+    arenas: dict[str, Arena] = field(default_factory=dict, repr=False, compare=False)
 
     # -- basic properties -------------------------------------------------------------
     @property
@@ -85,10 +99,14 @@ class State:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def window(self, name: str) -> Window:
+        """The time-axis tensor `name` [B, L, M, D], ready to grow (see `Window`)."""
+        return Window(self.tensors[name], self.arenas.get(name))
+
     def replace(self, **tensors: torch.Tensor) -> State:
         new = dict(self.tensors)
         new.update(tensors)
-        return State(self.family, self.fingerprint, new, self.seq_dims, self.persistent)
+        return State(self.family, self.fingerprint, new, self.seq_dims, self.persistent, self.arenas)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> State:
         return State(
@@ -197,6 +215,91 @@ class State:
             "delta": None if since is None else {"base_n_tokens": since, "lengths": lengths},
         }
         return st_save(tensors, metadata={"recur": json.dumps(header, sort_keys=True)})
+
+
+class Arena:
+    """Rows [B, L, capacity, D] behind a time-axis tensor; rows before `end` are claimed."""
+
+    __slots__ = ("data", "end")
+
+    def __init__(self, data: torch.Tensor, end: int):
+        self.data, self.end = data, end
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is this arena's newest window: its last row is the last claimed row."""
+        d, M = self.data, t.shape[2]
+        if M == 0 or t.dtype != d.dtype or t.device != d.device or t.stride() != d.stride():
+            return False
+        if (t.shape[0], t.shape[1], t.shape[3]) != (d.shape[0], d.shape[1], d.shape[3]):
+            return False
+        if t.untyped_storage().data_ptr() != d.untyped_storage().data_ptr():
+            return False
+        return t.storage_offset() == d.storage_offset() + (self.end - M) * d.stride(2)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A time-axis tensor `rows` [B, L, M, D] (L layers or groups), and the arena it is the
+    newest window of, if any."""
+
+    rows: torch.Tensor
+    arena: Arena | None = None
+
+    def grow(self, T: int, in_place: bool) -> Growth:
+        """Make room for T new rows per layer. `in_place` must be False under autograd (the
+        functional path keeps every step in the graph)."""
+        return Growth(self, T, in_place)
+
+
+class Growth:
+    """One append of T rows to each layer of a `Window`: `append(i, rows)` per layer, then
+    `result(keep)` for the window the next state carries."""
+
+    def __init__(self, window: Window, T: int, in_place: bool):
+        old = window.rows
+        B, L, M, D = old.shape
+        self.old, self.M, self.T = old, M, T
+        self.arena: Arena | None = None
+        self.joined: list[torch.Tensor | None] = [None] * L
+        if not in_place:
+            return
+        arena = window.arena
+        if arena is None or not arena.holds(old) or arena.end + T > arena.data.shape[2]:
+            data = old.new_empty(B, L, M + T + max(T, ARENA_SLACK), D)
+            data[:, :, :M] = old
+            arena = Arena(data, M)
+        self.arena, self.start = arena, arena.end - M
+        arena.end += T  # claimed now: no other view of this arena can append to these rows
+
+    def append(self, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Add layer i's new rows [B, T, D]; returns its old rows then the new [B, M+T, D]."""
+        if self.arena is None:
+            joined = torch.cat([self.old[:, i], rows.to(self.old.dtype)], 1)
+            self.joined[i] = joined
+            return joined
+        end = self.start + self.M + self.T
+        self.arena.data[:, i, end - self.T : end] = rows
+        return self.arena.data[:, i, self.start : end]
+
+    def result(self, keep: int) -> Window:
+        """The last `keep` rows of every layer, once all layers have appended."""
+        if self.arena is not None:
+            end = self.start + self.M + self.T
+            return Window(self.arena.data[:, :, end - keep : end], self.arena)
+        B, L, _, D = self.old.shape
+        if L == 0:
+            return Window(self.old.new_empty(B, 0, keep, D))
+        parts = [j[:, j.shape[1] - keep :] for j in self.joined if j is not None]
+        if len(parts) != L:
+            raise RuntimeError("Growth.result() before every layer appended")
+        return Window(torch.stack(parts, 1))
+
+
+def kv_appender(
+    k: Growth, v: Growth, i: int
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """For attention layer i: append its new keys and values, get back all of them."""
+    return lambda k_new, v_new: (k.append(i, k_new), v.append(i, v_new))
 
 
 def read_blob(blob: bytes) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -32,6 +32,7 @@ add three options, all off by default so native checkpoints are untouched:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel
-from .state import State, StateError
+from .state import Arena, State, StateError, kv_appender
 
 
 @dataclass
@@ -150,8 +151,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         mask: torch.Tensor,  # (B, T, K) True = may not attend
         u: torch.Tensor,
         v_bias: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """`kv(k_new, v_new)` appends the new keys and values to the cached ones and returns
+        all of them (B, M+T, H*dh); without it (training) memory is projected afresh."""
         B, T, _ = h.shape
         H, dh = self.n_head, self.d_head
         if kv is None:
@@ -162,7 +165,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         else:
             x = self.layer_norm(h) if self.pre_lnorm else h
             q, k_new, v_new = self.qkv_net(x).chunk(3, -1)
-            k, v = torch.cat([kv[0], k_new], 1), torch.cat([kv[1], v_new], 1)
+            k, v = kv(k_new, v_new)
         K = k.shape[1]
         qh = q.reshape(B, T, H, dh)
         kh, vh = k.reshape(B, K, H, dh), v.reshape(B, K, H, dh)
@@ -174,8 +177,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         prob = self.dropatt(score.softmax(-1).to(vh.dtype))
         out = torch.einsum("bhij,bjhd->bihd", prob, vh).reshape(B, T, H * dh)
         out = self.drop(self.o_net(out))
-        h = h + out if self.pre_lnorm else self.layer_norm(h + out)
-        return h, k, v
+        return h + out if self.pre_lnorm else self.layer_norm(h + out)
 
 
 class PositionwiseFF(nn.Module):
@@ -301,6 +303,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return torch.cat(parts, -1)
 
 
+PERSISTENT = ("mem", "last_hidden", "n_tokens")  # k and v are rebuilt from mem on load
+
+
 class TransformerXL(LanguageModel):
     family = "transformer-xl"
     config_class = TransformerXLConfig
@@ -369,13 +374,14 @@ class TransformerXL(LanguageModel):
         return super().train(mode)
 
     # -- state ----------------------------------------------------------------------------
-    def _state(self, tensors: dict[str, torch.Tensor]) -> State:
+    def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
         return State(
             self.family,
             self.fingerprint,
             tensors,
             seq_dims={"mem": 2, "k": 2, "v": 2},
-            persistent=("mem", "last_hidden", "n_tokens"),
+            persistent=PERSISTENT,
+            arenas=arenas or {},
         )
 
     def new_state(self, batch_size: int = 1) -> State:
@@ -398,7 +404,7 @@ class TransformerXL(LanguageModel):
 
     def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         cfg = self.config
-        if set(tensors) != {"mem", "last_hidden", "n_tokens"}:
+        if set(tensors) != set(PERSISTENT):
             raise StateError(f"state holds tensors {sorted(tensors)}, expected mem, last_hidden, n_tokens")
         mem, last, n = tensors["mem"], tensors["last_hidden"], tensors["n_tokens"]
         if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
@@ -467,14 +473,17 @@ class TransformerXL(LanguageModel):
         B, T = tokens.shape
         if state is None:
             state = self.new_state(B)
+        if not self.training and "k" not in state.tensors:  # eval needs the key/value cache
+            state = self.rebuild_state({name: state[name] for name in PERSISTENT})
         mem = state["mem"]  # (B, L, M, d)
         M = mem.shape[2]
         K = M + T
         valid = state.n_tokens.clamp(max=cfg.mem_len)
-        kv_cache = None if self.training else (state.tensors.get("k"), state.tensors.get("v"))
-        if kv_cache is not None and kv_cache[0] is None:
-            kv_cache = None
         keep = min(cfg.mem_len, K)  # memory rows carried to the next call
+        in_place = self.grows_in_place()
+        grown = {name: state.window(name).grow(T, in_place) for name in state.seq_dims if name in state.tensors}
+        if self.training:
+            grown.pop("k", None), grown.pop("v", None)  # memory is projected afresh, with gradients
 
         mask = self._mask(T, M, valid)
         pos_seq = torch.arange(K - 1, -1, -1, device=tokens.device)
@@ -485,35 +494,25 @@ class TransformerXL(LanguageModel):
         elif cfg.same_length:
             pos_seq = pos_seq.clamp(max=cfg.mem_len)
 
-        new_mem, new_k, new_v = [], [], []
         with self.autocast():
             h = self.drop(self.word_emb(tokens) * self.emb_scale)  # (B, T, d)
             for i, layer in enumerate(self.blocks()):
-                m_i = mem[:, i]
-                new_mem.append(torch.cat([m_i, h.to(m_i.dtype)], 1)[:, K - keep :].detach())
+                grown["mem"].append(i, h.detach())  # SG(h): the memory carries no gradient
                 attn = layer.dec_attn
                 u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
                 vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
-                kv = None if kv_cache is None else (kv_cache[0][:, i], kv_cache[1][:, i])  # type: ignore[index]
-                h, k, v = attn(h, m_i, self._rel_keys(i, pos_seq), mask, u, vb, kv)
+                kv = kv_appender(grown["k"], grown["v"], i) if "k" in grown else None
+                h = attn(h, mem[:, i], self._rel_keys(i, pos_seq), mask, u, vb, kv)
                 h = layer.pos_ff(h)
-                if not self.training:
-                    new_k.append(k[:, K - keep :].to(m_i.dtype))
-                    new_v.append(v[:, K - keep :].to(m_i.dtype))
             h = self.drop(h)
             logits = self.head(h)  # (B, T, V)
 
-        dtype = mem.dtype
-        tensors = {
-            "mem": torch.stack(new_mem, 1) if new_mem else mem[:, :, :0],
-            "last_hidden": h[:, -1].detach().to(dtype),
-            "n_tokens": state.n_tokens + T,
-        }
-        if not self.training:
-            hd = cfg.n_head * cfg.d_head
-            tensors["k"] = torch.stack(new_k, 1) if new_k else mem.new_zeros(B, 0, keep, hd)
-            tensors["v"] = torch.stack(new_v, 1) if new_v else mem.new_zeros(B, 0, keep, hd)
-        return logits.float(), self._state(tensors)
+        windows = {name: g.result(keep) for name, g in grown.items()}
+        tensors = {name: w.rows for name, w in windows.items()}
+        tensors["last_hidden"] = h[:, -1].detach().to(mem.dtype)
+        tensors["n_tokens"] = state.n_tokens + T
+        arenas = {name: w.arena for name, w in windows.items() if w.arena is not None}
+        return logits.float(), self._state(tensors, arenas)
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():

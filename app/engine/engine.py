@@ -96,6 +96,9 @@ class Engine:
             # not each recompile; on CUDA, reduce-overhead replays the step as a CUDA graph
             mode = "reduce-overhead" if lm.device.type == "cuda" else "default"
             decode = torch.compile(lm.forward, dynamic=True, mode=mode)
+            # a compiled step builds its state functionally: growing in place is Python-side
+            # bookkeeping over buffers the step mutates, which breaks graphs and CUDA graphs
+            lm.append_in_place = False
         self.scheduler = Scheduler(
             lm,
             decode=decode,

@@ -1,4 +1,6 @@
-"""State bytes: exact round trip, bounded storage dtypes, and clear errors for bad blobs."""
+"""State bytes (exact round trip, bounded storage dtypes, clear errors for bad blobs), and
+time-axis tensors grown in place (`Window`, `Growth`: the same results as the functional
+path, and no two states ever writing the same rows)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from safetensors.torch import save as st_save
 import model
 from model import StateError
 
+from model.state import ARENA_SLACK
+
 from .conftest import tiny_txl
+from .test_rlt import tiny_rlt
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +219,85 @@ def test_deltas_out_of_order_are_rejected():
     with pytest.raises(StateError, match="snapshot"):
         lm.load_state(d2)
     assert int(lm.load_state(s1.to_bytes(), [d2, d3]).n_tokens) == 8
+
+
+# -- growing in place -----------------------------------------------------------------------
+FAMILIES = {"transformer-xl": tiny_txl, "rlt": tiny_rlt, "rlt-0": lambda: tiny_rlt(feedback=False)}
+
+
+def _batch(lm, seed: int = 0):
+    """Three streams with different histories, stacked (so the shorter are left-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in (3, 11, 17):
+        _, st = lm(torch.randint(0, 258, (1, n), generator=g))
+        rows.append(st)
+    return lm.stack_states(rows)
+
+
+def _decode(lm, state, steps: int, seed: int = 1):
+    """Prefill a 4-token chunk, then decode greedily for `steps` steps: (logits, state)."""
+    g = torch.Generator().manual_seed(seed)
+    out, state = lm(torch.randint(0, 258, (state.batch_size, 4), generator=g), state)
+    logits = [out]
+    for _ in range(steps):
+        ids = lm.next_logits(state).argmax(-1, keepdim=True)
+        out, state = lm(ids, state)
+        logits.append(out)
+    return torch.cat(logits, 1), state
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_growing_in_place_gives_exactly_the_functional_results(family):
+    """Past several arena reallocations (more steps than ARENA_SLACK, twice), in a batch
+    whose rows are left-padded: every logit and every state tensor is bit-identical."""
+    lm = FAMILIES[family]()
+    steps = 2 * ARENA_SLACK + 7
+    with torch.no_grad():
+        lm.append_in_place = False
+        ref_logits, ref = _decode(lm, _batch(lm), steps)
+        assert not ref.arenas
+        lm.append_in_place = True
+        logits, st = _decode(lm, _batch(lm), steps)
+    assert st.arenas and set(st.arenas) <= set(st.seq_dims)  # it did grow in place
+    assert torch.equal(logits, ref_logits)
+    assert set(st.tensors) == set(ref.tensors)
+    for name in ref.tensors:
+        assert torch.equal(st[name], ref[name]), name
+    assert st.to_bytes() == ref.to_bytes()
+    for a, b in zip(lm.split_state(st), lm.split_state(ref), strict=True):
+        assert a.to_bytes() == b.to_bytes()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_states_grown_from_one_state_never_write_the_same_rows(family):
+    """A fork (or a retried request) extends one state twice: the first extension grows
+    in place, the second must copy, and no state's rows change after it was handed out."""
+    lm = FAMILIES[family]()
+    with torch.no_grad():
+        _, base = lm(torch.randint(0, 258, (1, 9)))
+        _, base = lm(torch.tensor([[5]]), base)  # a state that owns the tail of an arena
+        before = base.clone()
+        a1, sa = lm(torch.tensor([[7]]), base)
+        b1, sb = lm(torch.tensor([[8]]), base)
+        a2, sa = lm(torch.tensor([[9, 10]]), sa)  # grows sa in place again
+        c1, _ = lm(torch.tensor([[8]]), base)  # a third extension of base: still correct
+        lm.append_in_place = False
+        ra1, rsa = lm(torch.tensor([[7]]), before)
+        rb1, rsb = lm(torch.tensor([[8]]), before)
+        ra2, rsa = lm(torch.tensor([[9, 10]]), rsa)
+    for name in base.tensors:
+        assert torch.equal(base[name], before[name]), name  # untouched by its three children
+    shared = [n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()]
+    assert shared, "the first child should have grown in place"
+    assert not any(sb[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr() for n in shared)
+    assert torch.equal(a1, ra1) and torch.equal(b1, rb1) and torch.equal(a2, ra2) and torch.equal(c1, rb1)
+    assert sa.to_bytes() == rsa.to_bytes() and sb.to_bytes() == rsb.to_bytes()
+
+
+def test_under_autograd_states_are_built_functionally():
+    """Training back-propagates through the state: no in-place writes, no arenas."""
+    lm = tiny_rlt()
+    _, st = lm(torch.randint(0, 258, (1, 6)))
+    _, st = lm(torch.randint(0, 258, (1, 3)), st)
+    assert not st.arenas and st["swa_k"].requires_grad
