@@ -168,15 +168,22 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             k, v = kv(k_new, v_new)
         K = k.shape[1]
         qh = q.reshape(B, T, H, dh)
-        kh, vh = k.reshape(B, K, H, dh), v.reshape(B, K, H, dh)
         # Eq. (after 3.3): A = (a) + (c) content terms with global bias u,
         #                      (b) + (d) position terms with global bias v
-        ac = torch.einsum("bihd,bjhd->bhij", qh + u, kh)  # (B, H, T, K)
+        # (b) + (d) and the mask go in as an additive bias, so the fused attention kernel
+        # computes (a) + (c), the softmax and the weighted sum, reading the cached keys and
+        # values where they lie (strided views: no copy of the cache per step)
         bd = rel_shift(torch.einsum("bihd,jhd->bhij", qh + v_bias, rk))  # (B, H, T, K)
-        score = ((ac + bd) * self.scale).float().masked_fill(mask[:, None], float("-inf"))
-        prob = self.dropatt(score.softmax(-1).to(vh.dtype))
-        out = torch.einsum("bhij,bjhd->bihd", prob, vh).reshape(B, T, H * dh)
-        out = self.drop(self.o_net(out))
+        bias = (bd * self.scale).masked_fill(mask[:, None], float("-inf"))
+        out = F.scaled_dot_product_attention(
+            (qh + u).transpose(1, 2),  # (B, H, T, dh)
+            k.view(B, K, H, dh).transpose(1, 2),  # (B, H, K, dh)
+            v.view(B, K, H, dh).transpose(1, 2),
+            attn_mask=bias.to(q.dtype),
+            dropout_p=self.dropatt.p if self.training else 0.0,
+            scale=self.scale,
+        )  # (B, H, T, dh)
+        out = self.drop(self.o_net(out.transpose(1, 2).reshape(B, T, H * dh)))
         return h + out if self.pre_lnorm else self.layer_norm(h + out)
 
 
