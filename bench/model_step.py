@@ -10,6 +10,8 @@
    at 1 and 16 streams and two attention lengths. Results are bit-identical
    (tests/model/test_state.py); only the copies differ.
 
+`--profile 16` instead prints where a 16-stream decode step spends its time.
+
 Usage: python bench/model_step.py [--d-model 256 --n-layer 4 ...] [--device cpu]
 Random weights are fine: timing does not depend on what the weights are.
 """
@@ -84,6 +86,19 @@ def recompute_ms(lm, window: int, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+@torch.no_grad()
+def profile_step(lm, streams: int, steps: int = 50) -> None:
+    """Where a batched decode step spends its time: the torch profiler's top operators."""
+    from torch.profiler import profile
+
+    state = lm.stack_states([history_state(lm, 300 + i) for i in range(streams)])
+    decode_ms(lm, state, 10)  # warm-up
+    with profile() as prof:
+        decode_ms(lm, state, steps)
+    print(f"profile of {steps} decode steps, {streams} streams:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -96,9 +111,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        profile_step(make(args, args.mem_len)[0], args.profile)
+        return
 
     lm, cfg = make(args, args.mem_len)
     short, long_ = history_state(lm, 1_000), history_state(lm, 100_000)
