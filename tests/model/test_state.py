@@ -14,7 +14,6 @@ from safetensors.torch import save as st_save
 
 import model
 from model import StateError
-
 from model.state import ARENA_SLACK
 
 from .conftest import tiny_txl
