@@ -7,8 +7,8 @@
    1,800, 2,800 and 3,800 (Dai et al. report 363x, 773x, 1,409x and 1,874x, on GPU).
 3. A decode step that grows the state in place (the default) against one that builds it
    functionally (`lm.append_in_place = False`: `torch.cat` the new row, slice the window),
-   at 1 and 16 streams and two attention lengths. Results are bit-identical
-   (tests/model/test_state.py); only the copies differ.
+   at 1 and 16 streams and two attention lengths. Results are the same (bit for bit
+   here; tests/model/test_state.py checks them to 1e-5); only the copies differ.
 
 `--profile 16` instead prints where a 16-stream decode step spends its time.
 

@@ -197,7 +197,8 @@ def write(step: dict, serving: dict, persist: dict, args: argparse.Namespace) ->
         "The same decode step with the state grown in place (the default: each new row is written "
         "into spare rows behind the window, `model/state.py`) against building it functionally "
         "(`torch.cat` the new row, then slice the window: a copy of every window, per layer, per "
-        "step). The two give bit-identical results (`tests/model/test_state.py`).",
+        "step). The two give the same results (bit for bit here; `tests/model/test_state.py` "
+        "checks them to 1e-5).",
         "",
         table(step["growth"], ["attention_length", "streams", "in_place_ms", "functional_ms", "speedup"]),
         "",

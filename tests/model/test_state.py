@@ -224,6 +224,20 @@ def test_deltas_out_of_order_are_rejected():
 FAMILIES = {"transformer-xl": tiny_txl, "rlt": tiny_rlt, "rlt-0": lambda: tiny_rlt(feedback=False)}
 
 
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The two paths do the same arithmetic (bit-identical on the machines we ran), but a
+    kernel may read a strided view in another order than a contiguous copy: allow 1e-5."""
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _same_state(a, b) -> None:
+    _, ta = model.state.read_blob(a.to_bytes())
+    _, tb = model.state.read_blob(b.to_bytes())
+    assert set(ta) == set(tb)
+    for name in ta:
+        _same(ta[name], tb[name])
+
+
 def _batch(lm, seed: int = 0):
     """Three streams with different histories, stacked (so the shorter are left-padded)."""
     g = torch.Generator().manual_seed(seed)
@@ -249,7 +263,7 @@ def _decode(lm, state, steps: int, seed: int = 1):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_growing_in_place_gives_exactly_the_functional_results(family):
     """Past several arena reallocations (more steps than ARENA_SLACK, twice), in a batch
-    whose rows are left-padded: every logit and every state tensor is bit-identical."""
+    whose rows are left-padded: every logit and every state tensor is the same."""
     lm = FAMILIES[family]()
     steps = 2 * ARENA_SLACK + 7
     with torch.no_grad():
@@ -259,13 +273,12 @@ def test_growing_in_place_gives_exactly_the_functional_results(family):
         lm.append_in_place = True
         logits, st = _decode(lm, _batch(lm), steps)
     assert st.arenas and set(st.arenas) <= set(st.seq_dims)  # it did grow in place
-    assert torch.equal(logits, ref_logits)
+    _same(logits, ref_logits)
     assert set(st.tensors) == set(ref.tensors)
     for name in ref.tensors:
-        assert torch.equal(st[name], ref[name]), name
-    assert st.to_bytes() == ref.to_bytes()
+        _same(st[name], ref[name])
     for a, b in zip(lm.split_state(st), lm.split_state(ref), strict=True):
-        assert a.to_bytes() == b.to_bytes()
+        _same_state(a, b)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -290,8 +303,10 @@ def test_states_grown_from_one_state_never_write_the_same_rows(family):
     shared = [n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()]
     assert shared, "the first child should have grown in place"
     assert not any(sb[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr() for n in shared)
-    assert torch.equal(a1, ra1) and torch.equal(b1, rb1) and torch.equal(a2, ra2) and torch.equal(c1, rb1)
-    assert sa.to_bytes() == rsa.to_bytes() and sb.to_bytes() == rsb.to_bytes()
+    for got, want in [(a1, ra1), (b1, rb1), (a2, ra2), (c1, rb1)]:
+        _same(got, want)
+    _same_state(sa, rsa)
+    _same_state(sb, rsb)
 
 
 def test_under_autograd_states_are_built_functionally():
