@@ -39,7 +39,7 @@ class LanguageModel(nn.Module):
         # bf16 autocast is used only on CUDA; CPU always computes in fp32
         self.precision = "fp32"
         # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
-        # builds every step functionally (the benchmarks' baseline; results are identical)
+        # builds every step functionally (the benchmarks' baseline; the same results)
         self.append_in_place = True
 
     # -- to implement -------------------------------------------------------------------

@@ -488,9 +488,9 @@ class TransformerXL(LanguageModel):
         valid = state.n_tokens.clamp(max=cfg.mem_len)
         keep = min(cfg.mem_len, K)  # memory rows carried to the next call
         in_place = self.grows_in_place()
-        grown = {name: state.window(name).grow(T, in_place) for name in state.seq_dims if name in state.tensors}
-        if self.training:
-            grown.pop("k", None), grown.pop("v", None)  # memory is projected afresh, with gradients
+        # training projects the memory afresh (with gradients): no key/value cache
+        names = ("mem",) if self.training else ("mem", "k", "v")
+        grown = {name: state.window(name).grow(T, in_place) for name in names}
 
         mask = self._mask(T, M, valid)
         pos_seq = torch.arange(K - 1, -1, -1, device=tokens.device)
