@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel
-from .state import Arena, State, StateError, Window, kv_appender
+from .state import Arena, State, StateError, Window, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
 KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -434,18 +434,18 @@ class RLT(LanguageModel):
                 s_all = torch.cat(outs, 1)  # (B, T, d)
             logits = self.head(self.norm_out(s_all))  # (B, T, V)
 
-        windows = {
-            "enc_k": ek.result(keep),
-            "enc_v": ev.result(keep),
-            "mem_k": gk.result(min(C - 1, Mm + T)),
-            "mem_v": gv.result(min(C - 1, Mm + T)),
-            "swa_k": swa[0],
-            "swa_v": swa[1],
-        }
-        tensors = {name: w.rows for name, w in windows.items()}
+        tensors, arenas = unzip(
+            {
+                "enc_k": ek.result(keep),
+                "enc_v": ev.result(keep),
+                "mem_k": gk.result(min(C - 1, Mm + T)),
+                "mem_v": gv.result(min(C - 1, Mm + T)),
+                "swa_k": swa[0],
+                "swa_v": swa[1],
+            }
+        )
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
         tensors["n_tokens"] = n + T
-        arenas = {name: w.arena for name, w in windows.items() if w.arena is not None}
         return _at_least_fp32(logits), self._state(tensors, arenas)
 
     def _decode(

@@ -295,6 +295,12 @@ class Growth:
         return Window(torch.stack(parts, 1))
 
 
+def unzip(windows: Mapping[str, Window]) -> tuple[dict[str, torch.Tensor], dict[str, Arena]]:
+    """A new state's grown windows, by name -> (its tensors, the arenas behind them)."""
+    tensors = {name: w.rows for name, w in windows.items()}
+    return tensors, {name: w.arena for name, w in windows.items() if w.arena is not None}
+
+
 def kv_appender(
     k: Growth, v: Growth, i: int
 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel
-from .state import Arena, State, StateError, kv_appender
+from .state import Arena, State, StateError, kv_appender, unzip
 
 
 @dataclass
@@ -514,11 +514,9 @@ class TransformerXL(LanguageModel):
             h = self.drop(h)
             logits = self.head(h)  # (B, T, V)
 
-        windows = {name: g.result(keep) for name, g in grown.items()}
-        tensors = {name: w.rows for name, w in windows.items()}
+        tensors, arenas = unzip({name: g.result(keep) for name, g in grown.items()})
         tensors["last_hidden"] = h[:, -1].detach().to(mem.dtype)
         tensors["n_tokens"] = state.n_tokens + T
-        arenas = {name: w.arena for name, w in windows.items() if w.arena is not None}
         return logits.float(), self._state(tensors, arenas)
 
     def next_logits(self, state: State) -> torch.Tensor:
