@@ -117,30 +117,39 @@ class LanguageModel(nn.Module):
     def split_state(self, state: State) -> list[State]:
         return state.split(self.state_lengths(state))
 
+    def prefill(
+        self, ids: torch.Tensor, state: State, logprobs: bool = False
+    ) -> tuple[torch.Tensor | None, State]:
+        """Teacher-force one chunk `ids` [B, T] (T <= `segment_len`) into `state`: the one
+        prefill step, shared by `consume` and the server's scheduler.
+
+        Returns (logprobs [B, T] or None, state'). logprobs[:, i] is log p(ids[:, i] |
+        everything before it); for i = 0 it comes from `next_logits(state)`, and is NaN for
+        a stream that has consumed nothing (no context, no distribution).
+        """
+        out = None
+        if logprobs:
+            out = torch.empty(ids.shape, device=ids.device)
+            first = F.log_softmax(self.next_logits(state).float(), -1).gather(1, ids[:, :1])[:, 0]
+            out[:, 0] = torch.where(state.n_tokens > 0, first, torch.full_like(first, float("nan")))
+        logits, state = self(ids, state)
+        if out is not None:
+            # logits at position i predict token i+1
+            lp = F.log_softmax(logits[:, :-1].float(), -1)
+            out[:, 1:] = lp.gather(2, ids[:, 1:, None])[..., 0]
+        return out, state
+
     @torch.no_grad()
     def consume(self, tokens: list[int] | torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        """Teacher-force `tokens` into a single- or multi-stream state.
-
-        Returns (logprobs [B, T], state'). logprobs[:, i] is log p(tokens[i] | everything
-        before it); for i = 0 it comes from `next_logits(state)`, and is NaN for a stream
-        that has consumed nothing (no context, no distribution).
-        Long inputs are consumed in `segment_len` chunks.
-        """
+        """Teacher-force `tokens` into a single- or multi-stream state, `segment_len` tokens
+        at a time (`prefill`). Returns (logprobs [B, T], state'), as `prefill` defines them."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if ids.dim() == 1:
             ids = ids[None]
-        B, T = ids.shape
-        out = torch.empty(B, T, device=self.device)
-        if T == 0:
-            return out, state
-        first = F.log_softmax(self.next_logits(state).float(), -1).gather(1, ids[:, :1])[:, 0]
-        out[:, 0] = torch.where(state.n_tokens > 0, first, torch.full_like(first, float("nan")))
-        for start in range(0, T, self.segment_len):
-            chunk = ids[:, start : start + self.segment_len]
-            logits, state = self(chunk, state)
-            lp = F.log_softmax(logits.float(), -1)
-            n = chunk.shape[1]
-            # logits at position i predict token i+1
-            nxt = ids[:, start + 1 : start + n + 1]
-            out[:, start + 1 : start + 1 + nxt.shape[1]] = lp[:, : nxt.shape[1]].gather(2, nxt[..., None])[..., 0]
+        parts = []
+        for start in range(0, ids.shape[1], self.segment_len):
+            lp, state = self.prefill(ids[:, start : start + self.segment_len], state, logprobs=True)
+            assert lp is not None
+            parts.append(lp)
+        out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state

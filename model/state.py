@@ -37,6 +37,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError
@@ -129,6 +130,15 @@ class State:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def compact(self) -> State:
+        """This state, or a copy whose tensors own exactly their memory. A row split off a
+        batch (or a window narrowed out of an arena) is a view that keeps the whole storage
+        alive while `nbytes()` counts only the view: a cache that keeps such a state would
+        hold up to batch-size times its budget."""
+        if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in self.tensors.values()):
+            return self
+        return self.clone()
+
     # -- batching --------------------------------------------------------------------
     @staticmethod
     def stack(states: Iterable[State]) -> State:
@@ -215,6 +225,35 @@ class State:
             "delta": None if since is None else {"base_n_tokens": since, "lengths": lengths},
         }
         return st_save(tensors, metadata={"recur": json.dumps(header, sort_keys=True)})
+
+
+@dataclass(frozen=True)
+class Persist:
+    """How a commit stores a single-stream state. `since` None: a snapshot. Else a delta
+    of what changed since the stored state's `since` tokens, unless it would exceed
+    `delta_budget` bytes (what the stored deltas may still grow before reading them back
+    costs more than one snapshot): then a snapshot, which also replaces the deltas."""
+
+    dtype: str = "float32"
+    since: int | None = None
+    delta_budget: int = 0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A state's bytes as a commit writes them."""
+
+    kind: Literal["snapshot", "delta"]
+    blob: bytes
+
+
+def encode(state: State, persist: Persist) -> Encoded:
+    """The bytes a commit of `state` writes, as `persist` asks: a pure function of the state."""
+    if persist.since is not None:
+        delta = state.delta_bytes(persist.since, persist.dtype)
+        if len(delta) <= persist.delta_budget:
+            return Encoded("delta", delta)
+    return Encoded("snapshot", state.to_bytes(persist.dtype))
 
 
 class Arena:
