@@ -12,7 +12,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow install ref-env bench lint clean
+.PHONY: run test test-slow install ref-env bench lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench
 	$(BIN)/mypy app model
+
+# redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it); stdlib only
+docs: $(PY)
+	$(PY) docs/import_graph.py --write
 
 clean:
 	rm -rf $(VENV) $(REF_ENV) build *.egg-info

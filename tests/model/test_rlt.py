@@ -90,7 +90,9 @@ def test_next_logits_come_from_the_state():
     tokens = torch.randint(0, 258, (2, 13))
     with torch.no_grad():
         logits, state = lm(tokens, lm.new_state(2))
-        assert torch.equal(lm.next_logits(state), logits[:, -1])
+        # next_logits(state) (the head on s, one row per stream) vs logits[:, -1] (the head over
+        # every position at once): different kernels, equal within fp32 rounding on any CPU
+        torch.testing.assert_close(lm.next_logits(state), logits[:, -1], atol=1e-6, rtol=0)
         # consume = teacher forcing through next_logits + forward, in segment_len chunks
         lp, _ = lm.consume(tokens[0], lm.new_state(1))
         ref = torch.log_softmax(logits[0, :-1], -1).gather(1, tokens[0, 1:, None])[:, 0]
@@ -244,11 +246,13 @@ def test_checkpoint_round_trip(tmp_path, overrides):
         a, sa = lm(tokens)
         b, sb = again(tokens)
         assert torch.equal(a, b)
-        # state bytes: the restored state continues exactly like the live one
+        # state bytes: the restored state continues like the live one
         restored = again.load_state(sa.to_bytes())
         nxt = torch.randint(0, 258, (1, 4))
-        assert torch.equal(lm(nxt, sa)[0], again(nxt, restored)[0])
-        assert torch.equal(lm.next_logits(sa), again.next_logits(restored))
+        # the live state's tensors are strided views into arenas, the restored ones contiguous
+        # copies (other strides): the same values, read by kernels that may sum in another order
+        torch.testing.assert_close(lm(nxt, sa)[0], again(nxt, restored)[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(lm.next_logits(sa), again.next_logits(restored), atol=1e-6, rtol=0)
 
 
 def test_tied_encoder_decoder_shares_weights():
