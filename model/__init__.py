@@ -9,19 +9,18 @@
 This package knows nothing of HTTP, Redis or asyncio.
 """
 
-from .checkpoint import build, families, fingerprint, init, load, save, shipped
+from .checkpoint import init, load, shipped
 from .family import LanguageModel
+from .native import build, fingerprint, save
 from .state import State, StateError
-from .tokenizer import ByteTokenizer, Tokenizer
+from .tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer",
     "LanguageModel",
     "State",
     "StateError",
-    "Tokenizer",
     "build",
-    "families",
     "fingerprint",
     "init",
     "load",

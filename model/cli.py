@@ -1,4 +1,4 @@
-"""The model-side `recur` subcommands: init, train, eval (and more as families grow).
+"""The model-side `recur` subcommands: init, train, eval, replay and convert.
 
 `app/cli.py` owns the top-level parser and calls `register()`; each subcommand's work
 lives in the module named for it, so this file only wires flags to functions.

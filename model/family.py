@@ -10,6 +10,10 @@ The contract a family must keep:
     `next_logits(state')` returns without recomputing anything;
   * feeding a stream in any chunking gives the same logits (the family documents any
     exception, e.g. segment-dependent attention for pretrained checkpoints).
+
+A family declares its state's layout (`time_axes`, `fixed_shapes`, `persistent`); from it
+this module builds fresh states, checks loaded ones and finds each row's valid lengths, so
+those are written once for every family. Weight init is shared too (GPT-2's).
 """
 
 from __future__ import annotations
@@ -17,19 +21,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .state import State, StateError, merge
+from .state import Arena, State, StateError, merge
 from .tokenizer import Tokenizer
+
+
+class TimeAxis(NamedTuple):
+    """A state tensor [B, layers, M, width] along a time axis (dim 2): a sliding window of
+    at most `bound` rows that gains one row per consumed token (`model.state`)."""
+
+    layers: int
+    width: int
+    bound: int
 
 
 class LanguageModel(nn.Module):
     family: ClassVar[str]
     config_class: ClassVar[type]
+    # the state tensors that are serialised; the others are caches `rebuild_state` recomputes
+    persistent: ClassVar[tuple[str, ...]]
 
     def __init__(self, config: Any):
         super().__init__()
@@ -43,7 +58,12 @@ class LanguageModel(nn.Module):
         self.append_in_place = True
 
     # -- to implement -------------------------------------------------------------------
-    def new_state(self, batch_size: int = 1) -> State:
+    def time_axes(self) -> dict[str, TimeAxis]:
+        """The state's time-axis tensors, by name (their time axis is dim 2)."""
+        raise NotImplementedError
+
+    def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The state's fixed-size float tensors, by name: their shape after the batch dim."""
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
@@ -53,22 +73,74 @@ class LanguageModel(nn.Module):
         """Logits [B, V] for the token after everything `state` has consumed."""
         raise NotImplementedError
 
-    def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
-        """Per-row valid lengths of the tensors in `state.seq_dims` (for `split_state`)."""
-        raise NotImplementedError
-
-    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise StateError unless these persistent tensors fit this model's shapes."""
-        raise NotImplementedError
-
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
         """Turn verified persistent tensors into a live state (recomputing any caches)."""
         raise NotImplementedError
+
+    # -- the state, from the family's layout ----------------------------------------------
+    def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
+        seq_dims = dict.fromkeys(self.time_axes(), 2)
+        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {})
+
+    def new_state(self, batch_size: int = 1) -> State:
+        """A state for `batch_size` streams that have consumed nothing: empty time axes,
+        zero fixed-size tensors (a family overrides this where its start is learned)."""
+        dev, dtype = self.device, self.param_dtype
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(batch_size, *shape, device=dev, dtype=dtype)
+
+        tensors = {name: zeros(axis.layers, 0, axis.width) for name, axis in self.time_axes().items()}
+        tensors.update({name: zeros(*shape) for name, shape in self.fixed_shapes().items()})
+        tensors["n_tokens"] = torch.zeros(batch_size, dtype=torch.long, device=dev)
+        return self._state(tensors)
+
+    def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
+        """Per-row valid lengths of the tensors in `state.seq_dims` (for `split_state`)."""
+        return {name: state.n_tokens.clamp(max=axis.bound) for name, axis in self.time_axes().items()}
+
+    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise StateError unless these persistent tensors fit this model's shapes. These
+        are the checks every family needs; a family extends them with its own."""
+        if set(tensors) != set(self.persistent):
+            raise StateError(f"state holds tensors {sorted(tensors)}, expected {sorted(self.persistent)}")
+        n = tensors["n_tokens"]
+        if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
+            raise StateError("state n_tokens must be a non-negative int64 vector")
+        B = n.shape[0]
+        if B < 1:
+            raise StateError("state has an empty batch")
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        for name in self.persistent:
+            if name == "n_tokens":
+                continue
+            t = tensors[name]
+            if not t.is_floating_point():
+                raise StateError(f"state {name} must be floating point")
+            if name in axes:
+                _check_time_axis(name, t, axes[name], n)
+            elif list(t.shape) != [B, *fixed[name]]:
+                raise StateError(f"state {name} has shape {list(t.shape)}, expected {[B, *fixed[name]]}")
+        if not all(torch.isfinite(t).all() for name, t in tensors.items() if name != "n_tokens"):
+            raise StateError("state holds non-finite values")
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        """GPT-2's init for `self.apply`: weights N(0, 0.02), biases zero."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            bias = getattr(m, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
 
     @property
     def segment_len(self) -> int:
@@ -101,7 +173,7 @@ class LanguageModel(nn.Module):
                 f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
             )
         self.check_state_tensors(tensors)
-        param_dtype = next(self.parameters()).dtype
+        param_dtype = self.param_dtype
         on_gpu = self.device.type == "cuda"
         moved = {}
         for k, v in tensors.items():
@@ -153,3 +225,13 @@ class LanguageModel(nn.Module):
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
+
+
+def _check_time_axis(name: str, t: torch.Tensor, axis: TimeAxis, n_tokens: torch.Tensor) -> None:
+    """Raise StateError unless `t` is [B, layers, M, width] with M rows in reach: no more
+    than the bound, and no fewer than the tokens consumed give (up to the bound)."""
+    B = n_tokens.shape[0]
+    if t.dim() != 4 or t.shape[0] != B or t.shape[1] != axis.layers or t.shape[3] != axis.width:
+        raise StateError(f"state {name} has shape {list(t.shape)}, expected [{B}, {axis.layers}, M, {axis.width}]")
+    if t.shape[2] > axis.bound or t.shape[2] < int(n_tokens.clamp(max=axis.bound).max()):
+        raise StateError(f"state {name}: memory length {t.shape[2]} does not fit the bound {axis.bound} and n_tokens")

@@ -14,6 +14,9 @@ the conversion is a key rename ("transformer." prefix dropped) plus weight tying
 Safety: `.bin` files are read only with `torch.load(weights_only=True)`, which refuses
 anything but tensors and plain containers, and the HF tokenizer's pickled vocabulary
 (vocab.pkl / vocab.bin) is never read: export it to vocab.txt (docs/PRETRAINED.md).
+
+This module builds on the native format (`model/native.py`) and must never import
+`model/checkpoint.py`, which picks this reader for directories in this layout.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint import build, fingerprint
+from .native import build, fingerprint, save
 from .tokenizer import WordTokenizer
 from .transformer_xl import TransformerXL
 
@@ -180,8 +183,6 @@ def read(
 
 def convert(src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any) -> TransformerXL:
     """Write the original / HF checkpoint at `src` as a native checkpoint at `dst`."""
-    from .checkpoint import save
-
     lm = read(src, vocab=vocab, **overrides)
     save(lm, dst)
     return lm

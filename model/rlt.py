@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel
-from .state import Arena, State, StateError, Window, kv_appender, unzip
+from .family import LanguageModel, TimeAxis
+from .state import Growth, State, StateError, Window, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
 KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -275,12 +275,10 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-STATE_NAMES = ("s", "enc_k", "enc_v", "mem_k", "mem_v", "swa_k", "swa_v", "n_tokens")
-
-
 class RLT(LanguageModel):
     family = "rlt"
     config_class = RLTConfig
+    persistent = ("s", "enc_k", "enc_v", "mem_k", "mem_v", "swa_k", "swa_v", "n_tokens")  # all of it
 
     def __init__(self, config: RLTConfig):
         super().__init__(config)
@@ -303,83 +301,28 @@ class RLT(LanguageModel):
                 src = self.encoder[i % cfg.n_encoder_layers]
                 blk.norm1, blk.attn, blk.norm3, blk.mlp = src.norm1, src.attn, src.norm2, src.mlp
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    # -- state: s_t and the encoder, memory and window caches ----------------------------
+    def time_axes(self) -> dict[str, TimeAxis]:
+        cfg = self.config
+        enc = TimeAxis(cfg.n_encoder_layers, cfg.d_model, cfg.max_context - 1)
+        mem = TimeAxis(cfg.memory_groups, cfg.d_model, cfg.max_context - 1)
+        swa = TimeAxis(cfg.n_decoder_layers, cfg.d_model, cfg.window - 1)
+        return {"enc_k": enc, "enc_v": enc, "mem_k": mem, "mem_v": mem, "swa_k": swa, "swa_v": swa}
 
-    # -- state ----------------------------------------------------------------------------
-    def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
-        seq = {name: 2 for name in ("enc_k", "enc_v", "mem_k", "mem_v", "swa_k", "swa_v")}
-        return State(
-            self.family, self.fingerprint, tensors, seq_dims=seq, persistent=STATE_NAMES, arenas=arenas or {}
-        )
+    def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"s": (self.config.d_model,)}
 
     def new_state(self, batch_size: int = 1) -> State:
-        cfg, dev = self.config, self.device
-        dtype = next(self.parameters()).dtype
-        d = cfg.d_model
-
-        def empty(layers: int) -> torch.Tensor:
-            return torch.zeros(batch_size, layers, 0, d, device=dev, dtype=dtype)
-
-        s0 = self.s_star.expand(batch_size, d)  # training: gradients reach s*
+        s0 = self.s_star.expand(batch_size, self.config.d_model)  # training: gradients reach s*
         if not (self.training and torch.is_grad_enabled()):
             s0 = s0.detach().clone()
-        return self._state(
-            {
-                "s": s0,
-                "enc_k": empty(cfg.n_encoder_layers),
-                "enc_v": empty(cfg.n_encoder_layers),
-                "mem_k": empty(cfg.memory_groups),
-                "mem_v": empty(cfg.memory_groups),
-                "swa_k": empty(cfg.n_decoder_layers),
-                "swa_v": empty(cfg.n_decoder_layers),
-                "n_tokens": torch.zeros(batch_size, dtype=torch.long, device=dev),
-            }
-        )
-
-    def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
-        cfg, n = self.config, state.n_tokens
-        ctx, win = n.clamp(max=cfg.max_context - 1), n.clamp(max=cfg.window - 1)
-        return {"enc_k": ctx, "enc_v": ctx, "mem_k": ctx, "mem_v": ctx, "swa_k": win, "swa_v": win}
+        return super().new_state(batch_size).replace(s=s0)
 
     def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        cfg = self.config
-        if set(tensors) != set(STATE_NAMES):
-            raise StateError(f"state holds tensors {sorted(tensors)}, expected {sorted(STATE_NAMES)}")
-        n = tensors["n_tokens"]
-        if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
-            raise StateError("state n_tokens must be a non-negative int64 vector")
-        B = n.shape[0]
-        if B < 1:
-            raise StateError("state has an empty batch")
-        s = tensors["s"]
-        if not s.is_floating_point() or list(s.shape) != [B, cfg.d_model]:
-            raise StateError(f"state s has shape {list(s.shape)}, expected [{B}, {cfg.d_model}]")
-        spans = {
-            "enc": (cfg.n_encoder_layers, cfg.max_context - 1),
-            "mem": (cfg.memory_groups, cfg.max_context - 1),
-            "swa": (cfg.n_decoder_layers, cfg.window - 1),
-        }
-        for prefix, (layers, bound) in spans.items():
-            k, v = tensors[prefix + "_k"], tensors[prefix + "_v"]
-            if k.shape != v.shape:
+        super().check_state_tensors(tensors)
+        for prefix in ("enc", "mem", "swa"):
+            if tensors[prefix + "_k"].shape != tensors[prefix + "_v"].shape:
                 raise StateError(f"state {prefix}_k and {prefix}_v differ in shape")
-            if not k.is_floating_point() or not v.is_floating_point():
-                raise StateError(f"state {prefix}_k/v must be floating point")
-            if k.dim() != 4 or k.shape[0] != B or k.shape[1] != layers or k.shape[3] != cfg.d_model:
-                raise StateError(
-                    f"state {prefix}_k has shape {list(k.shape)}, expected [{B}, {layers}, M, {cfg.d_model}]"
-                )
-            if k.shape[2] > bound or k.shape[2] < int(n.clamp(max=bound).max()):
-                raise StateError(
-                    f"state {prefix} length {k.shape[2]} does not fit bound {bound} and n_tokens"
-                )
-        if not all(torch.isfinite(t).all() for name, t in tensors.items() if name != "n_tokens"):
-            raise StateError("state holds non-finite values")
 
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
@@ -391,62 +334,68 @@ class RLT(LanguageModel):
         if state is None:
             state = self.new_state(B)
         n = state.n_tokens
-        C = cfg.max_context
-        dev = tokens.device
-        pos = n[:, None] + torch.arange(T, device=dev)  # (B, T) absolute positions
+        pos = n[:, None] + torch.arange(T, device=tokens.device)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)
-        ctx_valid = n.clamp(max=C - 1)  # (B,) real cached encoder / memory entries per row
+        ctx_valid = n.clamp(max=cfg.max_context - 1)  # (B,) real cached encoder / memory entries per row
         in_place = self.grows_in_place()
+        grown = {name: state.window(name).grow(T, in_place) for name in ("enc_k", "enc_v", "mem_k", "mem_v")}
         with self.autocast():
-            # causal encoder, one batch over the chunk
-            M = state["enc_k"].shape[2]
-            allowed = window_mask(
-                torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), C, M - ctx_valid
-            )
-            x = self.tok_emb(tokens)  # (B, T, d)
-            keep = min(C - 1, M + T)
-            ek, ev = state.window("enc_k").grow(T, in_place), state.window("enc_v").grow(T, in_place)
-            for i, blk in enumerate(self.encoder):
-                x = blk(x, cs, kv_appender(ek, ev, i), allowed)
-            e = x  # (B, T, d)
-
-            # global KV memory: cached entries then this chunk's
-            mk, mv = self.memory(e, cs)  # (B, G, T, d)
-            Mm = state["mem_k"].shape[2]
-            gk, gv = state.window("mem_k").grow(T, in_place), state.window("mem_v").grow(T, in_place)
-            # one tensor per group (B, Mm+T, d): a decoder step's gradient then touches one group only
-            mem = (
-                [gk.append(g, mk[:, g]) for g in range(cfg.memory_groups)],
-                [gv.append(g, mv[:, g]) for g in range(cfg.memory_groups)],
-            )
-            swa = (state.window("swa_k"), state.window("swa_v"))
-            mem_first = Mm - ctx_valid
-            if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
-                s_all, swa = self._decode(e, 0, cs, swa, mem, Mm, mem_first, n)
-            else:
-                s = state["s"][:, None]  # (B, 1, d) s_{t-1}
-                outs = []
-                for t in range(T):
-                    u = self.merge(e[:, t : t + 1], s)  # (B, 1, d)
-                    cs_t = (cs[0][:, t : t + 1], cs[1][:, t : t + 1])
-                    s, swa = self._decode(u, t, cs_t, swa, mem, Mm, mem_first, n)
-                    outs.append(s)
-                s_all = torch.cat(outs, 1)  # (B, T, d)
+            e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid)  # (B, T, d)
+            mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
+            s_all, swa = self._recur(e, cs, state, mem, ctx_valid)  # (B, T, d)
             logits = self.head(self.norm_out(s_all))  # (B, T, V)
-
-        tensors, arenas = unzip(
-            {
-                "enc_k": ek.result(keep),
-                "enc_v": ev.result(keep),
-                "mem_k": gk.result(min(C - 1, Mm + T)),
-                "mem_v": gv.result(min(C - 1, Mm + T)),
-                "swa_k": swa[0],
-                "swa_v": swa[1],
-            }
-        )
+        windows = {name: g.result(min(cfg.max_context - 1, g.M + T)) for name, g in grown.items()}
+        tensors, arenas = unzip({**windows, "swa_k": swa[0], "swa_v": swa[1]})
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
         tensors["n_tokens"] = n + T
         return _at_least_fp32(logits), self._state(tensors, arenas)
+
+    def _encode(
+        self, tokens: torch.Tensor, cs: Rope, ek: Growth, ev: Growth, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """The causal encoder, one batch over the chunk: tokens (B, T) -> e (B, T, d)."""
+        T, M, dev = tokens.shape[1], ek.M, tokens.device
+        # keys [cache (M); chunk (T)]; row b's real cached entries are its last ctx_valid[b]
+        allowed = window_mask(
+            torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), self.config.max_context, M - ctx_valid
+        )
+        x = self.tok_emb(tokens)  # (B, T, d)
+        for i, blk in enumerate(self.encoder):
+            x = blk(x, cs, kv_appender(ek, ev, i), allowed)
+        return x
+
+    def _remember(
+        self, e: torch.Tensor, cs: Rope, gk: Growth, gv: Growth
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Append the chunk's global memory entries: per group, its cached entries then the
+        chunk's, k and v (B, Mm+T, d)."""
+        mk, mv = self.memory(e, cs)  # (B, G, T, d)
+        groups = range(self.config.memory_groups)
+        # one tensor per group: a decoder step's gradient then touches one group only
+        return [gk.append(g, mk[:, g]) for g in groups], [gv.append(g, mv[:, g]) for g in groups]
+
+    def _recur(
+        self,
+        e: torch.Tensor,  # (B, T, d) the chunk's encoder outputs
+        cs: Rope,
+        state: State,
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
+        ctx_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[Window, Window]]:
+        """The decoder over the chunk: s_t for every position (B, T, d), and the window caches."""
+        n, Mm = state.n_tokens, state["mem_k"].shape[2]
+        mem_first = Mm - ctx_valid
+        swa = (state.window("swa_k"), state.window("swa_v"))
+        if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
+            return self._decode(e, 0, cs, swa, mem, Mm, mem_first, n)
+        s = state["s"][:, None]  # (B, 1, d) s_{t-1}
+        outs = []
+        for t in range(e.shape[1]):
+            u = self.merge(e[:, t : t + 1], s)  # (B, 1, d)
+            cs_t = (cs[0][:, t : t + 1], cs[1][:, t : t + 1])
+            s, swa = self._decode(u, t, cs_t, swa, mem, Mm, mem_first, n)
+            outs.append(s)
+        return torch.cat(outs, 1), swa  # (B, T, d)
 
     def _decode(
         self,

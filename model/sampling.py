@@ -30,7 +30,9 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+def make_generator(seed: int | None) -> torch.Generator:
+    """A row's random generator, seeded (or from OS entropy for None). It lives on the CPU
+    whatever the model's device: `sample` draws one uniform per row from it."""
     g = torch.Generator(device="cpu")
     if seed is None:
         g.seed()

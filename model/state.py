@@ -2,7 +2,7 @@
 
 A `State` is a bag of named, batch-first tensors plus the identity of the model it
 belongs to. Families decide which tensors exist; this module owns only what is common:
-batching (stack / split), device moves, and serialisation.
+batching (stack / split), device moves, detaching (truncated BPTT), and serialisation.
 
 Byte format (the single source of truth for it, `FORMAT_VERSION`):
 a safetensors file whose `__metadata__["recur"]` holds a JSON header
@@ -104,28 +104,22 @@ class State:
         """The time-axis tensor `name` [B, L, M, D], ready to grow (see `Window`)."""
         return Window(self.tensors[name], self.arenas.get(name))
 
+    def _holding(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
+        """A state of the same model and layout holding `tensors` (new tensors: no arenas)."""
+        return State(self.family, self.fingerprint, tensors, self.seq_dims, self.persistent, arenas or {})
+
     def replace(self, **tensors: torch.Tensor) -> State:
-        new = dict(self.tensors)
-        new.update(tensors)
-        return State(self.family, self.fingerprint, new, self.seq_dims, self.persistent, self.arenas)
+        return self._holding({**self.tensors, **tensors}, self.arenas)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> State:
-        return State(
-            self.family,
-            self.fingerprint,
-            {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()},
-            self.seq_dims,
-            self.persistent,
-        )
+        return self._holding({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()})
 
     def clone(self) -> State:
-        return State(
-            self.family,
-            self.fingerprint,
-            {k: v.clone() for k, v in self.tensors.items()},
-            self.seq_dims,
-            self.persistent,
-        )
+        return self._holding({k: v.clone() for k, v in self.tensors.items()})
+
+    def detach(self) -> State:
+        """The same state with every tensor cut from the autograd graph (truncated BPTT)."""
+        return self._holding({k: v.detach() for k, v in self.tensors.items()})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -162,7 +156,7 @@ class State:
                 longest = max(p.shape[dim] for p in parts)
                 parts = [_left_pad(p, dim, longest) for p in parts]
             out[name] = torch.cat(parts, 0)
-        return State(first.family, first.fingerprint, out, first.seq_dims, first.persistent)
+        return first._holding(out)
 
     def split(self, lengths: Mapping[str, torch.Tensor] | None = None) -> list[State]:
         """Split into single-stream states. `lengths[name]` ([B]) trims left padding per row."""
@@ -176,7 +170,7 @@ class State:
                     keep = int(lengths[name][b])
                     row = row.narrow(dim, row.shape[dim] - keep, keep)
                 tensors[name] = row
-            out.append(State(self.family, self.fingerprint, tensors, self.seq_dims, self.persistent))
+            out.append(self._holding(tensors))
         return out
 
     # -- bytes -----------------------------------------------------------------------

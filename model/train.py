@@ -3,7 +3,7 @@
 The loop is the Transformer-XL paper's: B parallel streams read in consecutive segments
 of `tgt_len` (`corpus.StreamBatches`), the state returned by one segment fed into the
 next. Gradients are truncated every `bptt_segments` segments by detaching every tensor of
-the carried state (`detach_state`); Transformer-XL already stops gradients into its
+the carried state (`State.detach`); Transformer-XL already stops gradients into its
 memory inside `forward`, so for it 1 is the paper's StopGrad exactly. With N > 1 one
 optimiser step consumes N consecutive segments and backpropagates through all of them.
 
@@ -62,19 +62,19 @@ class TrainConfig:
     batch_size: int = 16  # parallel streams
     steps: int = 1000  # optimiser steps
     bptt_segments: int = 1  # segments per step; the state is detached between steps
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    lr: float = 1e-3  # peak learning rate, reached at the end of the warm-up
+    min_lr_ratio: float = 0.1  # the cosine decays to min_lr_ratio * lr
+    warmup: int = 100  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW's, on matrices only
+    beta1: float = 0.9  # AdamW's moment decay rates
     beta2: float = 0.99
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 200
+    grad_clip: float = 1.0  # largest gradient norm (0 = no clipping)
+    seed: int = 0  # model init, dropout and the order of works in each epoch
+    log_every: int = 10  # steps per log.csv row (the window of its running mean)
+    eval_every: int = 200  # steps per validation (0 = never)
     eval_bytes: int = 0  # validate on the first N bytes of each held-out work (0 = all)
-    ckpt_every: int = 200
-    device: str = "auto"
+    ckpt_every: int = 200  # steps per resumable checkpoint (OUT/last)
+    device: str = "auto"  # "auto" (CUDA when there is one) or a torch device
     precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "bf16" | "fp32"
     threads: int = 0  # torch CPU threads (0 = torch's default)
 
@@ -86,17 +86,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def detach_state(state: State) -> State:
-    """The same state with every tensor cut from the autograd graph (truncated BPTT)."""
-    return State(
-        state.family,
-        state.fingerprint,
-        {k: v.detach() for k, v in state.tensors.items()},
-        state.seq_dims,
-        state.persistent,
-    )
 
 
 def make_optimizer(lm: LanguageModel, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -255,20 +244,28 @@ def plot_curve(log_csv: str | Path, png: str | Path, title: str = "") -> Path:
     return out
 
 
-# -- the loop -----------------------------------------------------------------------------------
-def _validate(lm: LanguageModel, works: list[corpus.Work], eval_bytes: int) -> float:
-    if eval_bytes > 0:
-        works = [(n, t.encode("utf-8")[:eval_bytes].decode("utf-8", errors="ignore")) for n, t in works]
-    return evaluate.score_with_memory(lm, works).bpb
+# -- a run: its setup, where it starts, one optimiser step -----------------------------------------
+@dataclass
+class Run:
+    """What a training run works with: its model, optimiser and corpus (`_setup`)."""
+
+    cfg: TrainConfig
+    out: Path
+    lm: LanguageModel
+    opt: torch.optim.Optimizer
+    batches: corpus.StreamBatches
+    valid: list[corpus.Work]
+    # CUDA autocast is the family's own (`LanguageModel.autocast`); on CPU, bf16 autocast
+    # (fast on CPUs with AMX / AVX-512 bf16) wraps the training forward here
+    cpu_autocast: bool
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.lm.segment_len * self.cfg.bptt_segments
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
-    """Run (or resume) training; returns a summary dict with this call's per-step losses.
-
-    Safe to interrupt at any time: `resume=True` continues from the last checkpoint.
-    `stop_at` ends this call after that step (with a checkpoint) without changing the
-    schedule, which is still planned for `cfg.steps`: the run can be resumed later.
-    """
+def _setup(cfg: TrainConfig) -> Run:
+    """The seeded model in the run's precision, its optimiser, and the corpus as streams."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.threads > 0:
@@ -276,145 +273,186 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_at
     device = checkpoint.resolve_device(cfg.device)
     if cfg.bptt_segments < 1:
         raise ValueError("bptt_segments must be >= 1")
-
     torch.manual_seed(cfg.seed)
     lm = checkpoint.build(cfg.family, cfg.model).to(device)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be auto, bf16 or fp32, not {cfg.precision!r}")
-    # CUDA autocast is the family's own (`LanguageModel.autocast`); on CPU, bf16 autocast
-    # (fast on CPUs with AMX / AVX-512 bf16) wraps the training forward here
     lm.precision = precision
-    cpu_autocast = precision == "bf16" and device.type == "cpu"
     lm.train()
     opt = make_optimizer(lm, cfg)
     assert lm.tokenizer is not None
-
     splits = {s: corpus.load_split(cfg.corpus, s) for s in ("train", "valid")}
-    tgt_len = lm.segment_len
     batches = corpus.StreamBatches(
         [torch.tensor(corpus.encode_work(t, lm.tokenizer)) for _, t in splits["train"]],
         cfg.batch_size,
-        tgt_len,
+        lm.segment_len,
         cfg.seed,
     )
-    seg_per_step = cfg.bptt_segments
-    tokens_per_step = cfg.batch_size * tgt_len * seg_per_step
+    cpu_autocast = precision == "bf16" and device.type == "cpu"
+    return Run(cfg, out, lm, opt, batches, splits["valid"], cpu_autocast)
 
+
+def _start(run: Run, resume: bool) -> tuple[int, State | None, dict]:
+    """(step, carried state, trainer metadata) to start from: OUT/last's, with log.csv cut
+    back to its step, or a fresh start."""
+    log_path, last_dir = run.out / "log.csv", run.out / "last"
     step: int = 0
     state: State | None = None
     meta: dict = {}
-    log_path, last_dir, best_dir = out / "log.csv", out / "last", out / "best"
     if resume:
         if not (last_dir / "trainer.json").is_file():
             raise FileNotFoundError(f"nothing to resume: no {last_dir / 'trainer.json'}")
-        step, state, meta = load_trainer(last_dir, lm, opt)
+        step, state, meta = load_trainer(last_dir, run.lm, run.opt)
         write_log(log_path, [r for r in read_log(log_path) if int(r["step"]) <= step])
     else:
         log_path.unlink(missing_ok=True)
-    best = float(meta.get("best_valid_bpb", float("inf")))
-    elapsed0 = float(meta.get("elapsed_s", 0.0))
-    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    (run.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(run.cfg), indent=2) + "\n")
+    return step, state, meta
 
-    n_params = sum(p.numel() for p in lm.parameters())
-    t0 = time.perf_counter()
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        disable=not progress,
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0 if sys.stderr.isatty() else 30.0,
-        file=sys.stderr,
-    )
-    bar.write(
-        f"recur train: {cfg.family}, {n_params:,} parameters, {len(splits['train'])} training works, "
-        f"{batches.tokens_per_epoch:,} tokens/epoch, {tokens_per_step:,} tokens/step, device {device}"
-    )
-    # the running mean of the log window is part of the resumable state: a run stopped
-    # mid-window logs the same means after resuming as one that never stopped
-    running, running_n = float(meta.get("running_loss", 0.0)), int(meta.get("running_n", 0))
-    losses: list[float] = []
-    t_last, step_last = time.perf_counter(), step
-    valid_bpb = float("nan")
+
+def _optimise(run: Run, state: State | None, step: int, lr: float) -> tuple[float, State]:
+    """Optimiser step `step`: its `bptt_segments` consecutive segments, back-propagated
+    through all of them. Returns the mean loss and the carried state, cut from the graph."""
+    cfg, lm, device = run.cfg, run.lm, run.lm.device
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    total = torch.zeros((), device=device)
+    for k in range(cfg.bptt_segments):
+        x, y, new_epoch = run.batches.segment(step * cfg.bptt_segments + k)
+        if state is None or new_epoch:
+            state = lm.new_state(cfg.batch_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if run.cpu_autocast else contextlib.nullcontext():
+            logits, state = lm(x.to(device), state)
+        total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1))
+    loss = total / cfg.bptt_segments
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), cfg.grad_clip)
+    run.opt.step()
+    assert state is not None
+    return float(loss.detach()), state.detach()
+
+
+def _validate(lm: LanguageModel, works: list[corpus.Work], eval_bytes: int) -> float:
+    if eval_bytes > 0:
+        works = [(n, t.encode("utf-8")[:eval_bytes].decode("utf-8", errors="ignore")) for n, t in works]
+    return evaluate.score_with_memory(lm, works).bpb
+
+
+# -- what a run reports --------------------------------------------------------------------------
+class Report:
+    """What a run tells as it goes: the progress bar, log.csv rows of the train loss's
+    running mean, and loss.png. The running mean of the log window is part of the resumable
+    state: a run stopped mid-window logs the same means after resuming as one that never
+    stopped."""
+
+    def __init__(self, run: Run, meta: dict, step: int, progress: bool):
+        self.cfg, self.out, self.tokens_per_step = run.cfg, run.out, run.tokens_per_step
+        self.n_params = sum(p.numel() for p in run.lm.parameters())
+        self.running, self.running_n = float(meta.get("running_loss", 0.0)), int(meta.get("running_n", 0))
+        self.losses: list[float] = []
+        self.elapsed0, self.t0 = float(meta.get("elapsed_s", 0.0)), time.perf_counter()
+        self.now, self.t_last, self.step_last = self.t0, time.perf_counter(), step
+        self.bar = tqdm(
+            total=self.cfg.steps,
+            initial=step,
+            disable=not progress,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,
+            file=sys.stderr,
+        )
+        self.bar.write(
+            f"recur train: {self.cfg.family}, {self.n_params:,} parameters, {len(run.batches.works)} training works, "
+            f"{run.batches.tokens_per_epoch:,} tokens/epoch, {self.tokens_per_step:,} tokens/step, "
+            f"device {run.lm.device}"
+        )
+
+    def step(self, step: int, loss: float) -> None:
+        """Count the loss of the step just taken and move the bar on."""
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step}")
+        self.losses.append(loss)
+        self.running += loss
+        self.running_n += 1
+        self.now = time.perf_counter()
+        rate = self.bar.format_dict.get("rate")  # tqdm's smoothed steps/s (None until it knows)
+        tok_s = (rate if rate else (step - self.step_last) / max(self.now - self.t_last, 1e-9)) * self.tokens_per_step
+        self.bar.set_postfix(loss=f"{loss:.3f}", bpb=f"{loss / math.log(2):.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        self.bar.update(1)
+
+    def log(self, step: int, lr: float, valid_bpb: float | None) -> None:
+        """Write the window's running mean (and a validation figure) to log.csv, then start
+        a new window; after a validation, re-render loss.png."""
+        mean = self.running / self.running_n
+        if valid_bpb is not None:
+            self.bar.write(f"step {step}: validation {valid_bpb:.4f} bits/byte (train {mean / math.log(2):.4f})")
+        row = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "lr": f"{lr:.6g}",
+            "train_loss": f"{mean:.5f}",
+            "train_bpb": f"{mean / math.log(2):.5f}",
+            "valid_bpb": f"{valid_bpb:.5f}" if valid_bpb is not None else "",
+            "elapsed_s": f"{self.elapsed0 + self.now - self.t0:.1f}",
+        }
+        append_log(self.out / "log.csv", row)
+        self.running, self.running_n = 0.0, 0
+        self.t_last, self.step_last = time.perf_counter(), step
+        if valid_bpb is not None:
+            title = f"{self.cfg.family} on {Path(self.cfg.corpus).name}"
+            plot_curve(self.out / "log.csv", self.out / "loss.png", title=title)
+
+    def resumable(self) -> dict:
+        """What a checkpoint keeps of the report."""
+        elapsed = self.elapsed0 + time.perf_counter() - self.t0
+        return {"elapsed_s": elapsed, "running_loss": self.running, "running_n": self.running_n}
+
+    def close(self, step: int, best: float) -> dict:
+        """The run's summary."""
+        self.bar.close()
+        return {
+            "out": str(self.out),
+            "steps": step,
+            "params": self.n_params,
+            "tokens": step * self.tokens_per_step,
+            "best_valid_bpb": best if math.isfinite(best) else None,
+            "elapsed_s": round(self.elapsed0 + time.perf_counter() - self.t0, 1),
+            "losses": self.losses,
+        }
+
+
+# -- the loop ---------------------------------------------------------------------------------
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_at: int | None = None) -> dict:
+    """Run (or resume) training; returns a summary dict with this call's per-step losses.
+
+    Safe to interrupt at any time: `resume=True` continues from the last checkpoint.
+    `stop_at` ends this call after that step (with a checkpoint) without changing the
+    schedule, which is still planned for `cfg.steps`: the run can be resumed later.
+    """
+    run = _setup(cfg)
+    step, state, meta = _start(run, resume)
+    best = float(meta.get("best_valid_bpb", float("inf")))
+    report = Report(run, meta, step, progress)
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     while step < end:
         lr = lr_at(cfg, step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        total = torch.zeros((), device=device)
-        for k in range(seg_per_step):
-            x, y, new_epoch = batches.segment(step * seg_per_step + k)
-            if state is None or new_epoch:
-                state = lm.new_state(cfg.batch_size)
-            with torch.autocast("cpu", dtype=torch.bfloat16) if cpu_autocast else contextlib.nullcontext():
-                logits, state = lm(x.to(device), state)
-            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1))
-        loss = total / seg_per_step
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), cfg.grad_clip)
-        opt.step()
-        assert state is not None
-        state = detach_state(state)
+        loss, state = _optimise(run, state, step, lr)
         step += 1
-
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training loss is {value} at step {step}")
-        losses.append(value)
-        running += value
-        running_n += 1
-        now = time.perf_counter()
-        rate = bar.format_dict.get("rate")  # tqdm's smoothed steps/s (None until it knows)
-        tok_s = (rate if rate else (step - step_last) / max(now - t_last, 1e-9)) * tokens_per_step
-        bar.set_postfix(loss=f"{value:.3f}", bpb=f"{value / math.log(2):.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-        bar.update(1)
-
+        report.step(step, loss)
         do_eval = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+        valid_bpb = _validate(run.lm, run.valid, cfg.eval_bytes) if do_eval else None
         if step % cfg.log_every == 0 or do_eval or step == cfg.steps:
-            if do_eval:
-                valid_bpb = _validate(lm, splits["valid"], cfg.eval_bytes)
-                bar.write(f"step {step}: validation {valid_bpb:.4f} bits/byte (train {running / running_n / math.log(2):.4f})")
-            append_log(
-                log_path,
-                {
-                    "step": step,
-                    "tokens": step * tokens_per_step,
-                    "lr": f"{lr:.6g}",
-                    "train_loss": f"{running / running_n:.5f}",
-                    "train_bpb": f"{running / running_n / math.log(2):.5f}",
-                    "valid_bpb": f"{valid_bpb:.5f}" if do_eval else "",
-                    "elapsed_s": f"{elapsed0 + now - t0:.1f}",
-                },
-            )
-            running, running_n = 0.0, 0
-            t_last, step_last = time.perf_counter(), step
-            if do_eval:
-                if valid_bpb < best:
-                    best = valid_bpb
-                    checkpoint.save(lm, best_dir)
-                plot_curve(log_path, out / "loss.png", title=f"{cfg.family} on {Path(cfg.corpus).name}")
+            report.log(step, lr, valid_bpb)
+        if valid_bpb is not None and valid_bpb < best:
+            best = valid_bpb
+            checkpoint.save(run.lm, run.out / "best")
         if step % cfg.ckpt_every == 0 or step == end:
-            extra = {
-                "best_valid_bpb": best,
-                "elapsed_s": elapsed0 + time.perf_counter() - t0,
-                "running_loss": running,
-                "running_n": running_n,
-            }
-            save_trainer(last_dir, lm, opt, cfg, step, state, extra)
-    bar.close()
-    summary = {
-        "out": str(out),
-        "steps": step,
-        "params": n_params,
-        "tokens": step * tokens_per_step,
-        "best_valid_bpb": best if math.isfinite(best) else None,
-        "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 1),
-        "losses": losses,
-    }
-    return summary
+            extra = {"best_valid_bpb": best, **report.resumable()}
+            save_trainer(run.out / "last", run.lm, run.opt, cfg, step, state, extra)
+    return report.close(step, best)
 
 
 def load_config(out: str | Path) -> TrainConfig:

@@ -40,19 +40,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel
-from .state import Arena, State, StateError, kv_appender, unzip
+from .family import LanguageModel, TimeAxis
+from .state import State, kv_appender, unzip
 
 
 @dataclass
 class TransformerXLConfig:
-    vocab_size: int = 258
+    vocab_size: int = 258  # UTF-8 bytes, <bos>, <eos> (`model.tokenizer.ByteTokenizer`)
     n_layer: int = 4
     d_model: int = 128
     n_head: int = 4
-    d_head: int = 32
-    d_inner: int = 512
-    mem_len: int = 128
+    d_head: int = 32  # per head; n_head * d_head need not equal d_model
+    d_inner: int = 512  # the feed-forward's hidden width
+    mem_len: int = 128  # M: hidden states each layer remembers (Sec. 3.2)
     tgt_len: int = 128  # training segment length; also the serving chunk size
     clamp_len: int = 0  # > 0: relative distances beyond it share one embedding
     pre_lnorm: bool = False
@@ -310,12 +310,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return torch.cat(parts, -1)
 
 
-PERSISTENT = ("mem", "last_hidden", "n_tokens")  # k and v are rebuilt from mem on load
-
-
 class TransformerXL(LanguageModel):
     family = "transformer-xl"
     config_class = TransformerXLConfig
+    persistent = ("mem", "last_hidden", "n_tokens")  # k and v are rebuilt from mem on load
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -364,14 +362,6 @@ class TransformerXL(LanguageModel):
         d = super().config_dict()
         return {k: v for k, v in d.items() if k not in PRETRAINED_DEFAULTS or v != PRETRAINED_DEFAULTS[k]}
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-            bias = getattr(m, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                nn.init.zeros_(bias)
-
     def blocks(self) -> list[DecoderLayer]:
         """The decoder layers, typed (an nn.ModuleList only promises Modules)."""
         return list(self.layers)  # type: ignore[arg-type]
@@ -380,53 +370,14 @@ class TransformerXL(LanguageModel):
         self._rk_table = None  # weights may change: the relative-key table is stale
         return super().train(mode)
 
-    # -- state ----------------------------------------------------------------------------
-    def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
-        return State(
-            self.family,
-            self.fingerprint,
-            tensors,
-            seq_dims={"mem": 2, "k": 2, "v": 2},
-            persistent=PERSISTENT,
-            arenas=arenas or {},
-        )
-
-    def new_state(self, batch_size: int = 1) -> State:
-        cfg, dev = self.config, self.device
-        dtype = next(self.parameters()).dtype
-        hd = cfg.n_head * cfg.d_head
-        return self._state(
-            {
-                "mem": torch.zeros(batch_size, cfg.n_layer, 0, cfg.d_model, device=dev, dtype=dtype),
-                "k": torch.zeros(batch_size, cfg.n_layer, 0, hd, device=dev, dtype=dtype),
-                "v": torch.zeros(batch_size, cfg.n_layer, 0, hd, device=dev, dtype=dtype),
-                "last_hidden": torch.zeros(batch_size, cfg.d_model, device=dev, dtype=dtype),
-                "n_tokens": torch.zeros(batch_size, dtype=torch.long, device=dev),
-            }
-        )
-
-    def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
-        valid = state.n_tokens.clamp(max=self.config.mem_len)
-        return {"mem": valid, "k": valid, "v": valid}
-
-    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    # -- state: memory rows, their cached keys and values, the last hidden state ----------
+    def time_axes(self) -> dict[str, TimeAxis]:
         cfg = self.config
-        if set(tensors) != set(PERSISTENT):
-            raise StateError(f"state holds tensors {sorted(tensors)}, expected mem, last_hidden, n_tokens")
-        mem, last, n = tensors["mem"], tensors["last_hidden"], tensors["n_tokens"]
-        if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
-            raise StateError("state n_tokens must be a non-negative int64 vector")
-        B = n.shape[0]
-        if B < 1:
-            raise StateError("state has an empty batch")
-        if mem.dim() != 4 or mem.shape[0] != B or mem.shape[1] != cfg.n_layer or mem.shape[3] != cfg.d_model:
-            raise StateError(f"state mem has shape {list(mem.shape)}, expected [{B}, {cfg.n_layer}, M, {cfg.d_model}]")
-        if mem.shape[2] > cfg.mem_len or mem.shape[2] < int(n.clamp(max=cfg.mem_len).max()):
-            raise StateError(f"state memory length {mem.shape[2]} does not fit mem_len {cfg.mem_len} and n_tokens")
-        if list(last.shape) != [B, cfg.d_model]:
-            raise StateError(f"state last_hidden has shape {list(last.shape)}, expected [{B}, {cfg.d_model}]")
-        if not (torch.isfinite(mem).all() and torch.isfinite(last).all()):
-            raise StateError("state holds non-finite values")
+        kv = TimeAxis(cfg.n_layer, cfg.n_head * cfg.d_head, cfg.mem_len)
+        return {"mem": TimeAxis(cfg.n_layer, cfg.d_model, cfg.mem_len), "k": kv, "v": kv}
+
+    def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"last_hidden": (self.config.d_model,)}
 
     @torch.no_grad()
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
@@ -481,7 +432,7 @@ class TransformerXL(LanguageModel):
         if state is None:
             state = self.new_state(B)
         if not self.training and "k" not in state.tensors:  # eval needs the key/value cache
-            state = self.rebuild_state({name: state[name] for name in PERSISTENT})
+            state = self.rebuild_state({name: state[name] for name in self.persistent})
         mem = state["mem"]  # (B, L, M, d)
         M = mem.shape[2]
         K = M + T

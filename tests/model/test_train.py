@@ -11,7 +11,7 @@ import torch
 import model
 from app.cli import main as recur
 from model import corpus, evaluate
-from model.train import TrainConfig, detach_state, lr_at, read_log, train
+from model.train import TrainConfig, lr_at, read_log, train
 
 TINY = {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "mem_len": 16, "tgt_len": 16}
 
@@ -100,7 +100,7 @@ def test_detach_state_cuts_every_tensor_from_the_graph():
     _, st = lm(torch.randint(0, 256, (2, 8)), lm.new_state(2))
     grown = st.replace(last_hidden=st["last_hidden"] * torch.ones((), requires_grad=True))
     assert grown["last_hidden"].requires_grad
-    cut = detach_state(grown)
+    cut = grown.detach()
     assert not any(t.requires_grad for t in cut.tensors.values())
     assert torch.equal(cut["last_hidden"], grown["last_hidden"].detach())
     assert cut.seq_dims == st.seq_dims and cut.persistent == st.persistent

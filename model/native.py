@@ -1,0 +1,81 @@
+"""recur's own model format: the family registry, building a model, its fingerprint, and
+the native checkpoint directory.
+
+    config.json        {"family": "transformer-xl", "config": {...dataclass fields...}}
+    model.safetensors  weights (tied weights stored once)
+    tokenizer.json     the tokenizer spec (`model.tokenizer.from_spec`)
+
+The fingerprint identifies a model exactly (family, config, tokenizer and every weight);
+states carry it so a state is never run through a model it was not made by.
+
+Weights are read with safetensors only: nothing here unpickles. This module knows only
+the native layout; finding checkpoints, and other layouts, are `model/checkpoint.py`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from . import tokenizer as tokenizers
+from .family import LanguageModel
+from .rlt import RLT
+from .transformer_xl import TransformerXL
+
+
+def families() -> dict[str, type[LanguageModel]]:
+    """Every model family, by name. The one registry."""
+    return {cls.family: cls for cls in (TransformerXL, RLT)}
+
+
+def build(family: str, config: dict, tokenizer_spec: dict | None = None) -> LanguageModel:
+    """A randomly initialised model of `family` (weights depend on torch's RNG state)."""
+    try:
+        cls = families()[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(families())}") from None
+    fields = {f.name for f in dataclasses.fields(cls.config_class)}
+    unknown = set(config) - fields
+    if unknown:
+        raise ValueError(f"unknown {family} config keys: {sorted(unknown)}")
+    lm = cls(cls.config_class(**config))
+    lm.tokenizer = tokenizers.from_spec(tokenizer_spec or {"kind": "byte"})
+    lm.fingerprint = fingerprint(lm)
+    return lm
+
+
+def fingerprint(lm: LanguageModel) -> str:
+    h = hashlib.sha256()
+    h.update(lm.family.encode())
+    h.update(json.dumps(lm.config_dict(), sort_keys=True).encode())
+    h.update(json.dumps(lm.tokenizer.spec() if lm.tokenizer else None, sort_keys=True).encode())
+    for name, t in sorted(lm.state_dict().items()):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save(lm: LanguageModel, directory: str | Path) -> Path:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"family": lm.family, "config": lm.config_dict()}, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(lm.tokenizer.spec() if lm.tokenizer else {"kind": "byte"}) + "\n")
+    save_model(lm, str(out / "model.safetensors"))
+    return out
+
+
+def read(path: Path) -> LanguageModel:
+    """The model in the native checkpoint directory `path` (on CPU, fp32)."""
+    meta = json.loads((path / "config.json").read_text())
+    tok_path = path / "tokenizer.json"
+    tok_spec = json.loads(tok_path.read_text()) if tok_path.is_file() else {"kind": "byte"}
+    lm = build(meta["family"], meta["config"], tok_spec)
+    load_model(lm, str(path / "model.safetensors"), strict=True)
+    lm.fingerprint = fingerprint(lm)
+    return lm
