@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -36,11 +36,13 @@ def _error(r: httpx.Response) -> ChatError:
         return ChatError(f"HTTP {r.status_code}: {r.text[:200]}")
 
 
-def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
-    """(event name, JSON data) of each Server-Sent Event; comments (pings) are skipped."""
+def sse_events(lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
+    """(event name, JSON data) of each Server-Sent Event in `lines`, e.g. an httpx
+    response's `iter_lines()`. Comments (`: ping`) and unknown fields are skipped; an
+    event left unfinished by the end of the stream is dropped, as the SSE spec says."""
     name = "message"
     data: list[str] = []
-    for line in response.iter_lines():
+    for line in lines:
         if line == "":
             if data:
                 yield name, json.loads("\n".join(data))
@@ -99,7 +101,7 @@ class Chat:
                     if r.status_code != 200:
                         r.read()
                         raise _error(r)
-                    for name, data in _events(r):
+                    for name, data in sse_events(r.iter_lines()):
                         if name == "token":
                             self.out.write(data["text"])
                             self.out.flush()

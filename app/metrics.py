@@ -7,20 +7,25 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 `num_requests_running`, ...). Who updates what:
 
 * app/api/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
-* app/api/generation.py  TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
-                         GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED
+* app/sessions.py        TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                         GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED,
+                         HOT_CACHE_HITS, HOT_CACHE_MISSES
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
-* app/engine (hot cache) HOT_CACHE_HITS, HOT_CACHE_MISSES
-* the gauges read the engine's scheduler and hot cache when scraped (`bind_engine`)
+* the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
+  seconds loading and encoding states), are read from the live engine and hot cache
+  when scraped (`bind_engine`): the engine imports nothing of this module
 
 This module never imports the engine, the store or FastAPI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # vLLM's buckets: token latencies span milliseconds (GPU decode) to seconds (a long prefill)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -79,18 +84,52 @@ HOT_CACHE_MISSES = Counter("recur_hot_cache_misses", "Session states that had to
 REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
 
 
+# -- the engine's counters (read when scraped) -------------------------------------------------
+# name, help, the field of the engine's counters it reads
+_ENGINE_COUNTERS = (
+    ("recur_decode_steps", "Decode steps run (one forward pass for the whole batch)", "decode_steps"),
+    ("recur_decode_tokens", "Tokens sampled by decode steps, all rows together", "decode_tokens"),
+    ("recur_prefill_tokens", "Prompt tokens consumed by prefill steps", "prefill_tokens"),
+    ("recur_state_load_seconds", "Seconds spent turning stored state bytes into states", "load_seconds"),
+    ("recur_state_encode_seconds", "Seconds spent turning states into commit bytes", "encode_seconds"),
+)
+
+
+class _EngineCollector(Collector):
+    """The engine's counters, read from the live engine at each scrape."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Any] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if self.read is None:
+            return
+        counters = self.read()
+        for name, doc, field in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(counters, field))
+        yield GaugeMetricFamily(
+            "recur_decode_batch_max", "Most rows one decode step has run", value=counters.max_batch
+        )
+
+
+_ENGINE = _EngineCollector()
+REGISTRY.register(_ENGINE)
+
+
 def bind_engine(
     *,
     running: Callable[[], float],
     waiting: Callable[[], float],
+    counters: Callable[[], Any],
     cache_bytes: Callable[[], float],
     cache_sessions: Callable[[], float],
 ) -> None:
-    """Make the engine's gauges read the live engine at each scrape."""
+    """Make the engine's gauges and counters read the live engine at each scrape."""
     NUM_REQUESTS_RUNNING.set_function(running)
     NUM_REQUESTS_WAITING.set_function(waiting)
     HOT_CACHE_BYTES.set_function(cache_bytes)
     HOT_CACHE_SESSIONS.set_function(cache_sessions)
+    _ENGINE.read = counters
 
 
 def exposition() -> tuple[bytes, str]:

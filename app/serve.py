@@ -86,7 +86,7 @@ def run(settings: Settings) -> int:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
-            log_config=None,  # keep the handlers of app.logs (JSON lines)
+            log_config=None,  # keep the handlers of app.logs
             access_log=False,  # app.api.middleware logs each request, with its ids
         )
     finally:

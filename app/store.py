@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import re
 import secrets
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +57,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import metrics
+from app.config import Settings
 from app.logs import clip
 
 _ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -328,14 +328,12 @@ class SessionStore:
         self,
         url: str,
         *,
-        key_prefix: str = "recur:",
-        lock_lease_seconds: float = 10.0,
-        timeout: float = 2.0,
-        max_connections: int = 64,
-        fault_pause_before_commit: float = 0.0,
+        key_prefix: str,
+        lock_lease_seconds: float,
+        timeout: float,
+        max_connections: int,
     ):
         self.prefix = key_prefix
-        self.fault_pause_before_commit = fault_pause_before_commit  # tests only
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
         # a bounded pool: past `max_connections` busy ones, a command waits for a free
         # connection (up to `timeout`, then StoreUnavailable) instead of opening another
@@ -358,6 +356,18 @@ class SessionStore:
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
         self._delete = r.register_script(_DELETE)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SessionStore:
+        if not settings.redis_url:
+            raise ValueError("the store needs settings.redis_url (recur serve starts an embedded Redis)")
+        return cls(
+            settings.redis_url,
+            key_prefix=settings.key_prefix,
+            lock_lease_seconds=settings.lock_lease_seconds,
+            timeout=settings.redis_timeout,
+            max_connections=settings.redis_max_connections,
+        )
 
     # -- the key schema (one place) ---------------------------------------------------------
     def session_key(self, session_id: str) -> str:
@@ -459,28 +469,6 @@ class SessionStore:
         )
         _check_status(res, session_id, expected_version)
 
-    @contextlib.asynccontextmanager
-    async def writer(
-        self,
-        session_id: str,
-        expected_version: int | None = None,
-        held_commit: str | None = None,
-        owner: str = "",
-    ) -> AsyncIterator[Writer]:
-        """Hold the session's writer lock for the duration of the block.
-
-        Raises SessionNotFound, SessionBusy (another writer holds it) or VersionMismatch
-        (`expected_version` given and stale) before the block runs. Inside, `w.state` is
-        the committed state (None if it is `held_commit`'s, which the caller already holds)
-        and `await w.commit(...)` writes the new one, fenced on the version read here.
-        Leaving the block without committing changes nothing.
-        """
-        w = await self.begin(session_id, expected_version, held_commit, owner)
-        try:
-            yield w
-        finally:
-            await w.release()
-
     async def begin(
         self,
         session_id: str,
@@ -538,9 +526,6 @@ class Writer:
         sid = self.meta.id
         mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
         assert blob is not None
-        if s.fault_pause_before_commit:  # fault injection for tests: a writer that stalls
-            self._renewer.cancel()  # (a stalled process renews nothing) until its lease lapses
-            await asyncio.sleep(s.fault_pause_before_commit)
         res = await s._run(
             s._commit,
             s._keys(sid, lock=True),

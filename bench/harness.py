@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,14 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from app.embedded_redis import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_SIZE = dict(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, mem_len=128, tgt_len=128)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def model_dir(name: str = "shakespeare") -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """Resident memory and decode speed of the scheduler's allocation pattern, with and without
-handing freed memory back to the OS (app/engine/memory.py), measured side by side.
+handing freed memory back to the OS (app/engine/malloc.py), measured side by side.
 
 Each variant runs in its own process (a fresh allocator) and replays what the scheduler
 does to memory: batches of 4-16 sessions with full states are stacked, decoded 16 steps
@@ -37,11 +37,11 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import model
-    from app.engine.memory import Releaser
+    from app.engine.malloc import MallocTrimmer
 
     torch.set_num_threads(1)
     lm = model.load(args.model, device="cpu")
-    rel = Releaser(args.child_trim)
+    rel = MallocTrimmer(args.child_trim)
     rng = random.Random(0)
     states = []
     with torch.no_grad():

@@ -12,7 +12,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,15 +24,10 @@ import pytest
 import redis
 
 import model
+from app.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -117,7 +111,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class ServerProcess:
     """`python -m app` in a subprocess, on a free port; its log is kept for failures."""
 
-    def __init__(self, model_dir: Path, workdir: Path, redis_url: str | None, **settings: object):
+    def __init__(
+        self,
+        model_dir: Path,
+        workdir: Path,
+        redis_url: str | None,
+        *,
+        entry: tuple[str, ...] = ("-m", "app"),
+        **settings: object,
+    ):
+        self.entry = entry  # what the interpreter runs: `python -m app` unless a test says otherwise
         self.model_dir = model_dir
         self.workdir = workdir
         self.redis_url = redis_url
@@ -128,7 +131,7 @@ class ServerProcess:
         self.log = workdir / "server.log"
 
     def start(self, timeout: float = 120) -> ServerProcess:
-        args = [sys.executable, "-m", "app", "--model", str(self.model_dir), "--port", str(self.port)]
+        args = [sys.executable, *self.entry, "--model", str(self.model_dir), "--port", str(self.port)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         for k, v in self.settings.items():

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
 
 import model
 from app import metrics as service_metrics
+from app import sessions as sessions_service
 from app.config import Settings
-from app.engine import Engine
 from app.store import SessionStore
 
 from . import completions, errors, health, metrics, playground, sessions
 from .body_limit import BodyLimit
 from .deps import authenticate, bind_session
 from .middleware import RequestContext
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
 def model_name(name_or_dir: str) -> str:
@@ -33,15 +36,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = SessionStore(
-            settings.redis_url or "",
-            key_prefix=settings.key_prefix,
-            lock_lease_seconds=settings.lock_lease_seconds,
-            timeout=settings.redis_timeout,
-            max_connections=settings.redis_max_connections,
-            fault_pause_before_commit=settings.fault_pause_before_commit,
-        )
-        app.state.store = store
+        store = SessionStore.from_settings(settings)
         loaded = (
             lm
             if lm is not None
@@ -49,34 +44,29 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
                 model.load, settings.model, device=settings.device, precision=settings.precision
             )
         )
-        engine = Engine(
-            loaded,
-            name=model_name(settings.model),
-            state_dtype=settings.state_dtype,
-            max_batch_size=settings.max_batch_size,
-            max_queued_requests=settings.max_queued_requests,
-            max_queued_tokens=settings.max_queued_tokens,
-            cpu_threads=settings.cpu_threads,
-            hot_cache_bytes=int(settings.hot_cache_mb * 2**20),
-            delta_persistence=settings.delta_persistence,
-            compile=settings.compile,
-            malloc_trim_interval=settings.malloc_trim_interval,
-        )
+        engine = sessions_service.build_engine(settings, loaded, model_name(settings.model))
         engine.start()
-        app.state.engine = engine
+        sessions = sessions_service.build(settings, store, engine)
+        app.state.sessions = sessions
         service_metrics.bind_engine(
             running=lambda: engine.scheduler.num_running,
             waiting=lambda: engine.scheduler.num_waiting,
-            cache_bytes=lambda: engine.cache.nbytes,
-            cache_sessions=lambda: len(engine.cache),
+            counters=lambda: engine.counters,
+            cache_bytes=lambda: sessions.cache.nbytes,
+            cache_sessions=lambda: len(sessions.cache),
         )
         try:
             yield
         finally:
-            app.state.engine = None
+            app.state.sessions = None
             await asyncio.to_thread(engine.stop)
             await store.close()
 
+    return _assemble(settings, lifespan)
+
+
+def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
+    """The routers, error handlers and middleware around `lifespan`."""
     app = FastAPI(
         title="recur",
         version="0.1.0",
@@ -84,7 +74,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.engine = None
+    app.state.sessions = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

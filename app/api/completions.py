@@ -4,7 +4,7 @@ A completion runs in a recur session: the body field `session_id` or the `X-Sess
 header continues one (its recurrent state is the context, so the prompt only needs the
 new text); without either, a new session is created. Either way the session's id comes
 back in the `X-Session-Id` header and the body, and the generation is committed to it
-exactly as `POST /v1/sessions/{id}/generate` would (the same code path: generation.py).
+exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions.py).
 
 Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1, a stop string is
 kept in `text` (the state has consumed it), and `logprobs` are the sampled tokens' own
@@ -15,23 +15,20 @@ openai SDK raises as its usual exceptions; mid-stream, an error is a data chunk
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
 
 from app import logs
-from app.engine import TokenEvent
+from app.engine import FinishReason, TokenEvent
+from app.sessions import Run
 
-from . import errors, generation
-from .deps import EngineDep, OwnerDep, SettingsDep, StoreDep
+from .deps import EngineDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
 from .errors import ApiError, ErrorType, responses
-from .generation import Run, sse_json
 from .schemas import (
     Completion,
     CompletionChoice,
@@ -42,12 +39,13 @@ from .schemas import (
     ModelList,
     SessionRef,
 )
+from .sse import guarded, respond, sse_json, until_disconnect
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("recur.openai")
 
-E = ErrorType
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+# OpenAI knows no "eos": the model ending its text is a stop
+_FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
 _STARTED = time.time()
 
 
@@ -89,15 +87,15 @@ def _ref(run: Run) -> SessionRef:
             "description": "stream=true: `data: {completion chunk}` events, then `data: [DONE]`",
         },
         **responses(
-            E.invalid_request,
-            E.unauthorized,
-            E.model_not_found,
-            E.session_not_found,
-            E.session_busy,
-            E.model_mismatch,
-            E.prompt_too_long,
-            E.queue_full,
-            E.redis_unavailable,
+            ErrorType.invalid_request,
+            ErrorType.unauthorized,
+            ErrorType.model_not_found,
+            ErrorType.session_not_found,
+            ErrorType.session_busy,
+            ErrorType.model_mismatch,
+            ErrorType.prompt_too_long,
+            ErrorType.queue_full,
+            ErrorType.redis_unavailable,
         ),
     },
 )
@@ -105,8 +103,7 @@ async def create_completion(
     body: Completion,
     request: Request,
     response: Response,
-    engine: EngineDep,
-    store: StoreDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
     x_session_id: Annotated[
@@ -114,30 +111,23 @@ async def create_completion(
     ] = None,
 ) -> CompletionResult | EventSourceResponse:
     started = time.perf_counter()
-    if body.model is not None and body.model != engine.name:
-        raise ApiError(
-            E.model_not_found, f"model {body.model!r} is not served here; this server runs {engine.name!r}"
-        )
-    if body.session_id and x_session_id and body.session_id != x_session_id:
-        raise ApiError(E.invalid_request, "session_id and the X-Session-Id header name different sessions")
-    ids = generation.prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    params = generation.sampling_params(
+    engine = sessions.engine
+    _check(body, engine.name, x_session_id)
+    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    params = sampling_params(
         1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
     )
     sid = body.session_id or x_session_id
     if sid is None:  # a fresh session: BOS now, the prompt with the generation
-        sid = (await generation.create_session(engine, store, [], settings.session_ttl, owner)).id
+        sid = (await sessions.create([], settings.session_ttl, owner)).id
     else:
         logs.session_id.set(logs.clip(sid))
-    run = await generation.start(
-        engine,
-        store,
-        settings,
+    run = await sessions.generate(
         sid,
-        ids=ids,
+        ids,
         params=params,
         seed=body.seed,
-        max_tokens=body.max_tokens or settings.max_tokens,
+        max_tokens=min(body.max_tokens or settings.max_tokens, settings.max_tokens),
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         expected=None,
         owner=owner,
@@ -149,72 +139,61 @@ async def create_completion(
         "id": f"cmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": engine.name,
+        "system_fingerprint": engine.fingerprint,
+        "session_id": sid,
     }
     headers = {"X-Session-Id": sid}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(
-            _chunks(run, head, sid, engine.fingerprint, body.logprobs is not None, include_usage),
-            headers=headers,
-            background=BackgroundTask(run.close),
-            ping=15,
-        )
-    await run.complete(request)
+        chunks = _chunks(run, head, body.logprobs is not None, include_usage)
+        return respond(run, _then_done(guarded(run, chunks, error_event=None)), headers=headers)
+    await run.complete(until_disconnect(request))
     response.headers.update(headers)
-    return CompletionResult(
-        **head,
-        system_fingerprint=engine.fingerprint,
-        choices=[
-            CompletionChoice(
-                text=run.text,
-                logprobs=_logprobs(run.tokens, 0) if body.logprobs is not None else None,
-                finish_reason=_FINISH[run.finish_reason],  # type: ignore[arg-type]
-            )
-        ],
-        usage=_usage(run),
-        session_id=sid,
-        session=_ref(run),
+    choice = CompletionChoice(
+        text=run.text,
+        logprobs=_logprobs(run.tokens, 0) if body.logprobs is not None else None,
+        finish_reason=_FINISH[run.finish_reason],
     )
+    return CompletionResult(**head, choices=[choice], usage=_usage(run), session=_ref(run))
 
 
-async def _chunks(
-    run: Run, head: dict[str, Any], sid: str, fingerprint: str, logprobs: bool, include_usage: bool
-):
+def _check(body: Completion, served: str, x_session_id: str | None) -> None:
+    if body.model is not None and body.model != served:
+        raise ApiError(
+            ErrorType.model_not_found, f"model {body.model!r} is not served here; this server runs {served!r}"
+        )
+    if body.session_id and x_session_id and body.session_id != x_session_id:
+        raise ApiError(
+            ErrorType.invalid_request, "session_id and the X-Session-Id header name different sessions"
+        )
+
+
+async def _chunks(run: Run, head: dict[str, Any], logprobs: bool, include_usage: bool):
     def chunk(
         choices: list[CompletionChoice],
         usage: CompletionUsage | None = None,
         session: SessionRef | None = None,
     ) -> ServerSentEvent:
-        body = CompletionResult(
-            **head,
-            system_fingerprint=fingerprint,
-            choices=choices,
-            usage=usage,
-            session_id=sid,
-            session=session,
-        )
+        body = CompletionResult(**head, choices=choices, usage=usage, session=session)
         data = body.model_dump(mode="json")  # usage: null in every chunk but the last, as OpenAI's
         if session is None:
             del data["session"]
         return ServerSentEvent(data=sse_json(data))
 
     offset = 0
-    try:
-        async for ev in run.stream():
-            lp = _logprobs([ev], offset) if logprobs else None
-            offset += len(ev.text)
-            yield chunk([CompletionChoice(text=ev.text, logprobs=lp, finish_reason=None)])
-        # committed: the finish reason, with the session as it now is
-        yield chunk(
-            [CompletionChoice(text="", finish_reason=_FINISH[run.finish_reason])],  # type: ignore[arg-type]
-            session=_ref(run),
-        )
-        if include_usage:
-            yield chunk([], usage=_usage(run))
-    except Exception as exc:  # after streaming began: an error chunk (the SDK raises it); nothing committed
-        etype, message = errors.classify(exc)
-        yield ServerSentEvent(data=sse_json(errors.body(etype, message)))
-    finally:
-        with contextlib.suppress(BaseException):
-            await run.close()
+    async for ev in run.stream():
+        lp = _logprobs([ev], offset) if logprobs else None
+        offset += len(ev.text)
+        yield chunk([CompletionChoice(text=ev.text, logprobs=lp, finish_reason=None)])
+    # committed: the finish reason, with the session as it now is
+    yield chunk([CompletionChoice(text="", finish_reason=_FINISH[run.finish_reason])], session=_ref(run))
+    if include_usage:
+        yield chunk([], usage=_usage(run))
+
+
+async def _then_done(frames):
+    """OpenAI's stream ends with `data: [DONE]`, after an error chunk too (the SDK raises
+    the error chunk, `{"error": ...}`, as its usual exception)."""
+    async for frame in frames:
+        yield frame
     yield ServerSentEvent(data="[DONE]")

@@ -1,5 +1,6 @@
-"""Dependencies the routers inject with `Depends`: settings, store, engine, If-Match, and
-the caller's tenant (API key authentication)."""
+"""Dependencies the routers inject with `Depends` (settings, the sessions service, the
+engine, If-Match, and the caller's tenant by API key), and the checks every route that
+runs the model makes of its body (`prompt_ids`, `sampling_params`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fastapi import Depends, Header, Request
 from app import logs
 from app.config import Settings
 from app.engine import Engine
-from app.store import SessionStore
+from app.sessions import Sessions
+from model.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType
 
@@ -24,15 +26,39 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> SessionStore:
-    return request.app.state.store
-
-
-def get_engine(request: Request) -> Engine:
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
+def get_sessions(request: Request) -> Sessions:
+    sessions = getattr(request.app.state, "sessions", None)
+    if sessions is None:
         raise ApiError(ErrorType.not_ready, "the model is not loaded yet")
-    return engine
+    return sessions
+
+
+def get_engine(sessions: Annotated[Sessions, Depends(get_sessions)]) -> Engine:
+    return sessions.engine
+
+
+def prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) -> list[int]:
+    """The prompt as token ids of the served model, or 413/422."""
+    ids = engine.tokenize(prompt)
+    if len(ids) > max_prompt_tokens:
+        raise ApiError(
+            ErrorType.prompt_too_long,
+            f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}",
+        )
+    bad = [i for i in ids if not 0 <= i < engine.vocab_size]
+    if bad:
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"token id {bad[0]} is outside the model's vocabulary [0, {engine.vocab_size})",
+        )
+    return ids
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    except ValueError as exc:
+        raise ApiError(ErrorType.invalid_request, str(exc)) from None
 
 
 def if_match(
@@ -105,7 +131,7 @@ async def bind_session(request: Request) -> None:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-StoreDep = Annotated[SessionStore, Depends(get_store)]
+SessionsDep = Annotated[Sessions, Depends(get_sessions)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 IfMatchDep = Annotated[int | None, Depends(if_match)]
 OwnerDep = Annotated[str, Depends(authenticate)]

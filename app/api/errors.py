@@ -1,5 +1,5 @@
-"""Errors as values: the one enum of error types, and the one place that maps every
-exception to its HTTP status and the body `{"error": {"type", "message"}}`.
+"""Errors as values: the one place that maps every exception to its error type (the enum
+in `error_types.py`), its HTTP status and the body `{"error": {"type", "message"}}`.
 
 Routers raise (`ApiError`, or the store's and engine's own exceptions) and never build
 error responses themselves; a streaming response turns the same mapping into an SSE
@@ -8,7 +8,6 @@ error responses themselves; a streaming response turns the same mapping into an 
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Mapping
 
@@ -19,31 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import logs
 from app.engine import EmptyContext, EngineError, QueueFull
+from app.sessions import ClientDisconnected, ModelMismatch
 from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
 from model import StateError
 
+from .error_types import ErrorType
+from .schemas import ErrorBody
+
 log = logging.getLogger("recur.api")
-
-
-class ErrorType(str, enum.Enum):
-    invalid_request = "invalid_request"
-    unauthorized = "unauthorized"
-    model_not_found = "model_not_found"
-    not_found = "not_found"
-    method_not_allowed = "method_not_allowed"
-    session_not_found = "session_not_found"
-    session_busy = "session_busy"
-    session_conflict = "session_conflict"
-    model_mismatch = "model_mismatch"
-    version_mismatch = "version_mismatch"
-    prompt_too_long = "prompt_too_long"
-    body_too_large = "body_too_large"
-    queue_full = "queue_full"
-    state_corrupt = "state_corrupt"
-    redis_unavailable = "redis_unavailable"
-    not_ready = "not_ready"
-    internal_error = "internal_error"
-    client_disconnected = "client_disconnected"
 
 
 STATUS: dict[ErrorType, int] = {
@@ -74,6 +56,8 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (VersionMismatch, ErrorType.version_mismatch),
     (CommitConflict, ErrorType.session_conflict),
     (StoreUnavailable, ErrorType.redis_unavailable),
+    (ModelMismatch, ErrorType.model_mismatch),
+    (ClientDisconnected, ErrorType.client_disconnected),
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
     (QueueFull, ErrorType.queue_full),
@@ -117,8 +101,6 @@ def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None =
 
 def responses(*types: ErrorType) -> dict:
     """OpenAPI `responses=` entries documenting the error body for these types (and 500)."""
-    from .schemas import ErrorBody  # (schemas use ErrorType, so import it late)
-
     out: dict[int, dict] = {}
     for t in (*types, ErrorType.internal_error):
         status = STATUS[t]

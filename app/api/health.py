@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from .errors import ApiError, ErrorType, responses
+from .deps import get_sessions
+from .errors import ErrorType, responses
 from .schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
@@ -22,8 +23,6 @@ async def healthz() -> Health:
     responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready),
 )
 async def readyz(request: Request) -> Ready:
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
-        raise ApiError(ErrorType.not_ready, "the model is not loaded yet")
-    await request.app.state.store.ping()
-    return Ready(status="ready", model=engine.name, fingerprint=engine.fingerprint)
+    sessions = get_sessions(request)  # 503 until the model is loaded
+    await sessions.store.ping()
+    return Ready(status="ready", model=sessions.engine.name, fingerprint=sessions.engine.fingerprint)

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .errors import ErrorType
+from .error_types import ErrorType
 
 # A request may ask for more tokens than the server's max_tokens setting (it is capped),
 # but not for an absurd number: past this ceiling the body is invalid (422).

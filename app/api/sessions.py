@@ -3,29 +3,25 @@
 `GET .../generate` is the same generation for `EventSource` (which can only GET): its
 parameters come in the query string, and it always streams.
 
-Routers validate, translate to engine calls, and commit through the store; they never
-touch tensors and never build error bodies (see errors.py). Every mutating route holds
-the session's writer lock from start to commit, and commits fenced on the version it
-started from, so a failed, cancelled or disconnected request changes nothing.
+Routers only translate HTTP: they parse and check bodies, call the sessions service
+(app/sessions.py, where each request's transaction runs from lock to commit), and frame
+its results as JSON or SSE. They never touch tensors or Redis and never build error
+bodies (see errors.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
 
+from app.sessions import Run
 from app.store import SessionMeta
 
-from . import errors, generation
-from .deps import EngineDep, IfMatchDep, OwnerDep, SettingsDep, StoreDep
+from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
 from .errors import ApiError, ErrorType, responses
-from .generation import Run, begin, commit, prompt_ids, read, sampling_params, start
 from .schemas import (
     CreateSession,
     Generate,
@@ -41,14 +37,25 @@ from .schemas import (
     SessionRef,
     Usage,
 )
+from .sse import guarded, respond, sse_json, until_disconnect
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
-E = ErrorType
-_SESSION_ERRORS = (E.session_not_found, E.redis_unavailable, E.invalid_request, E.unauthorized)
-_WRITE_ERRORS = (*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.model_mismatch, E.invalid_request)
+_SESSION_ERRORS = (
+    ErrorType.session_not_found,
+    ErrorType.redis_unavailable,
+    ErrorType.invalid_request,
+    ErrorType.unauthorized,
+)
+_WRITE_ERRORS = (
+    *_SESSION_ERRORS,
+    ErrorType.session_busy,
+    ErrorType.version_mismatch,
+    ErrorType.model_mismatch,
+    ErrorType.invalid_request,
+)
 # every route that runs the model can find the scheduler's queue full
-_MODEL_ERRORS = (E.prompt_too_long, E.queue_full)
+_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -88,12 +95,13 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(*_MODEL_ERRORS, E.invalid_request, E.redis_unavailable, E.unauthorized),
+    responses=responses(
+        *_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable, ErrorType.unauthorized
+    ),
 )
 async def create_session(
     response: Response,
-    engine: EngineDep,
-    store: StoreDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
     body: Annotated[CreateSession | None, Body()] = None,
@@ -101,9 +109,9 @@ async def create_session(
     body = body or CreateSession.model_validate({})
     ttl = body.ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
-        raise ApiError(E.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
-    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    return _created(response, await generation.create_session(engine, store, ids, ttl, owner))
+        raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
+    ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
+    return _created(response, await sessions.create(ids, ttl, owner))
 
 
 @router.get(
@@ -112,8 +120,10 @@ async def create_session(
     summary="Read a session's metadata (ETag = version)",
     responses=responses(*_SESSION_ERRORS),
 )
-async def get_session(session_id: str, response: Response, store: StoreDep, owner: OwnerDep) -> SessionDetail:
-    meta, _ = await store.read(session_id, owner=owner)
+async def get_session(
+    session_id: str, response: Response, sessions: SessionsDep, owner: OwnerDep
+) -> SessionDetail:
+    meta = await sessions.get(session_id, owner)
     response.headers.update(_etag(meta))
     return SessionDetail(**_info(meta).model_dump(), state_bytes=meta.state_bytes)
 
@@ -122,13 +132,14 @@ async def get_session(session_id: str, response: Response, store: StoreDep, owne
     "/{session_id}",
     status_code=204,
     summary="Delete a session",
-    responses=responses(*_SESSION_ERRORS, E.session_busy, E.version_mismatch, E.invalid_request),
+    responses=responses(
+        *_SESSION_ERRORS, ErrorType.session_busy, ErrorType.version_mismatch, ErrorType.invalid_request
+    ),
 )
 async def delete_session(
-    session_id: str, store: StoreDep, engine: EngineDep, expected: IfMatchDep, owner: OwnerDep
+    session_id: str, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep
 ) -> Response:
-    await store.delete(session_id, expected, owner)
-    engine.forget(session_id)
+    await sessions.delete(session_id, expected, owner)
     return Response(status_code=204)
 
 
@@ -137,46 +148,36 @@ async def delete_session(
     status_code=201,
     response_model=SessionInfo,
     summary="Copy a session's committed state into a new, independent session",
-    responses=responses(*_SESSION_ERRORS, E.version_mismatch, E.invalid_request),
+    responses=responses(*_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.invalid_request),
 )
 async def fork_session(
-    session_id: str, response: Response, store: StoreDep, expected: IfMatchDep, owner: OwnerDep
+    session_id: str, response: Response, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep
 ) -> SessionInfo:
-    return _created(response, await store.fork(session_id, expected, owner))
+    return _created(response, await sessions.fork(session_id, expected, owner))
 
 
 @router.post(
     "/{session_id}/score",
     response_model=ScoreResult,
     summary="Teacher-forced log-probs of the given tokens, continuing the session",
-    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict),
+    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
 )
 async def score(
     session_id: str,
     body: Score,
-    engine: EngineDep,
-    store: StoreDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
 ) -> ScoreResult:
+    engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    if body.commit:
-        writer, source = await begin(engine, store, session_id, expected, owner)
-        try:
-            consumed = await engine.score(source, ids, keep_state=True)
-            assert consumed.commit is not None
-            meta = await commit(writer, engine, consumed.commit)
-        finally:
-            await writer.release()
-    else:
-        meta, source = await read(engine, store, session_id, expected, owner)
-        consumed = await engine.score(source, ids, keep_state=False)
+    meta, logprobs = await sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
     tokens = [
         ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
-        for i, lp in zip(ids, consumed.logprobs, strict=True)
+        for i, lp in zip(ids, logprobs, strict=True)
     ]
-    total = sum(lp for lp in consumed.logprobs if lp is not None)
+    total = sum(lp for lp in logprobs if lp is not None)
     return ScoreResult(tokens=tokens, total_logprob=total, session=_ref(meta))
 
 
@@ -198,35 +199,31 @@ _SSE_DOC = {
     response_model=GenerateResult,
     response_model_exclude_none=True,
     summary="Consume the prompt, then sample tokens (SSE stream or one JSON object)",
-    responses={200: _SSE_DOC, **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict)},
+    responses={200: _SSE_DOC, **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict)},
 )
 async def generate(
     session_id: str,
     body: Generate,
     request: Request,
-    engine: EngineDep,
-    store: StoreDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
 ) -> GenerateResult | EventSourceResponse:
-    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    run = await start(
-        engine,
-        store,
-        settings,
+    ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
+    run = await sessions.generate(
         session_id,
-        ids=ids,
+        ids,
         params=sampling_params(body.temperature, body.top_k, body.top_p),
         seed=body.seed,
-        max_tokens=body.max_tokens,
+        max_tokens=min(body.max_tokens, settings.max_tokens),
         stop=list(body.stop),
         expected=expected,
         owner=owner,
     )
     if body.stream:
-        return EventSourceResponse(_stream(run, body.logprobs), background=BackgroundTask(run.close), ping=15)
-    meta = await run.complete(request)
+        return respond(run, guarded(run, _events(run, body.logprobs), error_event="error"))
+    meta = await run.complete(until_disconnect(request))
     tokens = [
         GeneratedToken(index=e.index, id=e.id, text=e.text, logprob=e.logprob if body.logprobs else None)
         for e in run.tokens
@@ -239,21 +236,20 @@ async def generate(
     summary="The streaming generate for EventSource: parameters in the query string",
     responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "as POST"},
-        **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, E.session_conflict),
+        **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
     },
 )
 async def generate_get(
     session_id: str,
     query: Annotated[GenerateQuery, Query()],
     request: Request,
-    engine: EngineDep,
-    store: StoreDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
 ) -> EventSourceResponse:
     body = Generate(**query.model_dump(exclude={"access_token"}), stream=True)
-    response = await generate(session_id, body, request, engine, store, settings, expected, owner)
+    response = await generate(session_id, body, request, sessions, settings, expected, owner)
     assert isinstance(response, EventSourceResponse)
     return response
 
@@ -261,30 +257,18 @@ async def generate_get(
 def _done(run: Run, meta: SessionMeta) -> GenerateDone:
     return GenerateDone(
         text=run.text,
-        finish_reason=run.finish_reason,  # type: ignore[arg-type]
+        finish_reason=run.finish_reason,
         usage=Usage(prompt_tokens=run.prompt_tokens, completion_tokens=len(run.tokens)),
         session=_ref(meta),
     )
 
 
-def sse_json(data: dict) -> str:
-    # ASCII-only JSON: generated text can hold characters (U+2028, U+0085, ...) that some
-    # SSE clients take for line breaks; escaped, every event is one line of plain ASCII
-    return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-
-
-async def _stream(run: Run, logprobs: bool):
-    try:
-        async for ev in run.stream():
-            data = {"index": ev.index, "id": ev.id, "text": ev.text}
-            if logprobs:
-                data["logprob"] = ev.logprob
-            yield ServerSentEvent(data=sse_json(data), event="token")
-        assert run.meta is not None
-        yield ServerSentEvent(data=sse_json(_done(run, run.meta).model_dump(mode="json")), event="done")
-    except Exception as exc:  # after streaming began: an error event, and nothing committed
-        etype, message = errors.classify(exc)
-        yield ServerSentEvent(data=sse_json(errors.body(etype, message)), event="error")
-    finally:
-        with contextlib.suppress(BaseException):
-            await run.close()
+async def _events(run: Run, logprobs: bool):
+    """`token` events as they are sampled, then `done` once the new state is committed."""
+    async for ev in run.stream():
+        data = {"index": ev.index, "id": ev.id, "text": ev.text}
+        if logprobs:
+            data["logprob"] = ev.logprob
+        yield ServerSentEvent(data=sse_json(data), event="token")
+    assert run.meta is not None
+    yield ServerSentEvent(data=sse_json(_done(run, run.meta).model_dump(mode="json")), event="done")

@@ -1,29 +1,27 @@
-"""The engine: scheduler, executor thread and batch. The only part of `app/` that touches
-tensors or the model; it never builds an HTTP response."""
+"""The engine: the scheduler, the runner and the thread that runs them. The only part of
+`app/` that touches tensors or the model; it imports only `model/` and never builds an
+HTTP response or speaks to Redis."""
 
-from .cache import Held
-from .engine import Consumed, Engine
+from .engine import Engine
 from .requests import (
-    Commit,
     EmptyContext,
     EngineError,
     Finished,
-    Generation,
+    FinishReason,
     QueueFull,
-    StateSource,
+    Request,
+    Stored,
     TokenEvent,
 )
 
 __all__ = [
-    "Commit",
-    "Consumed",
     "EmptyContext",
     "Engine",
     "EngineError",
     "Finished",
-    "Generation",
-    "Held",
+    "FinishReason",
     "QueueFull",
-    "StateSource",
+    "Request",
+    "Stored",
     "TokenEvent",
 ]

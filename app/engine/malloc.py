@@ -7,7 +7,7 @@ of yesterday's largest batch stay resident, scattered between live ones, long af
 batch shrank: in the soak (`bench/soak.py`, docs/RELIABILITY.md) an idle replica kept
 416-453 MiB resident without this and 323-337 MiB with it. `malloc_trim(0)` hands every
 whole free page back (glibc >= 2.8 releases pages inside the heap too, not only its top)
-and costs a few milliseconds here, so the scheduler calls it every few seconds
+and costs a few milliseconds here, so the engine thread calls it every few seconds
 (`RECUR_MALLOC_TRIM_INTERVAL`) and once the process has gone quiet.
 
 Elsewhere (musl, macOS, Windows) there is no such call and this does nothing.
@@ -36,7 +36,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _TRIM = _malloc_trim()
 
 
-class Releaser:
+class MallocTrimmer:
     """Calls malloc_trim at most every `interval` seconds (never when `interval` is 0)."""
 
     def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
@@ -49,7 +49,7 @@ class Releaser:
         self.seconds = 0.0  # spent in malloc_trim (bench/memory.py reports it)
 
     def worked(self) -> None:
-        """Record that the scheduler ran something; release if the interval has passed."""
+        """Record that the engine ran something; release if the interval has passed."""
         self._dirty = True
         if self.enabled and self._clock() - self._last >= self.interval:
             self.release()

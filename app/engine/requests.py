@@ -1,8 +1,17 @@
-"""Engine-side request and event objects: what the API hands the scheduler, and what flows back.
+"""What the engine is asked to do, and what flows back: one kind of request for every use.
 
-A `Generation` is one generate request as the engine sees it: token ids to consume, the
-sampling parameters, limits, and an asyncio-safe channel back to the API. The scheduler
-thread only ever calls `Generation.push`; the event loop only ever iterates it.
+A `Request` teacher-forces a prompt into a starting state (returning the prompt's
+log-probs when asked), then samples 0..`max_tokens` tokens, and hands back the new state
+with the bytes its commit must write (`model.state.encode`). Creating a session (a fresh
+state, 0 tokens), scoring (prompt log-probs, 0 tokens) and generating are this same
+request with other fields.
+
+The request carries everything in: its starting state (a live `State`, or stored bytes
+for the engine to load) and how the new state must be encoded. Nothing flows back but
+events, so the engine never calls the code that submitted it. The engine thread only
+ever calls `Request.push`; the event loop only ever iterates the request.
+
+This module imports only `model/`.
 """
 
 from __future__ import annotations
@@ -10,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import Literal
 
-from app.store import StateBlobs
 from model import State
 from model.sampling import SamplingParams
+from model.state import Encoded, Persist
+
+FinishReason = Literal["length", "stop", "eos"]
 
 
 class EngineError(Exception):
@@ -29,38 +41,14 @@ class QueueFull(EngineError):
 
 
 @dataclass(frozen=True)
-class StateSource:
-    """Where a request's starting state comes from: the bytes in Redis, or a hot-cached
-    state whose version Redis has just confirmed (then `blobs` is None)."""
+class Stored:
+    """A starting state as stored bytes: a snapshot, the deltas committed after it in
+    order, and the number of tokens its owner records (a state whose bytes say otherwise
+    is refused: its stored parts are inconsistent)."""
 
-    session_id: str | None
-    version: int
-    commit_id: str
+    snapshot: bytes
+    deltas: tuple[bytes, ...]
     n_tokens: int
-    blobs: StateBlobs | None = None
-    cached: State | None = None
-    snapshot_bytes: int = 0  # what is stored now, for the delta-or-snapshot decision
-    delta_bytes: int = 0
-
-    @classmethod
-    def from_bytes(cls, blob: bytes, n_tokens: int) -> StateSource:
-        """A state given as one snapshot (no session behind it)."""
-        return cls(None, 0, "", n_tokens, StateBlobs(blob), snapshot_bytes=len(blob))
-
-
-@dataclass(frozen=True)
-class Commit:
-    """What a finished request writes (a delta or a snapshot), and the new state itself
-    for the hot cache once the write has succeeded."""
-
-    n_tokens: int
-    snapshot: bytes | None
-    delta: bytes | None
-    state: State
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.snapshot or self.delta or b"")
 
 
 @dataclass(frozen=True)
@@ -73,14 +61,19 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Finished:
+    """A request's outcome: the sampled tokens, the new state and the bytes to commit."""
+
     text: str
-    finish_reason: str  # "length" | "stop" | "eos"
+    finish_reason: FinishReason
     token_ids: list[int]
-    commit: Commit
+    prompt_logprobs: list[float | None]  # per prompt token when asked (None: no context)
+    state: State  # the new state, owning its memory (`State.compact`)
+    encoded: Encoded | None  # as the request's `persist` asked; None when it asked for none
+    loaded: State | None  # the starting state, when the engine loaded it from bytes
 
     @property
     def n_tokens(self) -> int:
-        return self.commit.n_tokens
+        return int(self.state.n_tokens[0])
 
 
 @dataclass(frozen=True)
@@ -89,17 +82,21 @@ class Failed:
 
 
 @dataclass
-class Generation:
-    """One generate request: consume `prompt`, then sample up to `max_tokens` tokens."""
+class Request:
+    """Consume `prompt` into `start` (None: a fresh state), then sample up to `max_tokens`
+    tokens, stopping early at EOS or a `stop` string; encode the new state as `persist`
+    asks (None: nothing to write)."""
 
-    source: StateSource
+    start: State | Stored | None
     prompt: list[int]
-    params: SamplingParams
-    seed: int | None
-    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    max_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    prompt_logprobs: bool = False
+    persist: Persist | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Finished | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -110,25 +107,36 @@ class Generation:
 
     def push(self, event: TokenEvent | Finished | Failed) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop has closed: nobody is listening any more
             self._cancelled.set()
 
     # -- event loop side ---------------------------------------------------------------------
     def cancel(self) -> None:
-        """Abandon the request; the scheduler drops it before its next token step."""
+        """Abandon the request; the engine drops it before its next step."""
         self._cancelled.set()
 
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> Request:
         return self
 
     async def __anext__(self) -> TokenEvent:
         if self.result is not None:
             raise StopAsyncIteration
-        event = await self.queue.get()
+        event = await self.events.get()
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Finished):
             self.result = event
             raise StopAsyncIteration
         return event
+
+    async def finished(self) -> Finished:
+        """Wait for the outcome, skipping token events; abandoned if the waiter is cancelled."""
+        try:
+            async for _ in self:
+                pass
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        assert self.result is not None
+        return self.result

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import model
-from app.engine import Engine, StateSource
+from app.engine import Stored
 from model.sampling import SamplingParams
+
+from .engine_requests import engine_for, generate, new_session, score, stored
 
 # (the tiny model's segment_len is 16: the longer prompts are consumed in several chunks)
 PROMPTS = ["Hi", "To be, or not to be, that is the question", "é€😀 multi-byte", "x" * 40]
@@ -32,7 +34,7 @@ def _params(i: int) -> tuple[SamplingParams, int | None]:
 
 
 async def _run(lm, together: bool, max_tokens: int = 24):
-    engine = Engine(lm, name="tiny")
+    engine = engine_for(lm)
     if together:
         # queue every request before the scheduler starts, so they share decode steps;
         # their prompts are consumed chunk by chunk, interleaved with the others' decoding
@@ -42,8 +44,9 @@ async def _run(lm, together: bool, max_tokens: int = 24):
         for i, p in enumerate(PROMPTS):
             params, seed = _params(i)
             gens.append(
-                engine.generate(
-                    StateSource.from_bytes(bos.to_bytes(), 1),
+                generate(
+                    engine,
+                    Stored(bos.to_bytes(), (), 1),
                     lm.tokenizer.encode(p),
                     params,
                     seed=seed,
@@ -57,18 +60,13 @@ async def _run(lm, together: bool, max_tokens: int = 24):
         engine.start()
         results = []
         for i, p in enumerate(PROMPTS):
-            new = await engine.new_session(lm.tokenizer.encode(p))
+            new = await new_session(engine, lm.tokenizer.encode(p))
             params, seed = _params(i)
-            g = engine.generate(_src(new), [], params, seed=seed, max_tokens=max_tokens + i, stop=[])
+            g = generate(engine, stored(new), [], params, seed=seed, max_tokens=max_tokens + i, stop=[])
             results.append(await _collect(g))
-    stats = dict(engine.scheduler.stats)
+    counters = engine.counters
     engine.stop()
-    return results, stats
-
-
-def _src(consumed) -> StateSource:
-    """The state a create/score returned, as a request's starting state."""
-    return StateSource.from_bytes(consumed.commit.snapshot, consumed.n_tokens)
+    return results, counters
 
 
 async def _collect(gen):
@@ -79,24 +77,24 @@ async def _collect(gen):
 def test_batched_decoding_matches_one_at_a_time(lm):
     alone, stats1 = asyncio.run(_run(lm, together=False))
     batched, stats2 = asyncio.run(_run(lm, together=True))
-    assert stats1["max_batch"] == 1
-    assert stats2["max_batch"] == len(PROMPTS)  # the decode steps really were shared
+    assert stats1.max_batch == 1
+    assert stats2.max_batch == len(PROMPTS)  # the decode steps really were shared
     for (ev_a, res_a), (ev_b, res_b) in zip(alone, batched, strict=True):
         assert [e.id for e in ev_a] == [e.id for e in ev_b]
         for a, b in zip(ev_a, ev_b, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert res_a.n_tokens == res_b.n_tokens
-        la = lm.next_logits(res_a.commit.state)
-        lb = lm.next_logits(res_b.commit.state)
+        la = lm.next_logits(res_a.state)
+        lb = lm.next_logits(res_b.state)
         torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
 
 
 def test_streamed_text_adds_up_and_state_holds_every_token(lm):
     async def go():
-        engine = Engine(lm, name="tiny")
+        engine = engine_for(lm)
         engine.start()
-        new = await engine.new_session(lm.tokenizer.encode("héllo"))
-        g = engine.generate(_src(new), [], SamplingParams(temperature=1.5), seed=7, max_tokens=60, stop=[])
+        new = await new_session(engine, lm.tokenizer.encode("héllo"))
+        g = generate(engine, stored(new), [], SamplingParams(temperature=1.5), seed=7, max_tokens=60, stop=[])
         events, res = await _collect(g)
         engine.stop()
         return new, events, res
@@ -106,24 +104,24 @@ def test_streamed_text_adds_up_and_state_holds_every_token(lm):
     assert [e.index for e in events] == list(range(len(events)))
     assert res.n_tokens == new.n_tokens + len(events)
     # the committed state equals teacher-forcing the same tokens
-    st = lm.load_state(new.commit.snapshot)
+    st = lm.load_state(stored(new).snapshot)
     _, st = lm.consume(res.token_ids, st)
     torch.testing.assert_close(
-        lm.next_logits(st), lm.next_logits(lm.load_state(res.commit.snapshot)), atol=1e-4, rtol=0
+        lm.next_logits(st), lm.next_logits(lm.load_state(stored(res).snapshot)), atol=1e-4, rtol=0
     )
 
 
 def test_stop_string_ends_generation(lm):
     async def go():
-        engine = Engine(lm, name="tiny")
+        engine = engine_for(lm)
         engine.start()
-        new = await engine.new_session([])
-        g = engine.generate(_src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
+        new = await new_session(engine, [])
+        g = generate(engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
         _, free = await _collect(g)
         # stop on a string the greedy continuation is known to produce
         stop = free.text[3:5]
-        g = engine.generate(
-            _src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
+        g = generate(
+            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
         )
         _, stopped = await _collect(g)
         engine.stop()
@@ -137,11 +135,11 @@ def test_stop_string_ends_generation(lm):
 
 def test_cancelled_generation_leaves_the_batch(lm):
     async def go():
-        engine = Engine(lm, name="tiny")
+        engine = engine_for(lm)
         engine.start()
-        new = await engine.new_session([])
-        g = engine.generate(
-            _src(new), [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[]
+        new = await new_session(engine, [])
+        g = generate(
+            engine, stored(new), [], SamplingParams(temperature=1.0), seed=0, max_tokens=100_000, stop=[]
         )
         got = 0
         async for _ in g:
@@ -149,11 +147,11 @@ def test_cancelled_generation_leaves_the_batch(lm):
             if got == 3:
                 break
         g.cancel()
-        # jobs run between decode steps: after the first one the cancelled row has left
-        await engine.score(_src(new), [1, 2], keep_state=False)
-        t1 = engine.scheduler.stats["tokens"]
-        await engine.score(_src(new), [1, 2], keep_state=False)
-        t2 = engine.scheduler.stats["tokens"]
+        # a score is a request too: once the first has run, the cancelled row has left
+        await score(engine, stored(new), [1, 2], keep_state=False)
+        t1 = engine.counters.decode_tokens
+        await score(engine, stored(new), [1, 2], keep_state=False)
+        t2 = engine.counters.decode_tokens
         engine.stop()
         return g, t1, t2
 
@@ -162,7 +160,7 @@ def test_cancelled_generation_leaves_the_batch(lm):
     assert g.result is None
 
 
-def test_long_jobs_are_chunked_between_decode_steps(lm):
+def test_long_prompts_are_chunked_between_decode_steps(lm):
     """A long score runs one segment per scheduler iteration, with the other sessions'
     decode steps in between, and gives the same log-probs as one pass."""
     text = list(("All the world's a stage, and all the men and women merely players. " * 3).encode())
@@ -170,16 +168,16 @@ def test_long_jobs_are_chunked_between_decode_steps(lm):
     assert n_chunks >= 8
 
     async def go():
-        engine = Engine(lm, name="tiny")
+        engine = engine_for(lm)
         engine.start()
-        new = await engine.new_session([])
-        g = engine.generate(
-            _src(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
+        new = await new_session(engine, [])
+        g = generate(
+            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
         )
         await g.__anext__()  # decoding has started
-        before = engine.scheduler.stats["steps"]
-        scored = await engine.score(_src(new), text, keep_state=True)
-        during = engine.scheduler.stats["steps"] - before
+        before = engine.counters.decode_steps
+        scored = await score(engine, stored(new), text, keep_state=True)
+        during = engine.counters.decode_steps - before
         g.cancel()
         engine.stop()
         return scored, during
@@ -189,10 +187,10 @@ def test_long_jobs_are_chunked_between_decode_steps(lm):
     ref = lm.new_state(1)
     _, ref = lm.consume([lm.tokenizer.bos_id], ref)
     lps, ref = lm.consume(text, ref)
-    assert scored.logprobs == pytest.approx(lps[0].tolist(), abs=1e-4)
+    assert scored.prompt_logprobs == pytest.approx(lps[0].tolist(), abs=1e-4)
     assert scored.n_tokens == 1 + len(text)
     torch.testing.assert_close(
-        lm.next_logits(lm.load_state(scored.commit.snapshot)), lm.next_logits(ref), atol=1e-4, rtol=0
+        lm.next_logits(lm.load_state(stored(scored).snapshot)), lm.next_logits(ref), atol=1e-4, rtol=0
     )
 
 
@@ -202,12 +200,12 @@ def test_the_running_count_never_exceeds_the_batch_limit(lm):
     seen: list[int] = []
 
     async def go():
-        engine = Engine(lm, name="tiny", max_batch_size=3)
+        engine = engine_for(lm, max_batch_size=3)
         engine.start()
-        new = await engine.new_session([])
+        new = await new_session(engine, [])
         gens = [
-            engine.generate(_src(new), list(p.encode()), SamplingParams(temperature=0.0), seed=None,
-                            max_tokens=12, stop=[])  # fmt: skip
+            generate(engine, stored(new), list(p.encode()), SamplingParams(temperature=0.0), seed=None,
+                     max_tokens=12, stop=[])  # fmt: skip
             for p in PROMPTS * 3
         ]
         done = threading.Event()

@@ -9,12 +9,17 @@ import secrets
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 import model
-from app.engine import Engine, QueueFull, StateSource
-from app.store import SessionStore, StateBlobs
+from app.config import Settings
+from app.engine import QueueFull, Stored
+from app.sessions import build, build_engine
+from app.store import SessionStore
 from model.sampling import SamplingParams
 from model.state import merge, read_blob
+
+from .engine_requests import engine_for, generate, new_session, score, stored
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -24,45 +29,40 @@ def lm(tiny_model_dir):
     return model.load(tiny_model_dir, device="cpu")
 
 
-class Replica:
-    """What one server process holds: an engine (with its hot cache) and a store client."""
+def _bytes_read() -> float:
+    return REGISTRY.get_sample_value("recur_state_bytes_read_total") or 0.0
 
-    def __init__(self, lm, redis_url: str, prefix: str, **engine_kw):
-        self.engine = Engine(lm, name="tiny", **engine_kw)
-        self.store = SessionStore(redis_url, key_prefix=prefix)
+
+class Replica:
+    """What one server process holds: the sessions service, with its engine, hot cache and
+    store client."""
+
+    def __init__(self, lm, redis_url: str, prefix: str, **settings):
+        s = Settings(redis_url=redis_url, key_prefix=prefix, **settings)
+        self.engine = build_engine(s, lm, "tiny")
+        self.store = SessionStore.from_settings(s)
+        self.sessions = build(s, self.store, self.engine)
         self.engine.start()
-        self.bytes_read: list[int] = []
+        self.bytes_read: list[float] = []
         self.commits: list[str] = []
 
     async def create(self, prompt: list[int]):
-        consumed = await self.engine.new_session(prompt)
-        meta = await self.store.create(
-            StateBlobs(consumed.commit.snapshot), consumed.n_tokens, "tiny", self.engine.fingerprint, ttl=600
-        )
-        self.engine.remember(meta, consumed.commit)
-        return meta
+        return await self.sessions.create(prompt, 600, "")
 
     async def generate(self, sid: str, prompt: list[int], max_tokens: int = 5):
-        held = self.engine.held(sid)
-        w = await self.store.begin(sid, None, held.commit_id if held else None)
+        before = _bytes_read()  # (the replicas of a test take turns: no other read counts)
+        run = await self.sessions.generate(
+            sid, prompt, params=GREEDY, seed=None, max_tokens=max_tokens, stop=[], expected=None, owner=""
+        )
         try:
-            self.bytes_read.append(w.state.nbytes if w.state else 0)
-            gen = self.engine.generate(
-                self.engine.source(w.meta, w.state, held),
-                prompt,
-                GREEDY,
-                seed=None,
-                max_tokens=max_tokens,
-                stop=[],
-            )
-            tokens = [ev.id async for ev in gen]
-            c = gen.result.commit
-            self.commits.append("snapshot" if c.snapshot is not None else "delta")
-            meta = await w.commit(c.n_tokens, snapshot=c.snapshot, delta=c.delta)
-            self.engine.remember(meta, c)
-            return tokens, meta, c
+            tokens = [ev.id async for ev in run.stream()]
         finally:
-            await w.release()
+            await run.close()
+        self.bytes_read.append(_bytes_read() - before)
+        c = run.result
+        assert c.encoded is not None
+        self.commits.append(c.encoded.kind)
+        return tokens, run.meta, c
 
     async def close(self):
         self.engine.stop()
@@ -76,7 +76,7 @@ def test_delta_commits_rebuild_the_exact_state(lm, redis_url):
         sizes = []
         for i in range(12):
             _, meta, c = await r.generate(meta.id, list(b" and"), max_tokens=3 + i % 3)
-            sizes.append(c.nbytes)
+            sizes.append(len(c.encoded.blob))
         _, blobs = await r.store.read(meta.id, with_state=True)
         await r.close()
         return meta, blobs, c, r.commits, sizes
@@ -102,7 +102,7 @@ def test_delta_size_does_not_grow_with_history(lm, redis_url):
             while meta.n_tokens < history:
                 _, meta, _ = await r.generate(meta.id, list(b"x" * 40), max_tokens=1)
             _, meta, c = await r.generate(meta.id, list(b"ab"), max_tokens=4)
-            sizes[history] = (c.delta is not None, len(c.state.delta_bytes(since=meta.n_tokens - 6)))
+            sizes[history] = (c.encoded.kind == "delta", len(c.state.delta_bytes(since=meta.n_tokens - 6)))
         await r.close()
         return sizes
 
@@ -126,7 +126,7 @@ def test_hot_cache_confirms_versions_across_replicas(lm, redis_url):
         return out, a.bytes_read, b.bytes_read
 
     async def one_process_no_cache():
-        r = Replica(lm, redis_url, f"scale-{secrets.token_hex(4)}:", hot_cache_bytes=0)
+        r = Replica(lm, redis_url, f"scale-{secrets.token_hex(4)}:", hot_cache_mb=0)
         meta = await r.create(list(b"To be"))
         out = []
         for _ in range(7):
@@ -151,21 +151,21 @@ def test_hot_cache_confirms_versions_across_replicas(lm, redis_url):
 
 def test_full_queue_refuses_at_once(lm):
     async def go():
-        engine = Engine(lm, name="tiny", max_queued_requests=2, max_queued_tokens=100)
+        engine = engine_for(lm, max_queued_requests=2, max_queued_tokens=100)
         state = lm.new_state(1)
         _, state = lm.consume([lm.tokenizer.bos_id], state)
-        src = StateSource.from_bytes(state.to_bytes(), 1)
-        # the scheduler is not started: everything submitted stays queued
-        engine.generate(src, [1, 2, 3], GREEDY, seed=None, max_tokens=4, stop=[])
-        engine.generate(src, [], GREEDY, seed=None, max_tokens=4, stop=[])
+        src = Stored(state.to_bytes(), (), 1)
+        # the engine is not started: everything submitted stays queued
+        generate(engine, src, [1, 2, 3], GREEDY, seed=None, max_tokens=4, stop=[])
+        generate(engine, src, [], GREEDY, seed=None, max_tokens=4, stop=[])
         with pytest.raises(QueueFull):
-            engine.generate(src, [], GREEDY, seed=None, max_tokens=4, stop=[])
+            generate(engine, src, [], GREEDY, seed=None, max_tokens=4, stop=[])
         with pytest.raises(QueueFull):
-            await engine.score(src, [1], keep_state=False)
-        engine2 = Engine(lm, name="tiny", max_queued_requests=10, max_queued_tokens=100)
-        engine2.generate(src, [1] * 90, GREEDY, seed=None, max_tokens=4, stop=[])
+            await score(engine, src, [1], keep_state=False)
+        engine2 = engine_for(lm, max_queued_requests=10, max_queued_tokens=100)
+        generate(engine2, src, [1] * 90, GREEDY, seed=None, max_tokens=4, stop=[])
         with pytest.raises(QueueFull, match="prompt tokens"):
-            engine2.generate(src, [1] * 20, GREEDY, seed=None, max_tokens=4, stop=[])
+            generate(engine2, src, [1] * 20, GREEDY, seed=None, max_tokens=4, stop=[])
         # once the scheduler admits the queue, there is room again
         engine.start()
         await asyncio.sleep(0)
@@ -173,7 +173,7 @@ def test_full_queue_refuses_at_once(lm):
             if engine.scheduler.queued_requests == 0:
                 break
             await asyncio.sleep(0.01)
-        engine.generate(src, [], GREEDY, seed=None, max_tokens=4, stop=[])
+        generate(engine, src, [], GREEDY, seed=None, max_tokens=4, stop=[])
         engine.stop()
 
     asyncio.run(go())
@@ -184,11 +184,10 @@ def test_compiled_decode_step_matches_eager(lm):
     """The `compile` setting changes speed, never tokens (on CPU compiling takes ~1.5 min)."""
 
     async def run(compile: bool):
-        engine = Engine(lm, name="tiny", compile=compile)
+        engine = engine_for(lm, compile=compile)
         engine.start()
-        new = await engine.new_session(list(b"ROMEO:"))
-        src = StateSource.from_bytes(new.commit.snapshot, new.n_tokens)
-        gen = engine.generate(src, [], GREEDY, seed=None, max_tokens=24, stop=[])
+        new = await new_session(engine, list(b"ROMEO:"))
+        gen = generate(engine, stored(new), [], GREEDY, seed=None, max_tokens=24, stop=[])
         out = [(ev.id, ev.logprob) async for ev in gen]
         engine.stop()
         return out

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import RedisProcess, ServerProcess
 
-from .sse_client import events
+from .sse_client import generating
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,7 @@ def test_redis_down_gives_503_then_recovers(srv, own_redis):
 def test_redis_dying_mid_stream_sends_an_error_event(srv, own_redis):
     with srv.client() as c:
         sid = c.post("/v1/sessions").json()["id"]
-        with c.stream(
-            "POST", f"/v1/sessions/{sid}/generate", json={"max_tokens": 1000, "temperature": 0}
-        ) as r:
-            it = events(r)
-            assert next(it)[0] == "token"
+        with generating(c, sid) as it:
             own_redis.stop()
             rest = list(it)
         restarted = RedisProcess(own_redis.directory, port=own_redis.port, appendonly=True)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ServerProcess
 
-from .sse_client import events
+from .sse_client import generating
 
 PROBE = "probe: où?"
 
@@ -54,11 +54,7 @@ def test_sigkill_and_restart(tiny_model_dir, tmp_path):
             assert [before[s]["version"] for s in (a, b, g, f)] == [0, 2, 1, 1]
             redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
             # a generation in flight when the server dies must not be committed
-            with c.stream(
-                "POST", f"/v1/sessions/{b}/generate", json={"max_tokens": 1000, "temperature": 0}
-            ) as r:
-                it = events(r)
-                assert next(it)[0] == "token"
+            with generating(c, b):
                 srv.kill()
         # the embedded redis-server goes down with its parent, having written its data
         for _ in range(200):

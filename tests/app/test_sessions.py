@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis
 
+from app.config import Settings
 from app.store import SessionStore
 
 from .sse_client import events, generate
@@ -378,7 +379,7 @@ def test_error_event_and_nothing_committed_when_the_fence_fails(http, server, re
     """Another writer commits while this one streams (as after an expired lock): the
     stream ends with an `error` event and its tokens are not committed."""
     s = create(http)
-    keys = SessionStore(redis_url, key_prefix=server.settings["key_prefix"])
+    keys = SessionStore.from_settings(Settings(redis_url=redis_url, key_prefix=server.settings["key_prefix"]))
     direct = redis.Redis.from_url(redis_url)
     with http.stream(
         "POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}
@@ -434,7 +435,7 @@ def test_openapi_describes_every_route_with_the_error_schema(http):
 
 
 def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis_url):
-    keys = SessionStore(redis_url, key_prefix=server.settings["key_prefix"])
+    keys = SessionStore.from_settings(Settings(redis_url=redis_url, key_prefix=server.settings["key_prefix"]))
     direct = redis.Redis.from_url(redis_url)
     a, b = create(http, prompt="a"), create(http, prompt="b")
     direct.hset(keys.session_key(a["id"]), "fingerprint", "0123456789abcdef")

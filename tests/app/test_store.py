@@ -4,6 +4,7 @@ a dead Redis failing fast."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import pytest
@@ -11,6 +12,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.config import Settings
 from app.store import (
     CommitConflict,
     SessionBusy,
@@ -23,8 +25,20 @@ from app.store import (
 from tests.conftest import free_port
 
 
-def _store(url: str, **kw) -> SessionStore:
-    return SessionStore(url, key_prefix=f"store-test-{secrets.token_hex(4)}:", **kw)
+def _store(url: str, **settings) -> SessionStore:
+    return SessionStore.from_settings(
+        Settings(redis_url=url, key_prefix=f"store-test-{secrets.token_hex(4)}:", **settings)
+    )
+
+
+@contextlib.asynccontextmanager
+async def holding(store: SessionStore, session_id: str, expected_version: int | None = None):
+    """The writer lock for the block; leaving it without a commit changes nothing."""
+    w = await store.begin(session_id, expected_version)
+    try:
+        yield w
+    finally:
+        await w.release()
 
 
 def run(coro):
@@ -62,16 +76,16 @@ def test_the_holder_renews_its_lease(redis_url):
     async def go():
         store = _store(redis_url, lock_lease_seconds=0.6)
         meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=60)
-        async with store.writer(meta.id) as w:
+        async with holding(store, meta.id) as w:
             await asyncio.sleep(2.0)  # several leases long
             with pytest.raises(SessionBusy):
                 await store.begin(meta.id)
             await w.commit(2, snapshot=b"t")
         assert (await store.read(meta.id))[0].version == 1
-        async with store.writer(meta.id):
+        async with holding(store, meta.id):
             pass  # leaving without a commit changes nothing and frees the lock
         assert (await store.read(meta.id))[0].version == 1
-        async with store.writer(meta.id, expected_version=1) as w:
+        async with holding(store, meta.id, expected_version=1) as w:
             await w.commit(3, snapshot=b"u")
         with pytest.raises(VersionMismatch):
             await store.begin(meta.id, expected_version=1)
@@ -89,7 +103,7 @@ def test_ttl_is_set_and_slides(redis_url):
         await store.read(meta.id)
         assert 990 <= await store.redis.ttl(key) <= 1000
         await store.redis.expire(key, 10)
-        async with store.writer(meta.id) as w:
+        async with holding(store, meta.id) as w:
             await w.commit(2, snapshot=b"t")
         assert 990 <= await store.redis.ttl(key) <= 1000
         assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
@@ -158,7 +172,7 @@ def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
 
 def test_dead_redis_fails_fast_with_store_unavailable():
     async def go():
-        store = SessionStore(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+        store = _store(f"redis://127.0.0.1:{free_port()}/0", redis_timeout=0.5)
         with pytest.raises(StoreUnavailable):
             await store.ping()
         with pytest.raises(StoreUnavailable):
@@ -225,7 +239,7 @@ def test_a_burst_waits_for_the_bounded_pool_instead_of_flooding_redis(tmp_path):
     try:
 
         async def go():
-            store = SessionStore(own.url, max_connections=3)
+            store = _store(own.url, redis_max_connections=3)
             meta = await store.create(StateBlobs(b"s" * 100_000), 1, "m", "fp", ttl=60)
             reads = await asyncio.gather(*(store.read(meta.id, with_state=True) for _ in range(40)))
             clients = await store.redis.client_list()

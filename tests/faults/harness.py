@@ -22,6 +22,7 @@ import httpx
 import redis
 
 import model
+from app.config import Settings
 from app.store import SessionStore
 from model.state import merge
 from tests.app.sse_client import events
@@ -97,7 +98,7 @@ def start_all(*servers: ServerProcess) -> None:
 def store_for(server: ServerProcess) -> SessionStore:
     """A SessionStore for its key names only (it opens no connection until used)."""
     assert server.redis_url is not None
-    return SessionStore(server.redis_url, key_prefix=str(server.settings["key_prefix"]))
+    return SessionStore.from_settings(Settings(redis_url=server.redis_url, key_prefix=str(server.settings["key_prefix"])))
 
 
 @dataclass

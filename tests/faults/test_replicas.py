@@ -1,9 +1,9 @@
 """Several server processes on one Redis: racing writers, a stalled writer, and a
 conversation handed back and forth between replicas.
 
-Replicas A and B serve normally. Replica S stalls every commit (the test-only setting
-`fault_pause_before_commit`: the writer stops renewing its lock and sleeps before the
-commit script runs), with a lock lease far shorter than the stall, so another writer can
+Replicas A and B serve normally. Replica S stalls every commit (it runs
+`tests/faults/stalled_server.py`, a test-only wrapper of `python -m app`: the writer stops
+renewing its lock and sleeps before the commit script runs), with a lock lease far shorter than the stall, so another writer can
 take the lapsed lock and commit first. The version fence must then refuse S's commit.
 """
 
@@ -43,7 +43,7 @@ def cluster(model_dir, redis_url, tmp_path_factory) -> Iterator[Cluster]:
     b = ServerProcess(model_dir, tmp / "b", redis_url, key_prefix=prefix, **COMMON)
     s = ServerProcess(
         model_dir, tmp / "s", redis_url, key_prefix=prefix, lock_lease_seconds=0.3,
-        fault_pause_before_commit=STALL_SECONDS, **COMMON,
+        entry=("-m", "tests.faults.stalled_server", str(STALL_SECONDS)), **COMMON,
     )  # fmt: skip
     try:
         start_all(a, b, s)

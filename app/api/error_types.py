@@ -1,0 +1,32 @@
+"""The one enum of error types: the `type` string of every error body (`{"error": {"type",
+"message"}}`) and SSE `error` event.
+
+Its own module so that both the schemas (which document the body) and the error handlers
+(which map exceptions to it) can import it without importing each other. Values only:
+the HTTP status of each type lives with the handlers, in `app/api/errors.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorType(str, enum.Enum):
+    invalid_request = "invalid_request"
+    unauthorized = "unauthorized"
+    model_not_found = "model_not_found"
+    not_found = "not_found"
+    method_not_allowed = "method_not_allowed"
+    session_not_found = "session_not_found"
+    session_busy = "session_busy"
+    session_conflict = "session_conflict"
+    model_mismatch = "model_mismatch"
+    version_mismatch = "version_mismatch"
+    prompt_too_long = "prompt_too_long"
+    body_too_large = "body_too_large"
+    queue_full = "queue_full"
+    state_corrupt = "state_corrupt"
+    redis_unavailable = "redis_unavailable"
+    not_ready = "not_ready"
+    internal_error = "internal_error"
+    client_disconnected = "client_disconnected"

@@ -1,0 +1,369 @@
+"""The sessions service: a session's whole transaction, from its lock to its commit.
+
+Every write (create, generate, score with `commit`) reads top to bottom here:
+
+  1. lock: take the session's writer lock in Redis (`SessionStore.begin`);
+  2. start: find the starting state: this replica's hot copy when Redis confirms, in the
+     same round trip, that it is the current commit (then no state bytes travel), else
+     the bytes Redis returned, for the engine to load;
+  3. run: one engine `Request`, which carries the starting state in and the committed
+     state, already encoded, out (the engine never calls back here);
+  4. commit: write a delta or a snapshot (the persistence policy, `persist_for`), fenced
+     on the version the lock was taken at, so a writer whose lease lapsed can never
+     overwrite a newer commit;
+  5. remember: keep the committed state in the hot cache.
+
+Whatever happens, the lock is released, and a request that did not reach step 4 changed
+nothing. Reads (score without `commit`) take no lock: the same steps without 1 and 4.
+
+Persistence policy: a request that started from a stored snapshot commits only what
+changed (a delta) unless the deltas stored since the snapshot would then outweigh the
+snapshot itself; then it writes a fresh snapshot, which also clears the deltas. Bytes
+written per request therefore grow with the new tokens, and a full read never merges
+more than about one snapshot's worth of deltas.
+
+The hot cache keeps recently used states on the device, LRU within a byte budget. It is
+only a shortcut: Redis holds the truth, a cached state is used only after Redis has
+confirmed its commit id (random, never reused, unlike version numbers), and an entry is
+replaced only after its session's commit succeeded, so it never holds an uncommitted
+state.
+
+This module knows neither HTTP nor tensors: routers translate its results, the engine
+runs the model, the store speaks to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable
+from typing import NamedTuple
+
+from app import logs, metrics
+from app.config import Settings
+from app.engine import Engine, EngineError, Finished, FinishReason, Request, Stored, TokenEvent
+from app.store import SessionMeta, SessionStore, StateBlobs, VersionMismatch, Writer
+from model import LanguageModel, State
+from model.sampling import SamplingParams
+from model.state import Persist
+
+
+class ModelMismatch(Exception):
+    """The session's state belongs to another model than the one this server runs."""
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before the commit: nothing was committed."""
+
+
+# -- the hot cache -------------------------------------------------------------------------------
+class Held(NamedTuple):
+    """A cached state and the commit that wrote it."""
+
+    version: int
+    commit_id: str
+    state: State
+
+
+class HotCache:
+    """Session states by id, least recently used first out, within `max_bytes`. Read and
+    written from the event loop only, but sized from the metrics thread: every access
+    takes the lock."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[Held, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session_id: str) -> Held | None:
+        """The cached state of a session, marking it recently used."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return None
+            self._entries.move_to_end(session_id)
+            return entry[0]
+
+    def put(self, session_id: str, held: Held) -> None:
+        size = held.state.nbytes()
+        with self._lock:
+            old = self._entries.pop(session_id, None)
+            if old is not None:
+                if old[0].version > held.version:  # keep the newer of two racing puts
+                    self._entries[session_id] = old
+                    return
+                self._bytes -= old[1]
+            if size > self.max_bytes:
+                return
+            self._entries[session_id] = (held, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            old = self._entries.pop(session_id, None)
+            if old is not None:
+                self._bytes -= old[1]
+
+
+# -- the service ---------------------------------------------------------------------------------
+class Sessions:
+    def __init__(
+        self,
+        store: SessionStore,
+        engine: Engine,
+        *,
+        hot_cache_bytes: int,
+        state_dtype: str,
+        delta_persistence: bool,
+    ):
+        self.store = store
+        self.engine = engine
+        self.cache = HotCache(hot_cache_bytes)
+        self.state_dtype = state_dtype
+        self.delta_persistence = delta_persistence
+
+    # -- metadata only -------------------------------------------------------------------------
+    async def get(self, session_id: str, owner: str) -> SessionMeta:
+        meta, _ = await self.store.read(session_id, owner=owner)
+        return meta
+
+    async def fork(self, session_id: str, expected: int | None, owner: str) -> SessionMeta:
+        return await self.store.fork(session_id, expected, owner)
+
+    async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
+        await self.store.delete(session_id, expected, owner)
+        self.cache.drop(session_id)
+
+    # -- transactions ----------------------------------------------------------------------------
+    async def create(self, ids: list[int], ttl: int, owner: str) -> SessionMeta:
+        """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed."""
+        await self.store.ping()  # fail fast, before spending model time, when Redis is down
+        bos = self.engine.tokenizer.bos_id
+        prompt = ([bos] if bos is not None else []) + ids
+        res = await self._run(Request(None, prompt, persist=Persist(self.state_dtype)))
+        assert res.encoded is not None and res.encoded.kind == "snapshot"
+        meta = await self.store.create(
+            StateBlobs(res.encoded.blob), res.n_tokens, self.engine.name, self.engine.fingerprint, ttl, owner
+        )
+        self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
+        logs.session_id.set(meta.id)
+        return meta
+
+    async def score(
+        self, session_id: str, ids: list[int], *, commit: bool, expected: int | None, owner: str
+    ) -> tuple[SessionMeta, list[float | None]]:
+        """Teacher-forced log-probs of `ids` continuing the session; with `commit`, the
+        session goes on from after them."""
+        if not commit:
+            meta, start = await self._read(session_id, expected, owner)
+            res = await self._run(Request(start, ids, prompt_logprobs=True))
+            self._keep_loaded(meta, res)
+            return meta, res.prompt_logprobs
+        writer, start = await self._begin(session_id, expected, owner)
+        try:
+            res = await self._run(
+                Request(start, ids, prompt_logprobs=True, persist=self.persist_for(writer.meta))
+            )
+            return await self._commit(writer, res), res.prompt_logprobs
+        finally:
+            await writer.release()
+
+    async def generate(
+        self,
+        session_id: str,
+        ids: list[int],
+        *,
+        params: SamplingParams,
+        seed: int | None,
+        max_tokens: int,
+        stop: list[str],
+        expected: int | None,
+        owner: str,
+        started: float | None = None,
+    ) -> Run:
+        """Take the lock, find the starting state and start generating; the caller owns the
+        `Run` (stream or complete it, and always close it)."""
+        started = time.perf_counter() if started is None else started
+        writer, start = await self._begin(session_id, expected, owner)
+        try:
+            req = Request(start, ids, params, seed, max_tokens, stop, persist=self.persist_for(writer.meta))
+            self.engine.submit(req)
+        except BaseException:
+            await writer.release()
+            raise
+        return Run(self, req, writer, len(ids), started)
+
+    # -- the steps ---------------------------------------------------------------------------------
+    async def _begin(
+        self, session_id: str, expected: int | None, owner: str
+    ) -> tuple[Writer, State | Stored]:
+        """1 and 2: the writer lock and the starting state. On any error the lock is released."""
+        held = self.cache.get(session_id)
+        writer = await self.store.begin(session_id, expected, held.commit_id if held else None, owner)
+        try:
+            return writer, self._start(writer.meta, writer.state, held)
+        except BaseException:
+            await writer.release()
+            raise
+
+    async def _read(
+        self, session_id: str, expected: int | None, owner: str
+    ) -> tuple[SessionMeta, State | Stored]:
+        """2 without the lock, for read-only requests."""
+        held = self.cache.get(session_id)
+        meta, blobs = await self.store.read(
+            session_id, with_state=True, held_commit=held.commit_id if held else None, owner=owner
+        )
+        if expected is not None and meta.version != expected:
+            raise VersionMismatch(session_id, expected, meta.version)
+        return meta, self._start(meta, blobs, held)
+
+    def _start(self, meta: SessionMeta, blobs: StateBlobs | None, held: Held | None) -> State | Stored:
+        """The starting state of a request on `meta`: the bytes Redis returned or, when it
+        returned none because `held` is the current commit, the held state."""
+        if meta.fingerprint != self.engine.fingerprint:
+            raise ModelMismatch(
+                f"session {meta.id} belongs to model {meta.model!r} ({meta.fingerprint}); "
+                f"this server runs {self.engine.name!r} ({self.engine.fingerprint})"
+            )
+        if blobs is not None:
+            metrics.HOT_CACHE_MISSES.inc()
+            return Stored(blobs.snapshot, blobs.deltas, meta.n_tokens)
+        if held is None or held.commit_id != meta.commit_id:
+            raise EngineError(f"session {meta.id}: Redis sent no state and the current one is not held")
+        metrics.HOT_CACHE_HITS.inc()
+        return held.state
+
+    async def _run(self, req: Request) -> Finished:
+        """3, for a request whose tokens nobody streams."""
+        return await self.engine.submit(req).finished()
+
+    def persist_for(self, meta: SessionMeta) -> Persist:
+        """The persistence policy: how a commit on top of `meta` stores its new state."""
+        if not self.delta_persistence or meta.snapshot_bytes == 0:
+            return Persist(self.state_dtype)
+        return Persist(
+            self.state_dtype, since=meta.n_tokens, delta_budget=meta.snapshot_bytes - meta.delta_bytes
+        )
+
+    async def _commit(self, writer: Writer, res: Finished) -> SessionMeta:
+        """4 and 5: the fenced commit, then the committed state kept hot."""
+        assert res.encoded is not None
+        meta = await writer.commit(res.n_tokens, **{res.encoded.kind: res.encoded.blob})
+        self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
+        return meta
+
+    def _keep_loaded(self, meta: SessionMeta, res: Finished) -> None:
+        """A read-only request loaded the current state from bytes: keep it hot."""
+        if res.loaded is not None:
+            self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.loaded))
+
+
+class Run:
+    """One generation holding its session's writer lock: iterate `stream()` (tokens, then
+    the commit), or await `complete()`. Always `close()` it (idempotent)."""
+
+    def __init__(self, sessions: Sessions, req: Request, writer: Writer, prompt_tokens: int, started: float):
+        self.sessions = sessions
+        self.req = req
+        self.writer = writer
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.meta: SessionMeta | None = None  # the committed session, once committed
+        self.tokens: list[TokenEvent] = []
+        metrics.PROMPT_TOKENS.inc(prompt_tokens)
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """Each token as it is sampled; after the last one the new state is committed
+        (`self.meta`). An exception here means nothing was committed."""
+        last = self.started
+        async for ev in self.req:
+            now = time.perf_counter()
+            (metrics.INTER_TOKEN_LATENCY if self.tokens else metrics.TIME_TO_FIRST_TOKEN).observe(now - last)
+            last = now
+            metrics.GENERATION_TOKENS.inc()
+            self.tokens.append(ev)
+            yield ev
+        res = self.result
+        self.meta = await self.sessions._commit(self.writer, res)
+        metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
+        metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
+
+    async def complete(self, disconnected: Awaitable[object]) -> SessionMeta:
+        """Run to the commit without streaming. If `disconnected` (the client hanging up)
+        completes first, the generation is abandoned and nothing is committed."""
+
+        async def drain() -> None:
+            async for _ in self.stream():
+                pass
+
+        work = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(disconnected)
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ClientDisconnected("the client disconnected; nothing was committed")
+            work.result()
+        finally:
+            work.cancel()
+            watcher.cancel()
+            await self.close()
+        assert self.meta is not None
+        return self.meta
+
+    @property
+    def result(self) -> Finished:
+        assert self.req.result is not None
+        return self.req.result
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.result.finish_reason
+
+    @property
+    def text(self) -> str:
+        return self.result.text
+
+    async def close(self) -> None:
+        """Stop the generation (if still running) and release the lock (if not committed)."""
+        self.req.cancel()
+        await self.writer.release()
+
+
+# -- assembly ------------------------------------------------------------------------------------
+def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
+    """The engine as `settings` describe it (not yet started)."""
+    return Engine(
+        lm,
+        name=name,
+        max_batch_size=settings.max_batch_size,
+        max_queued_requests=settings.max_queued_requests,
+        max_queued_tokens=settings.max_queued_tokens,
+        cpu_threads=settings.cpu_threads,
+        compile=settings.compile,
+        malloc_trim_interval=settings.malloc_trim_interval,
+    )
+
+
+def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
+    """The service as `settings` describe it, over this store and engine."""
+    return Sessions(
+        store,
+        engine,
+        hot_cache_bytes=int(settings.hot_cache_mb * 2**20),
+        state_dtype=settings.state_dtype,
+        delta_persistence=settings.delta_persistence,
+    )
