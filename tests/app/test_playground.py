@@ -82,7 +82,14 @@ def test_get_generate_streams_like_post(http):
     body = {"prompt": " upon", "max_tokens": 6, "temperature": 0, "logprobs": True}
     with http.stream("POST", f"/v1/sessions/{b}/generate", json=body) as r:
         want = list(events(r))
-    assert [e for e in got if e[0] == "token"] == [e for e in want if e[0] == "token"]
+    got_tokens = [e[1] for e in got if e[0] == "token"]
+    want_tokens = [e[1] for e in want if e[0] == "token"]
+    # the same tokens; log-probs to a tolerance: the fork's state comes from Redis, its
+    # key/value caches rebuilt in one pass, which need not round like the original's
+    assert [(t["index"], t["id"], t["text"]) for t in got_tokens] == [
+        (t["index"], t["id"], t["text"]) for t in want_tokens
+    ]
+    assert [t["logprob"] for t in got_tokens] == pytest.approx([t["logprob"] for t in want_tokens], abs=1e-6)
     assert got[-1][0] == "done" and got[-1][1]["session"]["version"] == 1
     assert got[-1][1]["text"] == want[-1][1]["text"]
     bad = http.get(f"/v1/sessions/{a}/generate", params={"max_tokens": "many"})

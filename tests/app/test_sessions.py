@@ -118,7 +118,11 @@ def test_fork_is_identical_then_independent(http):
     orig = http.get(f"/v1/sessions/{s['id']}").json()
     assert orig["version"] == 0 and orig["n_tokens"] == s["n_tokens"]
     again = http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": " there"}).json()
-    assert [t["logprob"] for t in again["tokens"]] == [t["logprob"] for t in ga["tokens"]]
+    # the same state scored again; to a tolerance, since a state read back from Redis
+    # rebuilds its key/value caches in one pass, which need not round like the incremental ones
+    assert [t["logprob"] for t in again["tokens"]] == pytest.approx(
+        [t["logprob"] for t in ga["tokens"]], abs=1e-6
+    )
     assert http.delete(f"/v1/sessions/{s['id']}").status_code == 204
     assert http.get(f"/v1/sessions/{f['id']}").json()["version"] == 1
 
@@ -190,7 +194,8 @@ def test_generate_without_logprobs_and_with_prompt(http):
 def test_generate_json(http):
     s = create(http, prompt="x")
     r = http.post(
-        f"/v1/sessions/{s['id']}/generate", json={"stream": False, "max_tokens": 5, "logprobs": True, "seed": 1}
+        f"/v1/sessions/{s['id']}/generate",
+        json={"stream": False, "max_tokens": 5, "logprobs": True, "seed": 1},
     )
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     d = r.json()
