@@ -77,9 +77,11 @@ class SessionNotFound(StoreError):
 
 
 class SessionBusy(StoreError):
-    def __init__(self, session_id: str):
+    def __init__(self, session_id: str, retry_after: float):
+        self.retry_after = retry_after  # seconds until the holder's lease runs out, at most
         super().__init__(
-            f"session {clip(session_id)!r} is busy with another request; retry when it has finished"
+            f"session {clip(session_id)!r} is busy with another request; retry when it has finished "
+            f"(its lock lapses within {retry_after:.1f} s if its holder died)"
         )
 
 
@@ -180,7 +182,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') o
   return {'missing'}
 end
 local v = redis.call('HGET', KEYS[1], 'version')
-if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy', redis.call('PTTL', KEYS[3])} end
 if ARGV[3] ~= '' and v ~= ARGV[3] then return {'mismatch', v} end
 redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 touch(KEYS[1], KEYS[2])
@@ -233,7 +235,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') o
   return {'missing'}
 end
 local v = redis.call('HGET', KEYS[1], 'version')
-if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy', redis.call('PTTL', KEYS[3])} end
 if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
 redis.call('DEL', KEYS[1], KEYS[2])
 return {'ok'}
@@ -313,8 +315,8 @@ def _check_status(res: list[Any], session_id: str, expected_version: int | None)
     status = res[0].decode()
     if status == "missing":
         raise SessionNotFound(session_id)
-    if status == "busy":
-        raise SessionBusy(session_id)
+    if status == "busy":  # with the lock's remaining lease, in ms
+        raise SessionBusy(session_id, max(0, int(res[1])) / 1000)
     if status == "mismatch":
         raise VersionMismatch(session_id, int(expected_version or 0), int(res[1]))
 

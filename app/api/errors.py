@@ -9,6 +9,7 @@ error responses themselves; a streaming response turns the same mapping into an 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -92,6 +93,16 @@ def body(etype: ErrorType, message: str) -> dict:
 RETRY_AFTER = {ErrorType.queue_full: 1, ErrorType.redis_unavailable: 1, ErrorType.not_ready: 5}
 
 
+def error_headers(exc: BaseException) -> dict[str, str] | None:
+    """Headers an error carries: its own (ApiError), or `Retry-After` for a busy session:
+    the lock's remaining lease, rounded up, after which a dead holder's lock has lapsed."""
+    if isinstance(exc, ApiError):
+        return dict(exc.headers or {})
+    if isinstance(exc, SessionBusy):
+        return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    return None
+
+
 def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if etype in RETRY_AFTER:
@@ -122,7 +133,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def install(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         etype, message = classify(exc)
-        return response(etype, message, headers=exc.headers if isinstance(exc, ApiError) else None)
+        return response(etype, message, headers=error_headers(exc))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette answers these outside every middleware (ServerErrorMiddleware), so the

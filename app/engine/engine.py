@@ -20,7 +20,7 @@ from model import LanguageModel
 from model.tokenizer import Tokenizer
 
 from .malloc import MallocTrimmer
-from .requests import Failed, Request
+from .requests import Failed, Outbox, Request
 from .runner import Counters, Runner, Step
 from .scheduler import Scheduler
 
@@ -70,7 +70,8 @@ class Engine:
             max_queued_tokens=max_queued_tokens,
             segment_len=lm.segment_len,
         )
-        self.runner = Runner(lm, self.tokenizer, decode_step(lm, compile))
+        self.outbox = Outbox()  # events go back to the event loop once per step
+        self.runner = Runner(lm, self.tokenizer, decode_step(lm, compile), self.outbox)
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self._thread = threading.Thread(target=self._loop, name="recur-engine", daemon=True)
 
@@ -108,8 +109,10 @@ class Engine:
                     self._step()
                 except Exception as exc:  # the thread must survive: fail what is in flight
                     log.exception("engine step failed")
-                    self.scheduler.fail_all(exc)
+                    for row in self.scheduler.drop_all():
+                        self.outbox.put(row.req, Failed(exc))
                     self.runner.reset()
+                self.outbox.flush()
                 self.scheduler.publish()
                 self.trimmer.worked()
 
@@ -127,18 +130,20 @@ class Engine:
         return s.receive(wait=s.idle)
 
     def _step(self) -> None:
-        s, r = self.scheduler, self.runner
+        s, r, out = self.scheduler, self.runner, self.outbox
         for req in s.admit():
             try:
                 s.add(r.load(req))
             except Exception as exc:  # a damaged or inconsistent stored state, say
-                req.push(Failed(exc))
+                out.put(req, Failed(exc))
         for size, rows in s.prefill_groups():
             try:
                 r.prefill(rows, size)
             except Exception as exc:
                 log.exception("prefill failed")
-                s.fail(rows, exc)
+                s.drop(rows)
+                for row in rows:
+                    out.put(row.req, Failed(exc))
         s.prefilled()
         s.publish()  # before any token of this step is sent
         rows = s.decode_batch()
@@ -146,6 +151,6 @@ class Engine:
             r.decode(rows)
         for row in s.take_done():
             try:
-                row.req.push(r.finish(row))
+                out.put(row.req, r.finish(row))
             except Exception as exc:
-                row.req.push(Failed(exc))
+                out.put(row.req, Failed(exc))

@@ -9,7 +9,7 @@ request with other fields.
 The request carries everything in: its starting state (a live `State`, or stored bytes
 for the engine to load) and how the new state must be encoded. Nothing flows back but
 events, so the engine never calls the code that submitted it. The engine thread only
-ever calls `Request.push`; the event loop only ever iterates the request.
+ever hands events to an `Outbox`; the event loop only ever iterates the request.
 
 This module imports only `model/`.
 """
@@ -105,12 +105,6 @@ class Request:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def push(self, event: TokenEvent | Finished | Failed) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop has closed: nobody is listening any more
-            self._cancelled.set()
-
     # -- event loop side ---------------------------------------------------------------------
     def cancel(self) -> None:
         """Abandon the request; the engine drops it before its next step."""
@@ -140,3 +134,35 @@ class Request:
             raise
         assert self.result is not None
         return self.result
+
+
+Event = TokenEvent | Finished | Failed
+
+
+def _deliver(batch: list[tuple[Request, Event]]) -> None:
+    for req, event in batch:
+        req.events.put_nowait(event)
+
+
+class Outbox:
+    """The events of one engine step, handed to the event loop together at its end: one
+    wake-up of the loop per step, not one per token (with 16 streams the loop would
+    otherwise be woken 16 times per step, each time taking the GIL from the engine)."""
+
+    def __init__(self) -> None:
+        self._batch: list[tuple[Request, Event]] = []
+
+    def put(self, req: Request, event: Event) -> None:
+        self._batch.append((req, event))
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, Event]]] = {}
+        for req, event in batch:
+            by_loop.setdefault(req.loop, []).append((req, event))
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                for req, _ in events:
+                    req.cancel()

@@ -25,10 +25,10 @@ import torch
 
 from model import LanguageModel, State, StateError
 from model.sampling import make_generator, sample
-from model.state import encode
+from model.state import STORAGE_DTYPES, encode
 from model.tokenizer import StreamDecoder, Tokenizer
 
-from .requests import EmptyContext, Finished, FinishReason, Request, Stored, TokenEvent
+from .requests import EmptyContext, Finished, FinishReason, Outbox, Request, Stored, TokenEvent
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
@@ -67,8 +67,9 @@ class Counters:
 
 
 class Runner:
-    def __init__(self, lm: LanguageModel, tokenizer: Tokenizer, decode: Step):
+    def __init__(self, lm: LanguageModel, tokenizer: Tokenizer, decode: Step, outbox: Outbox):
         self.lm = lm
+        self.outbox = outbox
         self.tokenizer = tokenizer
         self._decode = decode  # the one-token forward (possibly compiled)
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
@@ -130,6 +131,9 @@ class Runner:
         ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
         for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
             self._on_token(r, tid, lp)
+        # the tokens go out now, so the event loop streams them while the forward below
+        # runs (its kernels release the GIL), rather than after it
+        self.outbox.flush()
         _, self._batch = self._decode(ids[:, None], batch)
         c = self.counters
         c.decode_steps += 1
@@ -170,7 +174,7 @@ class Runner:
             tail = r.decoder.flush()
             text += tail
             r.text += tail
-        r.req.push(TokenEvent(len(r.ids) - 1, tid, text, logprob))
+        self.outbox.put(r.req, TokenEvent(len(r.ids) - 1, tid, text, logprob))
 
     # -- the end -----------------------------------------------------------------------------
     def finish(self, r: Row) -> Finished:
@@ -183,9 +187,23 @@ class Runner:
         if r.req.persist is not None:
             t0 = time.perf_counter()
             encoded = encode(state, r.req.persist)
+            state = self._as_stored(state, r.req.persist.dtype)
             self.counters.encode_seconds += time.perf_counter() - t0
         return Finished(
             r.text, r.finish_reason or "length", r.ids, r.prompt_logprobs, state, encoded, r.loaded
+        )
+
+    def _as_stored(self, state: State, dtype: str) -> State:
+        """`state` exactly as a replica that loads its stored bytes gets it: stored in a
+        narrower dtype than it computes in (bfloat16, say), its float tensors are rounded
+        through that dtype and its caches rebuilt from them. The session's next request
+        then continues the same way whichever replica serves it, hot or from Redis."""
+        stored = STORAGE_DTYPES[dtype]
+        kept = {name: state.tensors[name] for name in state.persistent}
+        if all(t.dtype == stored for t in kept.values() if t.is_floating_point()):
+            return state
+        return self.lm.rebuild_state(
+            {name: t.to(stored).to(t.dtype) if t.is_floating_point() else t for name, t in kept.items()}
         )
 
     def reset(self) -> None:

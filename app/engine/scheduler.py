@@ -25,7 +25,7 @@ import collections
 import queue
 import threading
 
-from .requests import Failed, QueueFull, Request
+from .requests import QueueFull, Request
 from .runner import Row
 
 _STOP = object()  # the inbox item that ends the engine thread
@@ -146,19 +146,16 @@ class Scheduler:
         self._done = []
         return done
 
-    def fail(self, rows: list[Row], exc: BaseException) -> None:
-        """Rows whose step failed leave, with the error."""
+    def drop(self, rows: list[Row]) -> None:
+        """Rows whose step failed leave."""
         gone = {id(r) for r in rows}
         self._prefilling = [r for r in self._prefilling if id(r) not in gone]
         self._decoding = [r for r in self._decoding if id(r) not in gone]
-        for r in rows:
-            r.req.push(Failed(exc))
 
-    def fail_all(self, exc: BaseException) -> list[Row]:
+    def drop_all(self) -> list[Row]:
+        """Every admitted row leaves (after a failed step); returns them."""
         rows = [*self._prefilling, *self._decoding, *self._done]
         self._prefilling, self._decoding, self._done = [], [], []
-        for r in rows:
-            r.req.push(Failed(exc))
         return rows
 
     def publish(self) -> None:

@@ -45,6 +45,7 @@ class Replica:
         self.engine.start()
         self.bytes_read: list[float] = []
         self.commits: list[str] = []
+        self.logprobs: list[list[float]] = []
 
     async def create(self, prompt: list[int]):
         return await self.sessions.create(prompt, 600, "")
@@ -55,9 +56,11 @@ class Replica:
             sid, prompt, params=GREEDY, seed=None, max_tokens=max_tokens, stop=[], expected=None, owner=""
         )
         try:
-            tokens = [ev.id async for ev in run.stream()]
+            events = [ev async for ev in run.stream()]
         finally:
             await run.close()
+        tokens = [ev.id for ev in events]
+        self.logprobs.append([ev.logprob for ev in events])
         self.bytes_read.append(_bytes_read() - before)
         c = run.result
         assert c.encoded is not None
@@ -147,6 +150,48 @@ def test_hot_cache_confirms_versions_across_replicas(lm, redis_url):
     assert [n > 0 for n in read_a] == expect_a == [False, False, True, True]
     assert [n > 0 for n in read_b] == expect_b == [True, True, False]
     assert all(n > 0 for n in read_ref)
+
+
+def test_a_narrower_stored_dtype_continues_the_same_on_every_replica(redis_url):
+    """Stored as bfloat16, a state continues exactly as Redis holds it whichever replica
+    serves it: hot in the committing replica's cache (rounded through bfloat16, its caches
+    rebuilt), or read back from Redis by another replica, or by a fork."""
+    prefix = f"scale-{secrets.token_hex(4)}:"
+    bf16 = dict(state_dtype="bfloat16")
+    # the trained model: a random tiny one barely reads its state, so rounding it would
+    # move its log-probs by less than fp32 rounding does
+    lm = model.load("shakespeare", device="cpu")
+
+    async def serve(order: str, **settings):
+        replicas = {name: Replica(lm, redis_url, prefix, **bf16, **settings) for name in sorted(set(order))}
+        meta = await replicas[order[0]].create(list(b"To be"))
+        out = []
+        for name in order:
+            r = replicas[name]
+            tokens, meta, _ = await r.generate(meta.id, list(b", or"), max_tokens=6)
+            out.append((tokens, r.logprobs[-1]))
+        # a fork of the last commit, continued by the replica that did not commit it
+        fork = await replicas[order[-1]].sessions.fork(meta.id, None, "")
+        other = replicas[order[0]]
+        tokens, _, _ = await other.generate(fork.id, list(b", or"), max_tokens=6)
+        forked = (tokens, other.logprobs[-1])
+        tokens, _, _ = await replicas[order[-1]].generate(meta.id, list(b", or"), max_tokens=6)
+        original = (tokens, replicas[order[-1]].logprobs[-1])
+        for r in replicas.values():
+            await r.close()
+        return out, forked, original
+
+    hot, hot_fork, hot_original = asyncio.run(serve("aababba"))
+    cold, cold_fork, cold_original = asyncio.run(serve("aaaaaaa", hot_cache_mb=0))
+    for (ids_h, lps_h), (ids_c, lps_c) in zip(
+        [*hot, hot_fork, hot_original], [*cold, cold_fork, cold_original], strict=True
+    ):
+        assert ids_h == ids_c
+        # (bfloat16 rounding moves log-probs by ~1e-3; what is left is fp32 rounding)
+        assert lps_h == pytest.approx(lps_c, abs=1e-5)
+    # the fork continues exactly as its original does
+    assert hot_fork[0] == hot_original[0]
+    assert hot_fork[1] == pytest.approx(hot_original[1], abs=1e-5)
 
 
 def test_full_queue_refuses_at_once(lm):

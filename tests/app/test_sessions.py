@@ -257,9 +257,14 @@ def test_busy_session_gives_409_at_once(http, server):
         ) as r:
             it = events(r)  # (kept referenced: dropping it would close the stream)
             assert next(it)[0] == "token"  # the first request now holds the session
-            for path, body in [("/generate", {"max_tokens": 1}), ("/score", {"prompt": "a", "commit": True})]:
-                error(other.post(f"/v1/sessions/{s['id']}{path}", json=body), 409, "session_busy")
-            error(other.delete(f"/v1/sessions/{s['id']}"), 409, "session_busy")
+            busy = [other.post(f"/v1/sessions/{s['id']}{path}", json=body) for path, body in [
+                ("/generate", {"max_tokens": 1}), ("/score", {"prompt": "a", "commit": True})
+            ]] + [other.delete(f"/v1/sessions/{s['id']}")]  # fmt: skip
+            for answer in busy:
+                error(answer, 409, "session_busy")
+                # when to retry: the lock's remaining lease (10 s), rounded up; by then a
+                # holder that died has lost the lock
+                assert 1 <= int(answer.headers["retry-after"]) <= 10
             # reads are not blocked by a writer
             assert other.get(f"/v1/sessions/{s['id']}").json()["version"] == 0
             assert other.post(f"/v1/sessions/{s['id']}/score", json={"prompt": "a"}).status_code == 200

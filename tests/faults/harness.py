@@ -8,6 +8,7 @@ Everything here drives real processes; signals go to a process by its PID, never
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -135,14 +136,16 @@ def local_logprobs(lm: model.LanguageModel, state: model.State, ids: list[int]) 
     return [float(x) for x in lps[0].tolist()]
 
 
-def retry_busy(send, deadline_s: float = 60) -> httpx.Response:
-    """Call `send()` until it is not 409 session_busy (a dead writer's lock lapses with its lease)."""
-    end = time.monotonic() + deadline_s
-    while True:
+def honour_retry_after(send, lease_s: float) -> httpx.Response:
+    """Call `send()`; on 409 session_busy, wait the `Retry-After` it names (at most the
+    lock's lease: by then a dead writer's lock has lapsed) and call it once more."""
+    r = send()
+    if r.status_code == 409 and r.json()["error"]["type"] == "session_busy":
+        wait = int(r.headers["retry-after"])
+        assert 1 <= wait <= math.ceil(lease_s), wait
+        time.sleep(wait)
         r = send()
-        if r.status_code != 409 or r.json()["error"]["type"] != "session_busy" or time.monotonic() > end:
-            return r
-        time.sleep(0.05)
+    return r
 
 
 def error_type(r: httpx.Response) -> str:

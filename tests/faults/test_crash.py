@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from .harness import StreamOutcome, local_logprobs, retry_busy, store_for, stored, stream_generate
+from .harness import StreamOutcome, honour_retry_after, local_logprobs, store_for, stored, stream_generate
 
 N_SESSIONS = 20
 PROBE = list(b" probe!")
@@ -90,12 +90,14 @@ def test_sigkill_during_streaming_generations(durable_up, lm):
                 assert resp.status_code == 200, resp.text
                 got = [t["logprob"] for t in resp.json()["tokens"]]
                 assert got == pytest.approx(local_logprobs(lm, s.state, PROBE), abs=1e-4)
-                # and moves on: the killed stream's lock lapses with its lease
-                resp = retry_busy(
+                # and moves on: the killed stream's lock lapses with its lease, and a client
+                # that waits the Retry-After of its 409 gets through on its one retry
+                resp = honour_retry_after(
                     lambda sid=sid: c.post(
                         f"/v1/sessions/{sid}/generate",
                         json={"stream": False, "max_tokens": 4, "temperature": 0},
-                    )
+                    ),
+                    lease_s=float(srv.settings["lock_lease_seconds"]),
                 )
                 assert resp.status_code == 200, resp.text
                 d = resp.json()
