@@ -35,8 +35,24 @@ still the current one. Commit ids, unlike version numbers, are never issued twic
 after Redis loses a commit.
 Each use of a session re-arms its TTL (sliding expiry).
 
-A dead or unreachable Redis surfaces as `StoreUnavailable` within the socket timeout,
-never as a hang. This module knows nothing of HTTP or tensors.
+Where the sessions live is one URL (`Settings.redis_url`, parsed by `parse_redis_url`):
+
+    redis://[user:pass@]host:port/db            one server (also rediss://, unix://: redis-py's
+                                                 own URL forms)
+    redis+cluster://[user:pass@]host:port[,host:port...]
+                                                 a Redis Cluster; the listed nodes are seeds, the
+                                                 client discovers the rest (port default 6379)
+    redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]
+                                                 the primary that these Sentinels name `service`,
+                                                 found again on every new connection, so a failover
+                                                 needs no restart (port default 26379)
+
+Credentials in a Cluster or Sentinel URL are the Redis servers'; Sentinels are asked
+without them. Every form gets the same bounded pool, timeouts and client name.
+
+A dead or unreachable Redis (or, in a Cluster, the primary holding a session's slot)
+surfaces as `StoreUnavailable` within the socket timeout, never as a hang. This module
+knows nothing of HTTP or tensors.
 """
 
 from __future__ import annotations
@@ -45,12 +61,23 @@ import asyncio
 import contextlib
 import re
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import unquote
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterError,
+    NoScriptError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ResponseError as RedisResponseError
@@ -325,6 +352,96 @@ def _arg(version: int | None) -> str:
     return "" if version is None else str(int(version))
 
 
+# -- where Redis is ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed `Settings.redis_url` (the forms are in the module docstring)."""
+
+    kind: Literal["server", "cluster", "sentinel"]
+    nodes: tuple[tuple[str, int], ...] = ()  # Cluster seeds, or the Sentinels
+    service: str = ""  # Sentinel: the monitored primary's name
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Raises ValueError, naming the expected form, for a malformed Cluster or Sentinel URL.
+    Any other scheme is one server's URL, left for redis-py to parse."""
+    scheme, sep, rest = url.partition("://")
+    kind = {"redis+cluster": "cluster", "redis+sentinel": "sentinel"}.get(scheme.lower())
+    if not sep or kind is None:
+        return RedisTarget("server")
+    form = {
+        "cluster": "redis+cluster://[user:password@]host:port[,host:port...]",
+        "sentinel": "redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db]",
+    }[kind]
+    netloc, _, path = rest.partition("/")
+    path = path.partition("?")[0].strip("/")
+    creds, _, hosts = netloc.rpartition("@")
+    user, _, password = creds.partition(":")
+    default_port = 6379 if kind == "cluster" else 26379
+    nodes = []
+    for node in filter(None, hosts.split(",")):
+        host, colon, port = node.rpartition(":")
+        if not colon or "]" in port:  # no port ("[::1]" ends in no port)
+            host, port = node, ""
+        try:
+            nodes.append((unquote(host.strip("[]")), int(port) if port else default_port))
+        except ValueError:
+            raise ValueError(f"bad port in {node!r}: the Redis URL's form is {form}") from None
+    if not nodes or not all(h for h, _ in nodes):
+        raise ValueError(f"no host in the Redis URL: its form is {form}")
+    parts = path.split("/") if path else []
+    if kind == "cluster":
+        if parts not in ([], ["0"]):  # a Cluster has database 0 only
+            raise ValueError(f"a Redis Cluster has database 0 only: the URL's form is {form}")
+        service, db = "", 0
+    else:
+        if not 1 <= len(parts) <= 2 or not parts[0] or (len(parts) == 2 and not parts[1].isdigit()):
+            raise ValueError(f"a Sentinel URL names the service (and may give a db): its form is {form}")
+        service, db = unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    return RedisTarget(
+        kind,  # type: ignore[arg-type]
+        tuple(nodes),
+        service,
+        db,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+    )
+
+
+class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The Sentinel-managed primary's connections in the same bounded pool as one server's:
+    past `max_connections` busy ones, a command waits for a free one. Each new connection
+    asks the Sentinels where the primary is, so after a failover it finds the new one."""
+
+
+# errors that mean "Redis, or the Cluster node holding the key, cannot serve now". The
+# cluster ones: CLUSTERDOWN, a slot no live primary serves, a slot being moved (TRYAGAIN)
+_UNREACHABLE = (
+    RedisConnectionError,  # also Sentinel's MasterNotFoundError
+    RedisTimeoutError,
+    OSError,
+    ClusterError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+
+
+def _unavailable(exc: Exception) -> StoreUnavailable | None:
+    """The StoreUnavailable a Redis error stands for, or None when it is some other error."""
+    if isinstance(exc, RedisOutOfMemoryError) or (isinstance(exc, RedisResponseError) and "OOM" in str(exc)):
+        # maxmemory reached under `noeviction`: the script's first write was refused, so
+        # nothing was written; the session stays as it was
+        return StoreUnavailable("Redis is full (maxmemory reached): nothing was written")
+    # the cluster client's "no node answered" carries the connection error it last saw
+    cause = exc.__cause__ if isinstance(exc, RedisClusterException) else None
+    if isinstance(exc, _UNREACHABLE) or isinstance(cause, _UNREACHABLE):
+        return StoreUnavailable(f"Redis is unavailable: {exc}")
+    return None
+
+
 class SessionStore:
     def __init__(
         self,
@@ -337,19 +454,56 @@ class SessionStore:
     ):
         self.prefix = key_prefix
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
-        # a bounded pool: past `max_connections` busy ones, a command waits for a free
-        # connection (up to `timeout`, then StoreUnavailable) instead of opening another
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout,
+        self.timeout = timeout
+        target = parse_redis_url(url)
+        self.kind = target.kind
+        self._sentinel: Sentinel | None = None
+        # a Cluster only: one permit per command in flight (see `_connection`)
+        self._permits: asyncio.Semaphore | None = None
+        common: dict[str, Any] = dict(
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1),
             decode_responses=False,
             client_name=CLIENT_NAME,
         )
-        self.redis = aioredis.Redis.from_pool(pool)
+        self.redis: aioredis.Redis | RedisCluster
+        if target.kind == "cluster":
+            # max_connections is per node here, and past it the client fails instead of
+            # waiting, so the permits keep the bound (and the wait) of a blocking pool;
+            # require_full_coverage=False: a shard without a primary must not stop the
+            # client from serving every other slot
+            self._permits = asyncio.Semaphore(max_connections)
+            self.redis = RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+                require_full_coverage=False,
+                max_connections=max_connections,
+                username=target.username,
+                password=target.password,
+                **common,
+            )
+        elif target.kind == "sentinel":
+            self._sentinel = Sentinel(
+                list(target.nodes),
+                sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout),
+            )
+            self.redis = self._sentinel.master_for(
+                target.service,
+                connection_pool_class=_SentinelPool,
+                max_connections=max_connections,
+                timeout=timeout,
+                db=target.db,
+                username=target.username,
+                password=target.password,
+                **common,
+            )
+        else:
+            # a bounded pool: past `max_connections` busy ones, a command waits for a free
+            # connection (up to `timeout`, then StoreUnavailable) instead of opening another
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=timeout, **common
+            )
+            self.redis = aioredis.Redis.from_pool(pool)
         r = self.redis
         self._create = r.register_script(_CREATE)
         self._read = r.register_script(_READ)
@@ -388,17 +542,45 @@ class SessionStore:
     # -- plumbing ----------------------------------------------------------------------------
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         try:
-            return await script(keys=keys, args=args)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            metrics.REDIS_ERRORS.inc()
-            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
-        except RedisResponseError as exc:
-            if not isinstance(exc, RedisOutOfMemoryError) and "OOM" not in str(exc):
+            async with self._connection():
+                if self._permits is None:
+                    return await script(keys=keys, args=args)
+                # a Cluster: a script missing on the key's node is loaded there alone (EVAL
+                # caches it); the Script object's SCRIPT LOAD goes to every primary, and so
+                # would fail for every slot while any one primary is down
+                try:
+                    return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+                except NoScriptError:
+                    return await self.redis.eval(script.script, len(keys), *keys, *args)
+        except Exception as exc:
+            err = _unavailable(exc)
+            if err is None and self._sentinel is not None and "READONLY" in str(exc):
+                # a failover demoted the server these connections reach (a script's write
+                # fails as a plain error, which redis-py does not take for a failover):
+                # drop the idle ones, so the next command asks the Sentinels again
+                assert isinstance(self.redis, aioredis.Redis)
+                await self.redis.connection_pool.disconnect(inuse_connections=False)
+                err = StoreUnavailable(f"Redis is unavailable: the primary became a replica ({exc})")
+            if err is None:
                 raise
-            # maxmemory reached under `noeviction`: the script's first write was refused, so
-            # nothing was written; the session stays as it was
             metrics.REDIS_ERRORS.inc()
-            raise StoreUnavailable("Redis is full (maxmemory reached): nothing was written") from None
+            raise err from None
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[None]:
+        """A Cluster's stand-in for the blocking pool: a command waits (up to the timeout)
+        for one of `max_connections` permits, so no node is ever asked for more."""
+        if self._permits is None:
+            yield
+            return
+        try:
+            await asyncio.wait_for(self._permits.acquire(), self.timeout)
+        except TimeoutError:
+            raise RedisConnectionError("No connection available.") from None  # as the pool says
+        try:
+            yield
+        finally:
+            self._permits.release()
 
     @staticmethod
     def _check_id(session_id: str) -> None:
@@ -406,13 +588,35 @@ class SessionStore:
             raise SessionNotFound(session_id)
 
     async def ping(self) -> None:
+        """Redis answers. For a Cluster: some primary answers. One dead primary makes only
+        its slots' sessions fail (with StoreUnavailable); it must not make the replica
+        unready for every other session, as PING to every primary would."""
         try:
-            await self.redis.ping()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+            if isinstance(self.redis, RedisCluster):
+                await self._ping_cluster(self.redis)
+            else:
+                await self.redis.ping()
+        except Exception as exc:
+            err = _unavailable(exc)
+            if err is None:
+                raise
+            raise err from None
+
+    async def _ping_cluster(self, cluster: RedisCluster) -> None:
+        async def one(node: ClusterNode) -> None:
+            async with self._connection():
+                await cluster.execute_command("PING", target_nodes=node)
+
+        await cluster.initialize()  # (once: it learns the nodes and their slots)
+        answers = await asyncio.gather(*map(one, cluster.get_primaries()), return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if len(errors) == len(answers):
+            raise errors[0] if errors else RedisConnectionError("the Cluster has no primary")
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
     # -- sessions ----------------------------------------------------------------------------
     async def create(
