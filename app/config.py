@@ -7,8 +7,10 @@ this class. Nothing else in `app/` reads `os.environ`.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -95,15 +97,62 @@ class Settings(BaseSettings):
     )
     api_keys_file: Path | None = Field(
         None,
-        description="file of API keys, one per line (blank lines and # comments skipped); adds to api_keys",
+        description="file of API keys, one per line, each optionally followed by its quotas "
+        "(KEY sessions=N state_mb=X requests_per_second=X tokens_per_second=X); blank lines and # "
+        "comments skipped; adds to api_keys",
     )
     metrics_access: Literal["open", "api_key", "off"] = Field(
         "open", description="/metrics: open to all, api_key (any valid key), or off (404)"
     )
+    quota_sessions: int = Field(
+        10_000,
+        ge=1,
+        description="most live sessions one tenant may hold (a tenant is an API key; with no keys, all "
+        "clients together); a key in the keys file may override it (sessions=N)",
+    )
+    quota_state_mb: float = Field(
+        2048.0, gt=0, description="most stored state one tenant may hold, in MiB (override: state_mb=X)"
+    )
+    quota_requests_per_second: float = Field(
+        0.0,
+        ge=0,
+        description="requests per second one tenant may send, shared by all replicas (a token bucket "
+        "holding one second's worth; 0 = no limit; override: requests_per_second=X)",
+    )
+    quota_tokens_per_second: float = Field(
+        0.0,
+        ge=0,
+        description="generated tokens per second one tenant may draw, shared by all replicas (a "
+        "generation may overdraw; the next waits the debt out; 0 = no limit; override: tokens_per_second=X)",
+    )
+    storage_guard: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="fraction of Redis's maxmemory past which new sessions and growing commits get "
+        "507 storage_full, before Redis itself refuses writes (Redis without maxmemory: never)",
+    )
 
     def load_api_keys(self) -> list[str]:
         """Every configured key (the file is read now). Raises ValueError with a clear message."""
+        return list(self.load_tenants())
+
+    def limits(self) -> Limits:
+        """The quota of a tenant whose key sets none of its own (and of all clients, without keys)."""
+        return Limits(
+            sessions=self.quota_sessions,
+            state_bytes=int(self.quota_state_mb * 2**20),
+            requests_per_second=self.quota_requests_per_second,
+            tokens_per_second=self.quota_tokens_per_second,
+        )
+
+    def load_tenants(self) -> dict[str, Limits]:
+        """Every configured key with its quota (the file is read now). A line of the keys
+        file is `KEY [sessions=N] [state_mb=X] [requests_per_second=X] [tokens_per_second=X]`.
+        Raises ValueError with a clear message."""
+        default = self.limits()
         keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
+        tenants = {k: default for k in keys if k}
         if self.api_keys_file is not None:
             try:
                 lines = self.api_keys_file.read_text().splitlines()
@@ -111,8 +160,42 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"cannot read the API key file {self.api_keys_file}: {exc.strerror}"
                 ) from None
-            from_file = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            from_file = [ln.split() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
             if not from_file:  # never let an empty file silently leave /v1 open
                 raise ValueError(f"the API key file {self.api_keys_file} holds no keys")
-            keys += from_file
-        return [k for k in keys if k]
+            for key, *overrides in from_file:
+                tenants[key] = _override(default, overrides, self.api_keys_file)
+        return tenants
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One tenant's quota."""
+
+    sessions: int
+    state_bytes: int
+    requests_per_second: float  # 0 = no limit
+    tokens_per_second: float  # 0 = no limit
+
+
+_OVERRIDES = {"sessions": int, "state_mb": float, "requests_per_second": float, "tokens_per_second": float}
+
+
+def _override(limits: Limits, overrides: list[str], source: Path) -> Limits:
+    """`limits` with a key file line's `name=value` overrides applied."""
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name not in _OVERRIDES:
+            raise ValueError(f"{source}: unknown quota {name!r} (known: {', '.join(_OVERRIDES)})")
+        try:
+            number = _OVERRIDES[name](value)
+        except ValueError:
+            raise ValueError(f"{source}: quota {name} must be a number, not {value!r}") from None
+        if number < 0 or (name in ("sessions", "state_mb") and number <= 0):
+            raise ValueError(f"{source}: quota {name}={value} is out of range")
+        if name == "state_mb":
+            changes["state_bytes"] = int(number * 2**20)
+        else:
+            changes[name] = number
+    return dataclasses.replace(limits, **changes)

@@ -11,6 +11,7 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
                          GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED,
                          HOT_CACHE_HITS, HOT_CACHE_MISSES
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
+* app/sessions.py        TENANT_*, QUOTA_REFUSALS (quotas)
 * the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
   seconds loading and encoding states), are read from the live engine and hot cache
   when scraped (`bind_engine`): the engine imports nothing of this module
@@ -66,6 +67,19 @@ REQUESTS_FINISHED = Counter(
     "recur_request_success",
     "Generations committed, by finish reason (length, stop, eos)",
     ["finished_reason"],
+)
+
+# -- tenants (by key id: 96 bits of the key's hash, never the key; `open` without keys) --------
+TENANT_REQUESTS = Counter("recur_tenant_requests", "Requests to /v1 routes, by tenant", ["tenant"])
+TENANT_GENERATED_TOKENS = Counter("recur_tenant_generated_tokens", "Tokens generated, by tenant", ["tenant"])
+TENANT_SESSIONS = Gauge("recur_tenant_sessions", "Live sessions a tenant holds (as last seen)", ["tenant"])
+TENANT_STATE_BYTES = Gauge(
+    "recur_tenant_state_bytes", "Stored state bytes a tenant holds (as last seen)", ["tenant"]
+)
+QUOTA_REFUSALS = Counter(
+    "recur_quota_refusals",
+    "Requests refused at a tenant's limit (sessions, bytes, requests, tokens)",
+    ["tenant", "limit"],
 )
 
 # -- scheduler (read when scraped) ----------------------------------------------------------

@@ -39,15 +39,29 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from app import logs, metrics
-from app.config import Settings
+from app.config import Limits, Settings
 from app.engine import Engine, EngineError, Finished, FinishReason, Request, Stored, TokenEvent
-from app.store import SessionMeta, SessionStore, StateBlobs, VersionMismatch, Writer
+from app.store import (
+    QuotaExceeded,
+    SessionMeta,
+    SessionStore,
+    StateBlobs,
+    StorageFull,
+    Usage,
+    VersionMismatch,
+    Writer,
+    new_session_id,
+    owner_of,
+    tenant_of,
+)
 from model import LanguageModel, State
 from model.sampling import SamplingParams
 from model.state import Persist
+
+T = TypeVar("T")
 
 
 class ModelMismatch(Exception):
@@ -128,36 +142,105 @@ class Sessions:
         hot_cache_bytes: int,
         state_dtype: str,
         delta_persistence: bool,
+        limits: Limits,
+        tenants: dict[str, Limits],
+        storage_guard: float,
     ):
         self.store = store
         self.engine = engine
         self.cache = HotCache(hot_cache_bytes)
         self.state_dtype = state_dtype
         self.delta_persistence = delta_persistence
+        self.limits = limits  # the quota of every tenant but those in `tenants` (by owner)
+        self.tenants = tenants
+        self.storage_guard = storage_guard
+
+    # -- quotas ----------------------------------------------------------------------------------
+    def limits_for(self, owner: str) -> Limits:
+        return self.tenants.get(owner, self.limits)
+
+    async def admit(self, owner: str, generates: bool) -> None:
+        """The tenant's request (and, for a generation, token) rate, shared by all replicas:
+        QuotaExceeded past it. Every /v1 request passes here first."""
+        metrics.TENANT_REQUESTS.labels(tenant_of(owner)).inc()
+        await self._quota(owner, self.store.admit(owner, self.limits_for(owner), generates))
+
+    async def spend(self, owner: str, tokens: int) -> None:
+        """Charge generated tokens to the tenant (whether or not they are committed)."""
+        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(owner)).inc(tokens)
+        await self.store.spend(owner, self.limits_for(owner), tokens)
+
+    async def usage(self, owner: str) -> Usage:
+        return self._seen(owner, await self.store.usage(owner))
+
+    async def _reserve(self, owner: str, session_id: str, state_bytes: int, ttl: float, grows: bool) -> None:
+        """Enter a session's size in its tenant's ledger before writing it: if it `grows`,
+        only within the tenant's limits and Redis's room (QuotaExceeded, StorageFull)."""
+        if grows and await self.store.storage_full(self.storage_guard):
+            raise StorageFull("Redis is nearly full: new sessions and growing ones wait until it has room")
+        limits = self.limits_for(owner) if grows else None
+        record = self.store.record(owner, session_id, state_bytes, time.time() + ttl, limits)
+        self._seen(owner, await self._quota(owner, record))
+
+    async def _touch(self, meta: SessionMeta, owner: str) -> None:
+        """A use re-arms the session's expiry: its tenant's ledger follows."""
+        self._seen(owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None))
+
+    async def _quota(self, owner: str, pending: Awaitable[T]) -> T:
+        try:
+            return await pending
+        except QuotaExceeded as exc:
+            metrics.QUOTA_REFUSALS.labels(tenant_of(owner), exc.limit).inc()
+            raise
+
+    @staticmethod
+    def _seen(owner: str, usage: Usage) -> Usage:
+        tenant = tenant_of(owner)
+        metrics.TENANT_SESSIONS.labels(tenant).set(usage.sessions)
+        metrics.TENANT_STATE_BYTES.labels(tenant).set(usage.state_bytes)
+        return usage
 
     # -- metadata only -------------------------------------------------------------------------
     async def get(self, session_id: str, owner: str) -> SessionMeta:
         meta, _ = await self.store.read(session_id, owner=owner)
+        await self._touch(meta, owner)
         return meta
 
     async def fork(self, session_id: str, expected: int | None, owner: str) -> SessionMeta:
-        return await self.store.fork(session_id, expected, owner)
+        source = await self.get(session_id, owner)
+        new_id = new_session_id()
+        await self._reserve(owner, new_id, source.state_bytes, source.ttl, grows=True)
+        try:
+            return await self.store.fork(session_id, expected, owner, new_id)
+        except BaseException:
+            await self.store.forget(owner, new_id)
+            raise
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
         self.cache.drop(session_id)
+        self._seen(owner, await self.store.forget(owner, session_id))
 
     # -- transactions ----------------------------------------------------------------------------
     async def create(self, ids: list[int], ttl: int, owner: str) -> SessionMeta:
         """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed."""
-        await self.store.ping()  # fail fast, before spending model time, when Redis is down
-        bos = self.engine.tokenizer.bos_id
-        prompt = ([bos] if bos is not None else []) + ids
-        res = await self._run(Request(None, prompt, persist=Persist(self.state_dtype)))
-        assert res.encoded is not None and res.encoded.kind == "snapshot"
-        meta = await self.store.create(
-            StateBlobs(res.encoded.blob), res.n_tokens, self.engine.name, self.engine.fingerprint, ttl, owner
-        )
+        # a place in the tenant's quota first: Redis down, or the tenant at its limit, fails
+        # fast, before any model time is spent
+        session_id = new_session_id()
+        await self._reserve(owner, session_id, 0, ttl, grows=True)
+        try:
+            bos = self.engine.tokenizer.bos_id
+            prompt = ([bos] if bos is not None else []) + ids
+            res = await self._run(Request(None, prompt, persist=Persist(self.state_dtype)))
+            assert res.encoded is not None and res.encoded.kind == "snapshot"
+            blob = res.encoded.blob
+            await self._reserve(owner, session_id, len(blob), ttl, grows=True)
+            meta = await self.store.create(
+                StateBlobs(blob), res.n_tokens, self.engine.name, self.engine.fingerprint, ttl, owner, session_id
+            )
+        except BaseException:
+            await self.store.forget(owner, session_id)
+            raise
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
         return meta
@@ -171,13 +254,14 @@ class Sessions:
             meta, start = await self._read(session_id, expected, owner)
             res = await self._run(Request(start, ids, prompt_logprobs=True))
             self._keep_loaded(meta, res)
+            await self._touch(meta, owner)
             return meta, res.prompt_logprobs
         writer, start = await self._begin(session_id, expected, owner)
         try:
             res = await self._run(
                 Request(start, ids, prompt_logprobs=True, persist=self.persist_for(writer.meta))
             )
-            return await self._commit(writer, res), res.prompt_logprobs
+            return await self._commit(writer, res, owner), res.prompt_logprobs
         finally:
             await writer.release()
 
@@ -204,7 +288,7 @@ class Sessions:
         except BaseException:
             await writer.release()
             raise
-        return Run(self, req, writer, len(ids), started)
+        return Run(self, req, writer, owner, len(ids), started)
 
     # -- the steps ---------------------------------------------------------------------------------
     async def _begin(
@@ -259,9 +343,13 @@ class Sessions:
             self.state_dtype, since=meta.n_tokens, delta_budget=meta.snapshot_bytes - meta.delta_bytes
         )
 
-    async def _commit(self, writer: Writer, res: Finished) -> SessionMeta:
-        """4 and 5: the fenced commit, then the committed state kept hot."""
+    async def _commit(self, writer: Writer, res: Finished, owner: str) -> SessionMeta:
+        """4 and 5: the fenced commit (within the tenant's quota and Redis's room), then the
+        committed state kept hot."""
         assert res.encoded is not None
+        old = writer.meta
+        size = len(res.encoded.blob) + (old.state_bytes if res.encoded.kind == "delta" else 0)
+        await self._reserve(owner, old.id, size, old.ttl, grows=size > old.state_bytes)
         meta = await writer.commit(res.n_tokens, **{res.encoded.kind: res.encoded.blob})
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         return meta
@@ -276,10 +364,13 @@ class Run:
     """One generation holding its session's writer lock: iterate `stream()` (tokens, then
     the commit), or await `complete()`. Always `close()` it (idempotent)."""
 
-    def __init__(self, sessions: Sessions, req: Request, writer: Writer, prompt_tokens: int, started: float):
+    def __init__(
+        self, sessions: Sessions, req: Request, writer: Writer, owner: str, prompt_tokens: int, started: float
+    ):
         self.sessions = sessions
         self.req = req
         self.writer = writer
+        self.owner = owner
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.meta: SessionMeta | None = None  # the committed session, once committed
@@ -298,7 +389,8 @@ class Run:
             self.tokens.append(ev)
             yield ev
         res = self.result
-        self.meta = await self.sessions._commit(self.writer, res)
+        await self.sessions.spend(self.owner, len(self.tokens))
+        self.meta = await self.sessions._commit(self.writer, res, self.owner)
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
         metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
 
@@ -366,4 +458,7 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         hot_cache_bytes=int(settings.hot_cache_mb * 2**20),
         state_dtype=settings.state_dtype,
         delta_persistence=settings.delta_persistence,
+        limits=settings.limits(),
+        tenants={owner_of(key): limits for key, limits in settings.load_tenants().items()},
+        storage_guard=settings.storage_guard,
     )

@@ -59,8 +59,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -75,6 +77,7 @@ from redis.exceptions import (
     ClusterError,
     NoScriptError,
     RedisClusterException,
+    RedisError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -84,7 +87,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import metrics
-from app.config import Settings
+from app.config import Limits, Settings
 from app.logs import clip
 
 _ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -128,6 +131,20 @@ class CommitConflict(StoreError):
 
 class StoreUnavailable(StoreError):
     """Redis cannot be reached or did not answer in time."""
+
+
+class QuotaExceeded(StoreError):
+    """The tenant is at one of its limits (`limit`: sessions, bytes, requests, tokens); nothing
+    was written. `retry_after`: seconds until a rate limit would let it through."""
+
+    def __init__(self, limit: str, message: str, retry_after: float):
+        self.limit = limit
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class StorageFull(StoreError):
+    """Redis is near its maxmemory: new sessions and growing commits wait until it has room."""
 
 
 # -- scripts -------------------------------------------------------------------------------
@@ -269,6 +286,116 @@ return {'ok'}
 """
 
 
+# -- tenant scripts: quotas ---------------------------------------------------------------------
+# A tenant's keys share its own hash tag ({T}), not its sessions': each script below touches
+# one slot, and runs beside (not inside) the session script it guards. See `Ledger`.
+
+# KEYS: live, bytes. Drops the sessions whose recorded expiry has passed (Redis expired
+# them) from the ledger, and returns {count, total bytes}.
+_LUA_LEDGER = """
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function prune(live, bytes)
+  local gone = redis.call('ZRANGEBYSCORE', live, '-inf', now())
+  for _, sid in ipairs(gone) do
+    local b = tonumber(redis.call('HGET', bytes, sid) or '0')
+    redis.call('HDEL', bytes, sid)
+    redis.call('HINCRBY', bytes, '_total', 0 - b)  -- (never '-0': Redis refuses it as an integer)
+  end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', live, '-inf', now()) end
+  return redis.call('ZCARD', live), tonumber(redis.call('HGET', bytes, '_total') or '0')
+end
+-- the ledger lives as long as its longest-lived session
+local function keep(live, bytes)
+  local last = redis.call('ZRANGE', live, -1, -1, 'WITHSCORES')
+  if #last == 0 then
+    redis.call('DEL', live, bytes)
+  else
+    local at = math.ceil(tonumber(last[2])) + 60
+    redis.call('EXPIREAT', live, at)
+    redis.call('EXPIREAT', bytes, at)
+  end
+end
+"""
+
+# KEYS: live, bytes. ARGV: session id, its state bytes, its expiry (unix s), '1' to check
+# the limits first, most sessions, most bytes. Records the session's bytes and expiry;
+# with checking, only if that keeps the tenant within its limits (a shrinking or
+# unchanged session always passes). Returns {'ok'|'sessions'|'bytes', count, total}.
+_RECORD = (
+    _LUA_LEDGER
+    + """
+local count, total = prune(KEYS[1], KEYS[2])
+local old = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local new = tonumber(ARGV[2])
+if ARGV[4] == '1' then
+  if not known and count >= tonumber(ARGV[5]) then return {'sessions', count, total} end
+  if new > old and total - old + new > tonumber(ARGV[6]) then return {'bytes', count, total} end
+end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], new)
+total = redis.call('HINCRBY', KEYS[2], '_total', new - old)
+keep(KEYS[1], KEYS[2])
+return {'ok', redis.call('ZCARD', KEYS[1]), total}
+"""
+)
+
+# KEYS: live, bytes. ARGV: session id. A deleted session leaves the ledger.
+_FORGET = (
+    _LUA_LEDGER
+    + """
+local b = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[2], '_total', 0 - b)  -- (never '-0': Redis refuses it as an integer)
+end
+local count, total = prune(KEYS[1], KEYS[2])
+keep(KEYS[1], KEYS[2])
+return {'ok', count, total}
+"""
+)
+
+# KEYS: live, bytes. Returns {'ok', count, total}.
+_USAGE = (
+    _LUA_LEDGER
+    + """
+local count, total = prune(KEYS[1], KEYS[2])
+return {'ok', count, total}
+"""
+)
+
+# KEYS: rate. ARGV: requests/s, tokens/s (0 = no limit), '1' if the request generates,
+# tokens to spend (a finished generation's debt). Two token buckets holding one second's
+# worth each, refilled from the Redis clock. A request takes one request token; one that
+# generates also needs the token bucket out of debt. Returns {'ok'} or
+# {'requests'|'tokens', seconds until it would pass}.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local b = redis.call('HMGET', KEYS[1], 'r', 't', 'at')
+local rps, tps = tonumber(ARGV[1]), tonumber(ARGV[2])
+local at = tonumber(b[3] or now)
+local r = math.min(rps, tonumber(b[1] or rps) + (now - at) * rps)
+local k = math.min(tps, tonumber(b[2] or tps) + (now - at) * tps)
+local verdict = {'ok'}
+if tonumber(ARGV[4]) > 0 then
+  k = k - tonumber(ARGV[4])
+elseif rps > 0 and r < 1 then
+  verdict = {'requests', tostring((1 - r) / rps)}
+elseif tps > 0 and ARGV[3] == '1' and k <= 0 then
+  verdict = {'tokens', tostring((1 - k) / tps)}
+else
+  r = r - 1
+end
+redis.call('HSET', KEYS[1], 'r', tostring(r), 't', tostring(k), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], 3600)
+return verdict
+"""
+
+
 @dataclass(frozen=True)
 class SessionMeta:
     id: str
@@ -289,6 +416,14 @@ class SessionMeta:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What a tenant holds in Redis now."""
+
+    sessions: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
 class StateBlobs:
     """A session's stored state: a snapshot and the deltas committed after it, in order."""
 
@@ -298,6 +433,16 @@ class StateBlobs:
     @property
     def nbytes(self) -> int:
         return len(self.snapshot) + sum(len(d) for d in self.deltas)
+
+
+def owner_of(key: str) -> str:
+    """The tenant a key stands for, as stored with its sessions: a hash, never the key."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_of(owner: str) -> str:
+    """A tenant's id in key names and metrics: 96 bits of its owner hash (`open` without keys)."""
+    return owner.removeprefix("sha256:")[:24] or "open"
 
 
 def new_session_id() -> str:
@@ -416,6 +561,13 @@ class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     past `max_connections` busy ones, a command waits for a free one. Each new connection
     asks the Sentinels where the primary is, so after a failover it finds the new one."""
 
+    async def release(self, connection: Any) -> None:
+        # a connection that was busy when the primary moved still reaches the old one
+        # (redis-py drops only the idle ones): drop it too, so its next use asks again
+        if self.master_address is not None and (connection.host, connection.port) != self.master_address:
+            await connection.disconnect()
+        await super().release(connection)
+
 
 # errors that mean "Redis, or the Cluster node holding the key, cannot serve now". The
 # cluster ones: CLUSTERDOWN, a slot no live primary serves, a slot being moved (TRYAGAIN)
@@ -456,10 +608,30 @@ class SessionStore:
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
         self.timeout = timeout
         target = parse_redis_url(url)
-        self.kind = target.kind
         self._sentinel: Sentinel | None = None
+        self._next_ask = 0.0  # Sentinel: when to ask again where the primary is
+        self._asking: asyncio.Task[None] | None = None
         # a Cluster only: one permit per command in flight (see `_connection`)
         self._permits: asyncio.Semaphore | None = None
+        self.redis = self._connect(url, target, max_connections)
+        r = self.redis
+        self._create = r.register_script(_CREATE)
+        self._read = r.register_script(_READ)
+        self._begin = r.register_script(_BEGIN)
+        self._commit = r.register_script(_COMMIT)
+        self._renew = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
+        self._delete = r.register_script(_DELETE)
+        self._record = r.register_script(_RECORD)
+        self._forget = r.register_script(_FORGET)
+        self._usage = r.register_script(_USAGE)
+        self._admit = r.register_script(_ADMIT)
+        self._memory_checked = 0.0  # when INFO memory was last read (`storage_full`)
+        self._memory_full = False
+
+    def _connect(self, url: str, target: RedisTarget, max_connections: int) -> aioredis.Redis | RedisCluster:
+        """The client for `target`, with the same timeouts, retry and client name in every form."""
+        timeout = self.timeout
         common: dict[str, Any] = dict(
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
@@ -467,14 +639,13 @@ class SessionStore:
             decode_responses=False,
             client_name=CLIENT_NAME,
         )
-        self.redis: aioredis.Redis | RedisCluster
         if target.kind == "cluster":
             # max_connections is per node here, and past it the client fails instead of
             # waiting, so the permits keep the bound (and the wait) of a blocking pool;
             # require_full_coverage=False: a shard without a primary must not stop the
             # client from serving every other slot
             self._permits = asyncio.Semaphore(max_connections)
-            self.redis = RedisCluster(
+            return RedisCluster(
                 startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
                 require_full_coverage=False,
                 max_connections=max_connections,
@@ -482,12 +653,12 @@ class SessionStore:
                 password=target.password,
                 **common,
             )
-        elif target.kind == "sentinel":
+        if target.kind == "sentinel":
             self._sentinel = Sentinel(
                 list(target.nodes),
                 sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout),
             )
-            self.redis = self._sentinel.master_for(
+            return self._sentinel.master_for(
                 target.service,
                 connection_pool_class=_SentinelPool,
                 max_connections=max_connections,
@@ -497,21 +668,12 @@ class SessionStore:
                 password=target.password,
                 **common,
             )
-        else:
-            # a bounded pool: past `max_connections` busy ones, a command waits for a free
-            # connection (up to `timeout`, then StoreUnavailable) instead of opening another
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=timeout, **common
-            )
-            self.redis = aioredis.Redis.from_pool(pool)
-        r = self.redis
-        self._create = r.register_script(_CREATE)
-        self._read = r.register_script(_READ)
-        self._begin = r.register_script(_BEGIN)
-        self._commit = r.register_script(_COMMIT)
-        self._renew = r.register_script(_RENEW)
-        self._release = r.register_script(_RELEASE)
-        self._delete = r.register_script(_DELETE)
+        # one server, a bounded pool: past `max_connections` busy ones, a command waits for
+        # a free connection (up to `timeout`, then StoreUnavailable) instead of opening another
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **common
+        )
+        return aioredis.Redis.from_pool(pool)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SessionStore:
@@ -535,12 +697,21 @@ class SessionStore:
     def lock_key(self, session_id: str) -> str:
         return f"{self.prefix}lock:{{{session_id}}}"
 
+    def ledger_keys(self, tenant: str) -> list[str]:
+        """A tenant's ledger: its live sessions by expiry (sorted set), and their bytes (hash)."""
+        return [f"{self.prefix}tenant:{{{tenant}}}:live", f"{self.prefix}tenant:{{{tenant}}}:bytes"]
+
+    def rate_key(self, tenant: str) -> str:
+        """A tenant's request and token buckets (hash)."""
+        return f"{self.prefix}tenant:{{{tenant}}}:rate"
+
     def _keys(self, session_id: str, lock: bool = False) -> list[str]:
         keys = [self.session_key(session_id), self.deltas_key(session_id)]
         return keys + [self.lock_key(session_id)] if lock else keys
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        self._follow_primary()
         try:
             async with self._connection():
                 if self._permits is None:
@@ -565,6 +736,26 @@ class SessionStore:
                 raise
             metrics.REDIS_ERRORS.inc()
             raise err from None
+
+    def _follow_primary(self) -> None:
+        """Sentinel: ask the Sentinels where the primary is, at most once a second, off the
+        command's path. A failover that leaves the old primary running (SENTINEL FAILOVER,
+        a partition) demotes it only when Sentinel reconfigures it, seconds later; until
+        then, open connections would go on writing there, and the writes would be lost.
+        When the answer changes, the pool drops its connections to the old primary."""
+        now = time.monotonic()
+        if self._sentinel is None or now < self._next_ask:
+            return
+        self._next_ask = now + 1.0
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.create_task(self._ask_sentinels())
+
+    async def _ask_sentinels(self) -> None:
+        assert isinstance(self.redis, aioredis.Redis)
+        pool = self.redis.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)
+        with contextlib.suppress(RedisError, OSError):  # the commands themselves will tell
+            await pool.get_master_address()
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[None]:
@@ -607,23 +798,34 @@ class SessionStore:
             async with self._connection():
                 await cluster.execute_command("PING", target_nodes=node)
 
-        await cluster.initialize()  # (once: it learns the nodes and their slots)
+        async with self._connection():  # (once: it learns the nodes and their slots)
+            await cluster.initialize()
         answers = await asyncio.gather(*map(one, cluster.get_primaries()), return_exceptions=True)
         errors = [a for a in answers if isinstance(a, BaseException)]
         if len(errors) == len(answers):
             raise errors[0] if errors else RedisConnectionError("the Cluster has no primary")
 
     async def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
         await self.redis.aclose()
         if self._sentinel is not None:
             await self._sentinel.aclose()
 
     # -- sessions ----------------------------------------------------------------------------
     async def create(
-        self, state: StateBlobs, n_tokens: int, model: str, fingerprint: str, ttl: int, owner: str = ""
+        self,
+        state: StateBlobs,
+        n_tokens: int,
+        model: str,
+        fingerprint: str,
+        ttl: int,
+        owner: str = "",
+        session_id: str | None = None,
     ) -> SessionMeta:
+        """A new session (under `session_id`, when the caller has reserved one)."""
         while True:  # 128 random bits never collide in practice; the script refuses if they do
-            sid = new_session_id()
+            sid = session_id or new_session_id()
             raw = await self._run(
                 self._create,
                 self._keys(sid),
@@ -641,6 +843,8 @@ class SessionStore:
             if raw:
                 metrics.STATE_BYTES_WRITTEN.inc(state.nbytes)
                 return _meta(sid, raw)
+            if session_id is not None:
+                raise StoreError(f"session id {session_id} is taken")
 
     async def read(
         self, session_id: str, with_state: bool = False, held_commit: str | None = None, owner: str = ""
@@ -659,14 +863,15 @@ class SessionStore:
         return _meta(session_id, raw), _blobs(raw)
 
     async def fork(
-        self, session_id: str, expected_version: int | None = None, owner: str = ""
+        self, session_id: str, expected_version: int | None = None, owner: str = "", new_id: str | None = None
     ) -> SessionMeta:
-        """A new session holding the committed state of `session_id` (version 0), same owner."""
+        """A new session (under `new_id`, when the caller has reserved one) holding the
+        committed state of `session_id` (version 0), same owner."""
         meta, state = await self.read(session_id, with_state=True, owner=owner)
         if expected_version is not None and meta.version != expected_version:
             raise VersionMismatch(session_id, expected_version, meta.version)
         assert state is not None
-        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl, owner)
+        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl, owner, new_id)
 
     async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
         self._check_id(session_id)
@@ -691,6 +896,81 @@ class SessionStore:
         )
         _check_status(res, session_id, expected_version)
         return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
+
+
+    # -- tenants: quotas ------------------------------------------------------------------------
+    async def record(
+        self, owner: str, session_id: str, state_bytes: int, expires_at: float, limits: Limits | None
+    ) -> Usage:
+        """Enter a session's stored size and expiry in its tenant's ledger. With `limits`,
+        only if the tenant stays within them (else QuotaExceeded, and nothing changes)."""
+        tenant = tenant_of(owner)
+        check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
+        res = await self._run(
+            self._record, self.ledger_keys(tenant), [session_id, int(state_bytes), f"{expires_at:.3f}", *check]
+        )
+        status, usage = res[0].decode(), Usage(int(res[1]), int(res[2]))
+        if status == "sessions" and limits:
+            raise QuotaExceeded(
+                "sessions", f"this key holds {usage.sessions} sessions, its limit; delete some first", 60
+            )
+        if status == "bytes" and limits:
+            raise QuotaExceeded(
+                "bytes",
+                f"this key's sessions hold {usage.state_bytes} bytes of state; {state_bytes} more would "
+                f"pass its limit of {limits.state_bytes}: delete sessions first",
+                60,
+            )
+        return usage
+
+    async def forget(self, owner: str, session_id: str) -> Usage:
+        """A deleted session leaves its tenant's ledger."""
+        res = await self._run(self._forget, self.ledger_keys(tenant_of(owner)), [session_id])
+        return Usage(int(res[1]), int(res[2]))
+
+    async def usage(self, owner: str) -> Usage:
+        res = await self._run(self._usage, self.ledger_keys(tenant_of(owner)), [])
+        return Usage(int(res[1]), int(res[2]))
+
+    async def admit(self, owner: str, limits: Limits, generates: bool) -> None:
+        """Take one request from the tenant's request bucket (and, for a generation, require
+        its token bucket out of debt), shared by every replica: else QuotaExceeded."""
+        if not (limits.requests_per_second or (generates and limits.tokens_per_second)):
+            return
+        res = await self._run(
+            self._admit,
+            [self.rate_key(tenant_of(owner))],
+            [limits.requests_per_second, limits.tokens_per_second, "1" if generates else "0", 0],
+        )
+        status = res[0].decode()
+        if status != "ok":
+            what = "requests per second" if status == "requests" else "generated tokens per second"
+            limit = limits.requests_per_second if status == "requests" else limits.tokens_per_second
+            raise QuotaExceeded(status, f"this key is at its limit of {limit:g} {what}", float(res[1]))
+
+    async def spend(self, owner: str, limits: Limits, tokens: int) -> None:
+        """Charge a finished generation's tokens to the tenant's token bucket."""
+        if limits.tokens_per_second and tokens:
+            await self._run(
+                self._admit, [self.rate_key(tenant_of(owner))], [0, limits.tokens_per_second, "1", int(tokens)]
+            )
+
+    async def storage_full(self, fraction: float) -> bool:
+        """Whether Redis's used memory has passed `fraction` of its maxmemory (read at most
+        once a second; never, without a maxmemory)."""
+        if time.monotonic() - self._memory_checked < 1.0:
+            return self._memory_full
+        try:
+            info = await self.redis.info("memory")
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+        nodes = info.values() if info and all(isinstance(v, dict) for v in info.values()) else [info]
+        self._memory_full = any(
+            int(n.get("maxmemory", 0)) > 0 and int(n.get("used_memory", 0)) >= fraction * int(n["maxmemory"])
+            for n in nodes
+        )
+        self._memory_checked = time.monotonic()
+        return self._memory_full
 
 
 async def _keep_alive(store: SessionStore, key: str, token: str) -> None:

@@ -16,9 +16,9 @@ from app import sessions as sessions_service
 from app.config import Settings
 from app.store import SessionStore
 
-from . import completions, errors, health, metrics, playground, sessions
+from . import completions, errors, health, metrics, playground, sessions, usage
 from .body_limit import BodyLimit
-from .deps import authenticate, bind_session
+from .deps import admit, authenticate, bind_session
 from .middleware import RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -83,7 +83,8 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(playground.router)
     # every /v1 route authenticates (when keys are set) and logs with its session id
-    v1 = [Depends(authenticate), Depends(bind_session)]
+    v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]
     app.include_router(sessions.router, dependencies=v1)
     app.include_router(completions.router, dependencies=v1)
+    app.include_router(usage.router, dependencies=v1)
     return app

@@ -95,6 +95,8 @@ def _ref(run: Run) -> SessionRef:
             ErrorType.model_mismatch,
             ErrorType.prompt_too_long,
             ErrorType.queue_full,
+            ErrorType.quota_exceeded,
+            ErrorType.storage_full,
             ErrorType.redis_unavailable,
         ),
     },

@@ -4,7 +4,6 @@ runs the model makes of its body (`prompt_ids`, `sampling_params`)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 from typing import Annotated
@@ -15,6 +14,7 @@ from app import logs
 from app.config import Settings
 from app.engine import Engine
 from app.sessions import Sessions
+from app.store import owner_of
 from model.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType
@@ -80,11 +80,6 @@ def if_match(
     return int(m.group(1))
 
 
-def owner_of(key: str) -> str:
-    """The tenant a key stands for, as stored with its sessions: a hash, never the key."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
 def check_key(keys: list[bytes], presented: str | None) -> str | None:
     """The presented key if it is one of `keys` (compared in constant time), else None."""
     if not presented:
@@ -120,6 +115,14 @@ async def authenticate(request: Request) -> str:
             headers={"WWW-Authenticate": 'Bearer realm="recur"'},
         )
     return owner_of(key)
+
+
+async def admit(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
+    """The tenant's request rate (and, for a route that generates, its token rate), shared
+    by all replicas: 429 quota_exceeded past it, with Retry-After."""
+    sessions = get_sessions(request)
+    generates = request.url.path.endswith(("/generate", "/completions"))
+    await sessions.admit(owner, generates)
 
 
 async def bind_session(request: Request) -> None:

@@ -25,6 +25,8 @@ class ErrorType(str, enum.Enum):
     prompt_too_long = "prompt_too_long"
     body_too_large = "body_too_large"
     queue_full = "queue_full"
+    quota_exceeded = "quota_exceeded"
+    storage_full = "storage_full"
     state_corrupt = "state_corrupt"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"

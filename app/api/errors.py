@@ -20,7 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app import logs
 from app.engine import EmptyContext, EngineError, QueueFull
 from app.sessions import ClientDisconnected, ModelMismatch
-from app.store import CommitConflict, SessionBusy, SessionNotFound, StoreUnavailable, VersionMismatch
+from app.store import (
+    CommitConflict,
+    QuotaExceeded,
+    SessionBusy,
+    SessionNotFound,
+    StorageFull,
+    StoreUnavailable,
+    VersionMismatch,
+)
 from model import StateError
 
 from .error_types import ErrorType
@@ -43,6 +51,8 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.prompt_too_long: 413,
     ErrorType.body_too_large: 413,
     ErrorType.queue_full: 429,
+    ErrorType.quota_exceeded: 429,
+    ErrorType.storage_full: 507,
     ErrorType.state_corrupt: 500,
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
@@ -57,6 +67,8 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (VersionMismatch, ErrorType.version_mismatch),
     (CommitConflict, ErrorType.session_conflict),
     (StoreUnavailable, ErrorType.redis_unavailable),
+    (QuotaExceeded, ErrorType.quota_exceeded),
+    (StorageFull, ErrorType.storage_full),
     (ModelMismatch, ErrorType.model_mismatch),
     (ClientDisconnected, ErrorType.client_disconnected),
     (StateError, ErrorType.state_corrupt),
@@ -90,15 +102,21 @@ def body(etype: ErrorType, message: str) -> dict:
 
 
 # seconds a client should wait before retrying, for the error types that say "try later"
-RETRY_AFTER = {ErrorType.queue_full: 1, ErrorType.redis_unavailable: 1, ErrorType.not_ready: 5}
+RETRY_AFTER = {
+    ErrorType.queue_full: 1,
+    ErrorType.redis_unavailable: 1,
+    ErrorType.not_ready: 5,
+    ErrorType.storage_full: 30,
+}
 
 
 def error_headers(exc: BaseException) -> dict[str, str] | None:
-    """Headers an error carries: its own (ApiError), or `Retry-After` for a busy session:
-    the lock's remaining lease, rounded up, after which a dead holder's lock has lapsed."""
+    """Headers an error carries: its own (ApiError), or `Retry-After`: for a busy session the
+    lock's remaining lease, rounded up (by then a dead holder's lock has lapsed); for a
+    quota, when the tenant's rate would let it through."""
     if isinstance(exc, ApiError):
         return dict(exc.headers or {})
-    if isinstance(exc, SessionBusy):
+    if isinstance(exc, (SessionBusy, QuotaExceeded)):
         return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
     return None
 

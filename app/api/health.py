@@ -25,4 +25,7 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> Ready:
     sessions = get_sessions(request)  # 503 until the model is loaded
     await sessions.store.ping()
-    return Ready(status="ready", model=sessions.engine.name, fingerprint=sessions.engine.fingerprint)
+    full = await sessions.store.storage_full(sessions.storage_guard)
+    return Ready(
+        status="ready", model=sessions.engine.name, fingerprint=sessions.engine.fingerprint, storage_full=full
+    )

@@ -273,3 +273,21 @@ class Ready(Response):
     status: Literal["ready"]
     model: str
     fingerprint: str
+    storage_full: bool = Field(
+        description="Redis is near its maxmemory: new sessions and growing commits get 507 storage_full"
+    )
+
+
+# -- quotas ---------------------------------------------------------------------------------
+class Limits(Response):
+    sessions: int = Field(description="most live sessions")
+    state_bytes: int = Field(description="most stored state, in bytes")
+    requests_per_second: float = Field(description="request rate, shared by every replica (0 = no limit)")
+    tokens_per_second: float = Field(description="generated tokens per second (0 = no limit)")
+
+
+class TenantUsage(Response):
+    tenant: str = Field(description="the key's id: 96 bits of its hash, never the key (`open` without keys)")
+    sessions: int = Field(description="live sessions the key holds")
+    state_bytes: int = Field(description="stored state bytes its sessions hold")
+    limits: Limits

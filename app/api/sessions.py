@@ -46,6 +46,7 @@ _SESSION_ERRORS = (
     ErrorType.redis_unavailable,
     ErrorType.invalid_request,
     ErrorType.unauthorized,
+    ErrorType.quota_exceeded,
 )
 _WRITE_ERRORS = (
     *_SESSION_ERRORS,
@@ -54,8 +55,9 @@ _WRITE_ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.invalid_request,
 )
-# every route that runs the model can find the scheduler's queue full
-_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full)
+# every route that runs the model can find the scheduler's queue full, and every one that
+# stores a state can find Redis full
+_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full, ErrorType.storage_full)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -96,7 +98,11 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
     responses=responses(
-        *_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable, ErrorType.unauthorized
+        *_MODEL_ERRORS,
+        ErrorType.invalid_request,
+        ErrorType.redis_unavailable,
+        ErrorType.unauthorized,
+        ErrorType.quota_exceeded,
     ),
 )
 async def create_session(
@@ -148,7 +154,9 @@ async def delete_session(
     status_code=201,
     response_model=SessionInfo,
     summary="Copy a session's committed state into a new, independent session",
-    responses=responses(*_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.invalid_request),
+    responses=responses(
+        *_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.invalid_request, ErrorType.storage_full
+    ),
 )
 async def fork_session(
     session_id: str, response: Response, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep

@@ -1,0 +1,27 @@
+"""The caller's own quota: what its key holds and may hold (`GET /v1/usage`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter
+
+from app.store import tenant_of
+
+from .deps import OwnerDep, SessionsDep
+from .errors import ErrorType, responses
+from .schemas import Limits, TenantUsage
+
+router = APIRouter(prefix="/v1", tags=["quotas"])
+
+
+@router.get(
+    "/usage",
+    response_model=TenantUsage,
+    summary="What the caller's key holds, and its limits",
+    responses=responses(ErrorType.unauthorized, ErrorType.redis_unavailable, ErrorType.quota_exceeded),
+)
+async def usage(sessions: SessionsDep, owner: OwnerDep) -> TenantUsage:
+    held = await sessions.usage(owner)
+    limits = Limits(**dataclasses.asdict(sessions.limits_for(owner)))
+    return TenantUsage(tenant=tenant_of(owner), sessions=held.sessions, state_bytes=held.state_bytes, limits=limits)
