@@ -25,7 +25,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     redis_url: str | None = Field(
-        None, description="Redis to keep sessions in; unset: start an embedded redis-server under data_dir"
+        None,
+        description="Redis to keep sessions in: redis://host:port/db (one server), "
+        "redis+cluster://host:port[,host:port...] (a Redis Cluster), or "
+        "redis+sentinel://host:port[,host:port...]/service[/db] (the primary these Sentinels name); "
+        "unset: start an embedded redis-server under data_dir",
     )
     data_dir: Path = Field(Path("data"), description="where the embedded Redis keeps its data")
     key_prefix: str = Field("recur:", description="prefix of every Redis key this service writes")
@@ -84,6 +88,12 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="uvicorn log level")
     max_body_bytes: int = Field(
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
+    )
+    max_import_mb: float = Field(
+        512.0,
+        gt=0,
+        description="largest state a client may import (POST /v1/sessions/import), in MiB: a state can be "
+        "far larger than any JSON body",
     )
     log_format: LogFormat = Field(
         "auto",

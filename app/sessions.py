@@ -57,15 +57,19 @@ from app.store import (
     owner_of,
     tenant_of,
 )
-from model import LanguageModel, State
+from model import LanguageModel, State, StateError
 from model.sampling import SamplingParams
-from model.state import Persist
+from model.state import Persist, read_blob
 
 T = TypeVar("T")
 
 
 class ModelMismatch(Exception):
     """The session's state belongs to another model than the one this server runs."""
+
+
+class StateRejected(Exception):
+    """A state offered for import that this server cannot take: damaged, or another model's."""
 
 
 class ClientDisconnected(Exception):
@@ -221,17 +225,48 @@ class Sessions:
         self.cache.drop(session_id)
         self._seen(owner, await self.store.forget(owner, session_id))
 
+    async def listing(self, owner: str, cursor: int, count: int) -> tuple[list[SessionMeta], int]:
+        """A page of the caller's own sessions, and the next page's cursor (0: no more)."""
+        return await self.store.list_sessions(owner, cursor, count)
+
+    async def export(self, session_id: str, owner: str, dtype: str, expected: int | None) -> tuple[SessionMeta, bytes]:
+        """The committed state as one snapshot in `dtype`: the state format itself
+        (safetensors plus its JSON header with the model's fingerprint and a checksum)."""
+        meta, start = await self._read(session_id, expected, owner)
+        res = await self._run(Request(start, [], persist=Persist(dtype)))
+        self._keep_loaded(meta, res)
+        await self._touch(meta, owner)
+        assert res.encoded is not None
+        return meta, res.encoded.blob
+
+    async def import_state(self, blob: bytes, ttl: int, owner: str) -> SessionMeta:
+        """A new session, owned by `owner`, holding an exported state: verified (container,
+        checksum, the served model's fingerprint, shapes and sizes) and never unpickled."""
+        try:
+            header, _ = read_blob(blob)
+            n_tokens = header.get("n_tokens")
+            if header.get("delta") is not None or not isinstance(n_tokens, list) or len(n_tokens) != 1:
+                raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
+            start = Stored(blob, (), int(n_tokens[0]))
+            return await self._create(Request(start, [], persist=Persist(self.state_dtype)), ttl, owner)
+        except StateError as exc:
+            raise StateRejected(f"the state cannot be imported: {exc}") from None
+
     # -- transactions ----------------------------------------------------------------------------
     async def create(self, ids: list[int], ttl: int, owner: str) -> SessionMeta:
         """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed."""
+        bos = self.engine.tokenizer.bos_id
+        prompt = ([bos] if bos is not None else []) + ids
+        return await self._create(Request(None, prompt, persist=Persist(self.state_dtype)), ttl, owner)
+
+    async def _create(self, req: Request, ttl: int, owner: str) -> SessionMeta:
+        """A new session holding the state `req` makes."""
         # a place in the tenant's quota first: Redis down, or the tenant at its limit, fails
         # fast, before any model time is spent
         session_id = new_session_id()
         await self._reserve(owner, session_id, 0, ttl, grows=True)
         try:
-            bos = self.engine.tokenizer.bos_id
-            prompt = ([bos] if bos is not None else []) + ids
-            res = await self._run(Request(None, prompt, persist=Persist(self.state_dtype)))
+            res = await self._run(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
             blob = res.encoded.blob
             await self._reserve(owner, session_id, len(blob), ttl, grows=True)

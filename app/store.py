@@ -44,8 +44,9 @@ Where the sessions live is one URL (`Settings.redis_url`, parsed by `parse_redis
                                                  client discovers the rest (port default 6379)
     redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]
                                                  the primary that these Sentinels name `service`,
-                                                 found again on every new connection, so a failover
-                                                 needs no restart (port default 26379)
+                                                 asked again for each new connection and about once
+                                                 a second in use, so a failover needs no restart
+                                                 (port default 26379)
 
 Credentials in a Cluster or Sentinel URL are the Redis servers'; Sentinels are asked
 without them. Every form gets the same bounded pool, timeouts and client name.
@@ -203,14 +204,15 @@ return meta(KEYS[1])
 )
 
 # KEYS: session, deltas. ARGV: '1' to include the state, the commit id whose state the caller
-# holds or '', owner. Returns meta [+ snapshot, deltas] or nil.
+# holds or '', owner, '0' to leave the TTL as it is (a listing). Returns meta [+ snapshot,
+# deltas] or nil.
 _READ = (
     _LUA_TOUCH
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[3] then
   return false
 end
-touch(KEYS[1], KEYS[2])
+if ARGV[4] ~= '0' then touch(KEYS[1], KEYS[2]) end
 local m = meta(KEYS[1])
 if ARGV[1] == '1' then with_state(m, KEYS[1], KEYS[2], ARGV[2]) end
 return m
@@ -725,7 +727,7 @@ class SessionStore:
                     return await self.redis.eval(script.script, len(keys), *keys, *args)
         except Exception as exc:
             err = _unavailable(exc)
-            if err is None and self._sentinel is not None and "READONLY" in str(exc):
+            if self._sentinel is not None and isinstance(exc, RedisResponseError) and "READONLY" in str(exc):
                 # a failover demoted the server these connections reach (a script's write
                 # fails as a plain error, which redis-py does not take for a failover):
                 # drop the idle ones, so the next command asks the Sentinels again
@@ -856,11 +858,27 @@ class SessionStore:
         """
         self._check_id(session_id)
         raw = await self._run(
-            self._read, self._keys(session_id), ["1" if with_state else "0", held_commit or "", owner]
+            self._read, self._keys(session_id), ["1" if with_state else "0", held_commit or "", owner, "1"]
         )
         if not raw:
             raise SessionNotFound(session_id)
         return _meta(session_id, raw), _blobs(raw)
+
+    async def list_sessions(self, owner: str, cursor: int, count: int) -> tuple[list[SessionMeta], int]:
+        """A page of the tenant's live sessions, from its ledger (never `KEYS`), and the
+        cursor of the next page (0: no more). Redis's HSCAN guarantees: a session that lives
+        through the whole listing appears at least once (the page size is approximate)."""
+        bytes_key = self.ledger_keys(tenant_of(owner))[1]
+        try:
+            cursor, entries = await self.redis.hscan(bytes_key, cursor=cursor, count=count)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+        names = (k.decode() if isinstance(k, bytes) else str(k) for k in entries)
+        ids = sorted(n for n in names if _ID_RE.fullmatch(n))
+        peeks = [self._run(self._read, self._keys(sid), ["0", "", owner, "0"]) for sid in ids]
+        found = await asyncio.gather(*peeks)
+        # (a session that expired or was deleted since its ledger entry was read is left out)
+        return [_meta(sid, raw) for sid, raw in zip(ids, found, strict=True) if raw], int(cursor)
 
     async def fork(
         self, session_id: str, expected_version: int | None = None, owner: str = "", new_id: str | None = None

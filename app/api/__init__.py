@@ -77,7 +77,11 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.state.sessions = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        by_path={"/v1/sessions/import": int(settings.max_import_mb * 2**20)},
+    )
     app.add_middleware(RequestContext)
     app.include_router(health.router)
     app.include_router(metrics.router)

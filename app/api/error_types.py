@@ -28,6 +28,7 @@ class ErrorType(str, enum.Enum):
     quota_exceeded = "quota_exceeded"
     storage_full = "storage_full"
     state_corrupt = "state_corrupt"
+    invalid_state = "invalid_state"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
     internal_error = "internal_error"

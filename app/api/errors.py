@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import logs
 from app.engine import EmptyContext, EngineError, QueueFull
-from app.sessions import ClientDisconnected, ModelMismatch
+from app.sessions import ClientDisconnected, ModelMismatch, StateRejected
 from app.store import (
     CommitConflict,
     QuotaExceeded,
@@ -54,6 +54,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.quota_exceeded: 429,
     ErrorType.storage_full: 507,
     ErrorType.state_corrupt: 500,
+    ErrorType.invalid_state: 422,
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
     ErrorType.internal_error: 500,
@@ -71,6 +72,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (StorageFull, ErrorType.storage_full),
     (ModelMismatch, ErrorType.model_mismatch),
     (ClientDisconnected, ErrorType.client_disconnected),
+    (StateRejected, ErrorType.invalid_state),
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
     (QueueFull, ErrorType.queue_full),

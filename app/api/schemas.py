@@ -66,6 +66,13 @@ class SessionDetail(SessionInfo):
     state_bytes: int = Field(description="size of the stored state blob")
 
 
+class SessionList(Response):
+    sessions: list[SessionInfo]
+    next_cursor: str | None = Field(
+        description="pass as `cursor` for the next page; null when there is none"
+    )
+
+
 # -- generate -------------------------------------------------------------------------------
 class Generate(Request):
     prompt: Prompt = ""

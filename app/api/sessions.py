@@ -12,7 +12,7 @@ bodies (see errors.py).
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -34,6 +34,7 @@ from .schemas import (
     ScoreResult,
     SessionDetail,
     SessionInfo,
+    SessionList,
     SessionRef,
     Usage,
 )
@@ -118,6 +119,82 @@ async def create_session(
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
     ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
     return _created(response, await sessions.create(ids, ttl, owner))
+
+
+@router.get(
+    "",
+    response_model=SessionList,
+    summary="List the caller's own sessions, a page at a time",
+    responses=responses(ErrorType.redis_unavailable, ErrorType.unauthorized, ErrorType.quota_exceeded),
+)
+async def list_sessions(
+    sessions: SessionsDep,
+    owner: OwnerDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="about how many sessions per page")] = 50,
+    cursor: Annotated[str, Query(pattern=r"^\d{1,20}$", description="`next_cursor` of the page before")] = "0",
+) -> SessionList:
+    metas, after = await sessions.listing(owner, int(cursor), limit)
+    return SessionList(sessions=[_info(m) for m in metas], next_cursor=str(after) if after else None)
+
+
+@router.post(
+    "/import",
+    status_code=201,
+    response_model=SessionInfo,
+    summary="Create a session from an exported state (the bytes of GET .../state)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+    responses=responses(
+        ErrorType.invalid_state,
+        ErrorType.invalid_request,
+        ErrorType.body_too_large,
+        ErrorType.redis_unavailable,
+        ErrorType.unauthorized,
+        ErrorType.quota_exceeded,
+        ErrorType.storage_full,
+        ErrorType.queue_full,
+    ),
+)
+async def import_session(
+    request: Request,
+    response: Response,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    ttl_seconds: Annotated[int | None, Query(ge=1, description="idle seconds before it expires")] = None,
+) -> SessionInfo:
+    ttl = ttl_seconds or settings.session_ttl
+    if ttl > settings.max_session_ttl:
+        raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
+    blob = await request.body()
+    return _created(response, await sessions.import_state(blob, ttl, owner))
+
+
+@router.get(
+    "/{session_id}/state",
+    summary="Export the session's committed state (safetensors plus its JSON header; ETag = version)",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        **responses(*_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.model_mismatch, ErrorType.queue_full),
+    },
+)
+async def export_state(
+    session_id: str,
+    sessions: SessionsDep,
+    expected: IfMatchDep,
+    owner: OwnerDep,
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"], Query(description="float dtype of the exported tensors")
+    ] = "float32",
+) -> Response:
+    meta, blob = await sessions.export(session_id, owner, dtype, expected)
+    headers = {**_etag(meta), "Content-Disposition": f'attachment; filename="{meta.id}.state"'}
+    return Response(blob, media_type="application/octet-stream", headers=headers)
 
 
 @router.get(
