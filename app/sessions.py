@@ -35,6 +35,7 @@ runs the model, the store speaks to Redis.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +51,7 @@ from app.store import (
     SessionStore,
     StateBlobs,
     StorageFull,
+    StoreUnavailable,
     Usage,
     VersionMismatch,
     Writer,
@@ -62,6 +64,7 @@ from model.sampling import SamplingParams
 from model.state import Persist, read_blob
 
 T = TypeVar("T")
+log = logging.getLogger("recur.sessions")
 
 
 class ModelMismatch(Exception):
@@ -187,8 +190,13 @@ class Sessions:
         self._seen(owner, await self._quota(owner, record))
 
     async def _touch(self, meta: SessionMeta, owner: str) -> None:
-        """A use re-arms the session's expiry: its tenant's ledger follows."""
-        self._seen(owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None))
+        """A use re-arms the session's expiry: its tenant's ledger follows. Best effort: a
+        read never fails for the ledger (in a Cluster it lives on another primary than the
+        session), at worst the ledger forgets the session early and counts too little."""
+        try:
+            self._seen(owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None))
+        except StoreUnavailable:
+            log.warning("could not record a use of session %s in its tenant's ledger", meta.id)
 
     async def _quota(self, owner: str, pending: Awaitable[T]) -> T:
         try:
@@ -312,6 +320,7 @@ class Sessions:
         expected: int | None,
         owner: str,
         started: float | None = None,
+        keep_on_disconnect: bool = False,
     ) -> Run:
         """Take the lock, find the starting state and start generating; the caller owns the
         `Run` (stream or complete it, and always close it)."""
@@ -323,7 +332,9 @@ class Sessions:
         except BaseException:
             await writer.release()
             raise
-        return Run(self, req, writer, owner, len(ids), started)
+        run = Run(self, req, writer, owner, ids, started)
+        run.keep_on_disconnect = keep_on_disconnect
+        return run
 
     # -- the steps ---------------------------------------------------------------------------------
     async def _begin(
@@ -400,17 +411,25 @@ class Run:
     the commit), or await `complete()`. Always `close()` it (idempotent)."""
 
     def __init__(
-        self, sessions: Sessions, req: Request, writer: Writer, owner: str, prompt_tokens: int, started: float
+        self, sessions: Sessions, req: Request, writer: Writer, owner: str, prompt: list[int], started: float
     ):
         self.sessions = sessions
         self.req = req
         self.writer = writer
         self.owner = owner
-        self.prompt_tokens = prompt_tokens
+        self.prompt = prompt
+        self.prompt_tokens = len(prompt)
         self.started = started
         self.meta: SessionMeta | None = None  # the committed session, once committed
-        self.tokens: list[TokenEvent] = []
-        metrics.PROMPT_TOKENS.inc(prompt_tokens)
+        self.tokens: list[TokenEvent] = []  # as handed to the client
+        self.keep_on_disconnect = False  # `close` before the commit commits the tokens sent
+        self._keeping: asyncio.Future[None] | None = None
+        metrics.PROMPT_TOKENS.inc(self.prompt_tokens)
+
+    @property
+    def version(self) -> int:
+        """The version this generation commits as."""
+        return self.writer.meta.version + 1
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """Each token as it is sampled; after the last one the new state is committed
@@ -465,9 +484,32 @@ class Run:
         return self.result.text
 
     async def close(self) -> None:
-        """Stop the generation (if still running) and release the lock (if not committed)."""
+        """Stop the generation (if still running) and release the lock (if not committed).
+        With `keep_on_disconnect`, a generation cut short first commits the tokens it had
+        handed out: in a task of its own, which completes even when the caller that
+        started it is being cancelled (as a stream's is when its client hangs up)."""
         self.req.cancel()
+        if self.keep_on_disconnect and self.meta is None and self.tokens and self._keeping is None:
+            self._keeping = asyncio.ensure_future(self._keep())
+        if self._keeping is not None:
+            await asyncio.shield(self._keeping)
         await self.writer.release()
+
+    async def _keep(self) -> None:
+        """Commit the starting state with the prompt and exactly the tokens handed out
+        consumed: teacher-forced anew (a recurrent state cannot be rolled back), which by
+        boundary invariance is the state the generation had after them. On failure the
+        session stays as it was."""
+        s = self.sessions
+        try:
+            await s.spend(self.owner, len(self.tokens))
+            ids = self.prompt + [ev.id for ev in self.tokens]
+            res = await s._run(Request(self.req.start, ids, persist=self.req.persist))
+            self.meta = await s._commit(self.writer, res, self.owner)
+        except Exception:
+            log.warning("could not keep the tokens of a generation cut short", exc_info=True)
+        finally:
+            await self.writer.release()
 
 
 # -- assembly ------------------------------------------------------------------------------------

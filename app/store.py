@@ -870,9 +870,10 @@ class SessionStore:
         through the whole listing appears at least once (the page size is approximate)."""
         bytes_key = self.ledger_keys(tenant_of(owner))[1]
         try:
-            cursor, entries = await self.redis.hscan(bytes_key, cursor=cursor, count=count)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
+            async with self._connection():
+                cursor, entries = await self.redis.hscan(bytes_key, cursor=cursor, count=count)
+        except Exception as exc:
+            raise _unavailable(exc) or exc from None
         names = (k.decode() if isinstance(k, bytes) else str(k) for k in entries)
         ids = sorted(n for n in names if _ID_RE.fullmatch(n))
         peeks = [self._run(self._read, self._keys(sid), ["0", "", owner, "0"]) for sid in ids]
@@ -973,16 +974,27 @@ class SessionStore:
                 self._admit, [self.rate_key(tenant_of(owner))], [0, limits.tokens_per_second, "1", int(tokens)]
             )
 
+    async def _memory_info(self) -> list[dict]:
+        """INFO memory of the server, or of every primary of a Cluster that answers (a dead
+        one is skipped: its own sessions fail on their own)."""
+        try:
+            async with self._connection():
+                if not isinstance(self.redis, RedisCluster):
+                    return [await self.redis.info("memory")]
+                out = []
+                for node in self.redis.get_primaries():
+                    with contextlib.suppress(Exception):
+                        out.append(await self.redis.info("memory", target_nodes=node))
+                return out
+        except Exception as exc:
+            raise _unavailable(exc) or exc from None
+
     async def storage_full(self, fraction: float) -> bool:
         """Whether Redis's used memory has passed `fraction` of its maxmemory (read at most
         once a second; never, without a maxmemory)."""
         if time.monotonic() - self._memory_checked < 1.0:
             return self._memory_full
-        try:
-            info = await self.redis.info("memory")
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"Redis is unavailable: {exc}") from None
-        nodes = info.values() if info and all(isinstance(v, dict) for v in info.values()) else [info]
+        nodes = await self._memory_info()
         self._memory_full = any(
             int(n.get("maxmemory", 0)) > 0 and int(n.get("used_memory", 0)) >= fraction * int(n["maxmemory"])
             for n in nodes

@@ -90,6 +90,11 @@ class Generate(Request):
     )
     stream: bool = True
     logprobs: bool = False
+    on_disconnect: Literal["discard", "commit"] = Field(
+        "discard",
+        description="a streamed generation whose client hangs up: `discard` commits nothing; `commit` "
+        "commits exactly the tokens sent before the hang-up (fenced, as any commit)",
+    )
 
 
 class GenerateQuery(BaseModel):
@@ -107,6 +112,7 @@ class GenerateQuery(BaseModel):
         default_factory=list, max_length=16
     )
     logprobs: bool = False
+    on_disconnect: Literal["discard", "commit"] = "discard"
     access_token: str | None = Field(
         None, description="the API key, for clients that cannot send headers (EventSource)"
     )

@@ -305,6 +305,7 @@ async def generate(
         stop=list(body.stop),
         expected=expected,
         owner=owner,
+        keep_on_disconnect=body.stream and body.on_disconnect == "commit",
     )
     if body.stream:
         return respond(run, guarded(run, _events(run, body.logprobs), error_event="error"))
@@ -349,11 +350,15 @@ def _done(run: Run, meta: SessionMeta) -> GenerateDone:
 
 
 async def _events(run: Run, logprobs: bool):
-    """`token` events as they are sampled, then `done` once the new state is committed."""
+    """`token` events as they are sampled, then `done` once the new state is committed; each
+    with an `id:` (version.index, then the version), so a client that lost the connection
+    knows exactly which tokens it received."""
     async for ev in run.stream():
         data = {"index": ev.index, "id": ev.id, "text": ev.text}
         if logprobs:
             data["logprob"] = ev.logprob
-        yield ServerSentEvent(data=sse_json(data), event="token")
+        # the id names the version these tokens commit as, and the token's index in it
+        yield ServerSentEvent(data=sse_json(data), event="token", id=f"{run.version}.{ev.index}")
     assert run.meta is not None
-    yield ServerSentEvent(data=sse_json(_done(run, run.meta).model_dump(mode="json")), event="done")
+    done = _done(run, run.meta).model_dump(mode="json")
+    yield ServerSentEvent(data=sse_json(done), event="done", id=str(run.meta.version))
