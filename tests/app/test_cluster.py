@@ -1,0 +1,391 @@
+"""The store and the server on a real Redis Cluster (three primaries) and a real Sentinel
+(a primary, a replica and one Sentinel), through the `redis+cluster://` and
+`redis+sentinel://` forms of RECUR_REDIS_URL.
+
+Cluster: every session route over HTTP, the store's keys each in one slot, a burst held to
+the connection bound, 50 racing writers, and a SIGKILLed primary that fails its own
+sessions only. Sentinel: a manual failover and a SIGKILL of the primary, after which the
+same server process serves from the new primary.
+
+The processes come from tests/app/cluster_harness.py. The SIGKILL tests leave their node
+dead, so each comes last among the tests of its setup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+import redis.cluster
+
+import model
+from app.config import Settings
+from app.store import CLIENT_NAME, SessionStore, StateBlobs, StoreUnavailable, parse_redis_url
+from tests.app.sse_client import events, generate
+from tests.conftest import ServerProcess
+from tests.faults.harness import error_type, store_for, stored, stream_generate
+
+from .cluster_harness import SERVICE, LocalCluster, LocalSentinel, wait_for
+
+SETTINGS = dict(cpu_threads=1, max_tokens=64, redis_timeout=2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_server(cluster, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("on-cluster"), cluster.url, **SETTINGS)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSentinel]:
+    s = LocalSentinel(tmp_path_factory.mktemp("sentinel"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sentinel_server(sentinel, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("on-sentinel"), sentinel.url, **SETTINGS)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _store(url: str, **settings: object) -> SessionStore:
+    return SessionStore.from_settings(
+        Settings(redis_url=url, key_prefix=f"cluster-test-{secrets.token_hex(4)}:", **settings)
+    )
+
+
+def create(c: httpx.Client, prompt: str = "hi") -> dict:
+    r = c.post("/v1/sessions", json={"prompt": prompt})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def unavailable(r: httpx.Response) -> bool:
+    return r.status_code == 503 and error_type(r) == "redis_unavailable"
+
+
+# -- the URL forms ----------------------------------------------------------------------------
+def test_url_forms():
+    c = parse_redis_url("redis+cluster://a:7000,b,[::1]:7002")
+    assert (c.kind, c.nodes, c.db) == ("cluster", (("a", 7000), ("b", 6379), ("::1", 7002)), 0)
+    s = parse_redis_url("redis+sentinel://u:p%40ss@s1:26380,s2/my-primary/3")
+    assert (s.kind, s.nodes, s.service, s.db) == ("sentinel", (("s1", 26380), ("s2", 26379)), "my-primary", 3)
+    assert (s.username, s.password) == ("u", "p@ss")
+    assert parse_redis_url("redis://localhost:6379/0").kind == "server"
+    assert parse_redis_url("rediss://h/1").kind == "server"
+    for bad in (
+        "redis+cluster://",  # no host
+        "redis+cluster://a:7000/2",  # a Cluster has db 0 only
+        "redis+cluster://a:port",
+        "redis+sentinel://s1:26379",  # no service
+        "redis+sentinel://s1:26379/name/x",
+    ):
+        with pytest.raises(ValueError, match="form is"):
+            parse_redis_url(bad)
+
+
+# -- Cluster ----------------------------------------------------------------------------------
+def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
+    """Sessions land on every primary; each one's keys (session, deltas, lock) are on the
+    primary that serves its slot, and every operation works there."""
+
+    async def go() -> None:
+        store = _store(cluster.url)
+        seen: set[int] = set()
+        while len(seen) < len(cluster.nodes):
+            meta = await store.create(StateBlobs(b"snap", (b"d0",)), 1, "m", "fp", ttl=60)
+            node = cluster.primary_for(store.session_key(meta.id))
+            seen.add(node.port)
+            keys = [store.session_key(meta.id), store.deltas_key(meta.id), store.lock_key(meta.id)]
+            r = node.client()
+            assert len({r.cluster("KEYSLOT", k) for k in keys}) == 1
+            w = await store.begin(meta.id)
+            assert r.exists(*keys) == 3  # (all three on this primary, the lock held)
+            after = await w.commit(2, delta=b"d1")
+            assert after.version == 1 and r.exists(keys[2]) == 0
+            _, blobs = await store.read(meta.id, with_state=True)
+            assert blobs == StateBlobs(b"snap", (b"d0", b"d1"))
+            w = await store.begin(meta.id, expected_version=1)
+            await w.commit(3, snapshot=b"new")
+            fork = await store.fork(meta.id)
+            assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"new")
+            await store.delete(meta.id)
+            await store.delete(fork.id)
+            assert r.exists(*keys) == 0
+        await store.ping()
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_burst_on_cluster_waits_for_the_connection_bound(cluster):
+    """40 concurrent commands through a store allowed 3 connections all succeed (the
+    cluster client alone would fail past its limit), and no node sees more than 3, plus
+    the one the client learnt the cluster's layout through."""
+
+    async def go() -> None:
+        store = _store(cluster.url, redis_max_connections=3)
+        meta = await store.create(StateBlobs(b"s" * 100_000), 1, "m", "fp", ttl=60)
+        reads = await asyncio.gather(*(store.read(meta.id, with_state=True) for _ in range(40)))
+        await store.ping()
+        assert all(blobs == StateBlobs(b"s" * 100_000) for _, blobs in reads)
+        ours = Counter(
+            node.port
+            for node in cluster.nodes
+            for client in node.client().client_list()
+            if client.get("name") == CLIENT_NAME
+        )
+        await store.close()
+        assert ours and max(ours.values()) <= 3 + 1, ours
+
+    asyncio.run(go())
+
+
+def test_every_session_route_on_cluster(cluster_server):
+    assert httpx.get(cluster_server.url + "/readyz").status_code == 200
+    with cluster_server.client() as c:
+        s = create(c, "héllo")
+        sid = s["id"]
+        r = c.get(f"/v1/sessions/{sid}")
+        assert r.status_code == 200 and r.json()["version"] == 0 and r.json()["state_bytes"] > 0
+        tokens, last, done = generate(c, sid, max_tokens=5, seed=1)
+        assert last == "done" and len(tokens) == 5 and done["session"]["version"] == 1
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"prompt": "x", "max_tokens": 4, "stream": False})
+        assert r.status_code == 200 and r.json()["session"]["version"] == 2
+        with c.stream("GET", f"/v1/sessions/{sid}/generate", params={"max_tokens": 3}) as r:
+            assert r.status_code == 200
+            assert [name for name, _ in events(r)][-1] == "done"
+        r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": "ab", "commit": True})
+        assert r.status_code == 200 and r.json()["session"]["version"] == 4
+        r = c.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": '"4"'})
+        assert r.status_code == 201
+        fork = r.json()
+        assert fork["id"] != sid and fork["n_tokens"] == c.get(f"/v1/sessions/{sid}").json()["n_tokens"]
+        for x in (sid, fork["id"]):
+            assert c.delete(f"/v1/sessions/{x}").status_code == 204
+            r = c.get(f"/v1/sessions/{x}")
+            assert r.status_code == 404 and error_type(r) == "session_not_found"
+
+
+def test_racing_writers_on_cluster_lose_no_update(cluster, cluster_server, tiny_model_dir):
+    """50 mutating requests race on one session; each retries on 409 until it commits.
+    Every commit lands exactly once, in order (as tests/faults/test_replicas.py, on a Cluster)."""
+    n_writers = 50
+    with cluster_server.client() as c:
+        start = create(c, "race")
+    sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
+    done: list[tuple[int, int, int]] = []  # (version, n_tokens, tokens consumed)
+    failures: list[str] = []
+    busy = 0
+    lock = threading.Lock()
+    go = threading.Barrier(n_writers)
+
+    def attempt(c: httpx.Client, i: int, rng: random.Random) -> tuple[int, int, int] | str:
+        if i % 2:
+            ids = list(rng.randbytes(rng.randint(1, 9)))
+            r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": ids, "commit": True})
+            if r.status_code != 200:
+                return f"{r.status_code} {error_type(r)}"
+            s = r.json()["session"]
+            return s["version"], s["n_tokens"], len(ids)
+        o = stream_generate(c, sid, {"max_tokens": rng.randint(1, 6), "seed": i})
+        if o.kind != "done":
+            return f"{o.status} {o.error}" if o.kind == "http" else f"{o.kind} {o.error}"
+        return o.version, o.n_tokens, o.tokens
+
+    def writer(i: int) -> None:
+        nonlocal busy
+        rng = random.Random(i)
+        with httpx.Client(base_url=cluster_server.url, timeout=60) as c:
+            go.wait()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                got = attempt(c, i, rng)
+                with lock:
+                    if isinstance(got, tuple):
+                        done.append(got)
+                        return
+                    if got != "409 session_busy":
+                        failures.append(got)
+                        return
+                    busy += 1
+                time.sleep(rng.uniform(0.005, 0.03))
+            with lock:
+                failures.append(f"writer {i} never committed")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert busy > 0  # they really did collide
+    done.sort()
+    assert [v for v, _, _ in done] == list(range(v0 + 1, v0 + n_writers + 1))
+    n = n0
+    for _, n_tokens, consumed in done:
+        n += consumed
+        assert n_tokens == n
+    rdb = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        final = stored(rdb, store_for(cluster_server), sid, model.load(tiny_model_dir, device="cpu"))
+    finally:
+        rdb.close()
+    assert (final.version, final.n_tokens) == (v0 + n_writers, n)
+
+
+def test_sigkill_of_a_primary_fails_only_its_own_sessions(cluster, cluster_server):
+    """One session on each primary; SIGKILL one primary. Its session gets 503
+    redis_unavailable; the others keep serving every route, before and after the cluster
+    flags the node failed, with every script loaded again after the kill (the survivors'
+    script caches are flushed, and loading one must not need the dead node)."""
+    keys = store_for(cluster_server)
+    by_node: dict[int, str] = {}
+    with cluster_server.client() as c:
+        while len(by_node) < len(cluster.nodes):
+            sid = create(c)["id"]
+            by_node.setdefault(cluster.primary_for(keys.session_key(sid)).port, sid)
+        victim = cluster.nodes[1]
+        for node in cluster.nodes:
+            node.client().script_flush()
+        victim.kill()
+
+        def check() -> None:
+            for port, sid in by_node.items():
+                get = c.get(f"/v1/sessions/{sid}")
+                gen = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "stream": False})
+                score = c.post(f"/v1/sessions/{sid}/score", json={"prompt": "a", "commit": True})
+                if port == victim.port:
+                    assert unavailable(get) and unavailable(gen) and unavailable(score), (get.text, gen.text)
+                else:
+                    assert (get.status_code, gen.status_code, score.status_code) == (200, 200, 200), gen.text
+                    assert stream_generate(c, sid, {"max_tokens": 2}).kind == "done"
+
+        check()
+        cluster.wait_failed(victim)
+        check()
+        assert httpx.get(cluster_server.url + "/readyz").status_code == 200
+        # a new session lands on a random slot: on the dead primary's it gets 503 (and a
+        # retry gets another id, so another slot); elsewhere it is created and serves
+        statuses = []
+        for _ in range(30):
+            r = c.post("/v1/sessions", json={"prompt": "new"})
+            statuses.append(r.status_code)
+            if r.status_code == 201:
+                sid = r.json()["id"]
+                assert cluster.primary_for(keys.session_key(sid)) is not victim
+                assert c.get(f"/v1/sessions/{sid}").status_code == 200
+                break
+            assert unavailable(r), r.text
+        assert statuses[-1] == 201, statuses
+    assert cluster_server.proc is not None and cluster_server.proc.poll() is None
+
+
+# -- Sentinel ---------------------------------------------------------------------------------
+def _serves_from(new_primary, c: httpx.Client, sid: str, key: str, since: float) -> int:
+    """Generate on `sid` until a commit lands on `new_primary` (one taken by the old
+    primary before the server knew is lost with it). Meanwhile 503 redis_unavailable, or
+    409 session_conflict (a request began on the old primary and the fence refused its
+    commit on the new one), never another error. Returns the version committed there."""
+    seen: Counter[str] = Counter()
+    while True:
+        r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "stream": False})
+        if r.status_code == 200:
+            seen["200"] += 1
+            version = r.json()["session"]["version"]
+            if new_primary.client().hget(key, "version") == str(version).encode():
+                return int(version)
+        else:
+            seen[error_type(r)] += 1
+            assert unavailable(r) or (r.status_code, error_type(r)) == (409, "session_conflict"), r.text
+        assert time.monotonic() - since < 30, seen
+        time.sleep(0.1)
+
+
+def _survives_failover(sentinel: LocalSentinel, server: ServerProcess, fail: str) -> None:
+    """A session commits on the primary, and the primary fails over: `manual` (SENTINEL
+    FAILOVER; the old primary lives on and is demoted only later) or `sigkill`. The same
+    server process then commits on the new primary within seconds of the switch, at the
+    next version. A store in this process whose connection still points at the old primary
+    sees at most one StoreUnavailable, and its next command works."""
+    assert sentinel.sentinel is not None
+    sentinel.wait_ready()
+    loop = asyncio.new_event_loop()
+    store = _store(sentinel.url)
+    try:
+        mine = loop.run_until_complete(store.create(StateBlobs(b"before"), 1, "m", "fp", ttl=600))
+        with server.client() as c:
+            sid = create(c, "failover")["id"]
+            r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "stream": False})
+            assert r.status_code == 200 and r.json()["session"]["version"] == 1
+            old = sentinel.primary()
+            assert old.client().wait(1, 5000) == 1  # the replica holds both sessions
+            if fail == "manual":
+                sentinel.sentinel.client().execute_command("SENTINEL FAILOVER", SERVICE)
+            else:
+                old.kill()
+            wait_for("Sentinel names a new primary", lambda: sentinel.primary_port() != old.port)
+            switched = time.monotonic()
+            new = sentinel.primary()
+
+            version = _serves_from(new, c, sid, store_for(server).session_key(sid), switched)
+            assert version == 2
+            # a Sentinel round, not the old primary's demotion (which takes Sentinel ~10 s)
+            assert time.monotonic() - switched < 5
+            r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": "z", "commit": True})
+            assert r.status_code == 200 and r.json()["session"]["version"] == 3
+            assert httpx.get(server.url + "/readyz").status_code == 200
+        assert server.proc is not None and server.proc.poll() is None  # the same process
+
+        if fail == "manual":
+            # the store's one connection still reaches the old primary (its last command
+            # ran before the failover), and it has not asked the Sentinels since: then the
+            # old primary is demoted, as Sentinel does some seconds later, and a write
+            # there fails READONLY (as a script error, which redis-py does not act on)
+            store._next_ask = time.monotonic() + 3600
+            old.client().replicaof("127.0.0.1", new.port)
+        outcomes: list[str] = []
+        for _ in range(2):
+            try:
+                _, blobs = loop.run_until_complete(store.read(mine.id, with_state=True))
+            except StoreUnavailable:
+                outcomes.append("unavailable")
+            else:
+                assert blobs == StateBlobs(b"before")
+                outcomes.append("ok")
+                break
+        if fail == "manual":
+            assert outcomes == ["unavailable", "ok"]
+        else:
+            assert outcomes in (["ok"], ["unavailable", "ok"]), outcomes
+    finally:
+        loop.run_until_complete(store.close())
+        loop.close()
+
+
+def test_sentinel_manual_failover_is_followed_without_restart(sentinel, sentinel_server):
+    _survives_failover(sentinel, sentinel_server, "manual")
+
+
+def test_sentinel_failover_after_sigkill_is_followed_without_restart(sentinel, sentinel_server):
+    _survives_failover(sentinel, sentinel_server, "sigkill")
