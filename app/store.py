@@ -149,12 +149,18 @@ class StorageFull(StoreError):
 
 
 # -- scripts -------------------------------------------------------------------------------
-# shared Lua: `now` from the Redis clock, and re-arming a session's sliding TTL
-_LUA_TOUCH = """
+# shared Lua: `now` from the Redis clock (every replica agrees on it)
+_LUA_NOW = """
 local function now()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
+"""
+
+# shared Lua: re-arming a session's sliding TTL, and reading its metadata
+_LUA_TOUCH = (
+    _LUA_NOW
+    + """
 local function touch(key, deltas)
   local ttl = tonumber(redis.call('HGET', key, 'ttl'))
   local exp = string.format('%.6f', now() + ttl)
@@ -179,6 +185,7 @@ local function with_state(m, key, deltas, held)
   return m
 end
 """
+)
 
 # KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, owner, commit id, snapshot, deltas...
 _CREATE = (
@@ -290,15 +297,13 @@ return {'ok'}
 
 # -- tenant scripts: quotas ---------------------------------------------------------------------
 # A tenant's keys share its own hash tag ({T}), not its sessions': each script below touches
-# one slot, and runs beside (not inside) the session script it guards. See `Ledger`.
+# one slot, and runs beside (not inside) the session script it guards.
 
 # KEYS: live, bytes. Drops the sessions whose recorded expiry has passed (Redis expired
 # them) from the ledger, and returns {count, total bytes}.
-_LUA_LEDGER = """
-local function now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+_LUA_LEDGER = (
+    _LUA_NOW
+    + """
 local function prune(live, bytes)
   local gone = redis.call('ZRANGEBYSCORE', live, '-inf', now())
   for _, sid in ipairs(gone) do
@@ -321,6 +326,7 @@ local function keep(live, bytes)
   end
 end
 """
+)
 
 # KEYS: live, bytes. ARGV: session id, its state bytes, its expiry (unix s), '1' to check
 # the limits first, most sessions, most bytes. Records the session's bytes and expiry;
