@@ -8,13 +8,16 @@ Every write (create, generate, score with `commit`) reads top to bottom here:
      the bytes Redis returned, for the engine to load;
   3. run: one engine `Request`, which carries the starting state in and the committed
      state, already encoded, out (the engine never calls back here);
-  4. commit: write a delta or a snapshot (the persistence policy, `persist_for`), fenced
-     on the version the lock was taken at, so a writer whose lease lapsed can never
-     overwrite a newer commit;
+  4. commit: record the session's new size in its tenant's quota ledger (refused past
+     the tenant's limits or Redis's room), then write a delta or a snapshot (the
+     persistence policy, `persist_for`), fenced on the version the lock was taken at, so
+     a writer whose lease lapsed can never overwrite a newer commit;
   5. remember: keep the committed state in the hot cache.
 
 Whatever happens, the lock is released, and a request that did not reach step 4 changed
-nothing. Reads (score without `commit`) take no lock: the same steps without 1 and 4.
+nothing (but for `on_disconnect: commit`, `Run.close`). Reads (score without `commit`,
+export) take no lock: the same steps without 1 and 4. Creates, forks and imports reserve
+their place in the tenant's quota before any model time is spent.
 
 Persistence policy: a request that started from a stored snapshot commits only what
 changed (a delta) unless the deltas stored since the snapshot would then outweigh the
