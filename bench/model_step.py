@@ -5,6 +5,7 @@
 2. Speedup of stateful decoding over recomputing an attention window from scratch for
    every token (the paper's vanilla-Transformer evaluation), at attention lengths 800,
    1,800, 2,800 and 3,800 (Dai et al. report 363x, 773x, 1,409x and 1,874x, on GPU).
+   Context only, not a target: bench/roofline.py holds a step against the machine's limits.
 3. A decode step that grows the state in place (the default) against one that builds it
    functionally (`lm.append_in_place = False`: `torch.cat` the new row, slice the window),
    at 1 and 16 streams and two attention lengths. Results are the same (bit for bit
