@@ -6,9 +6,15 @@ Checks (each prints PASS/FAIL and the figure):
   * bf16 autocast against fp32: max |Δ log-prob| (reported; bf16 is not exact);
   * state bytes round trip through pinned host memory;
   * the compiled (CUDA-graph) decode step equals the eager one.
+  * GPU fp32 logits equal the CPU's within 1e-3 (the same weights and tokens).
 Throughput: greedy decode tokens/s at batch 1, 16, 64 and 256, with the bandwidth achieved
-(bytes of weights + state read per step × steps/s), gpt-fast style.
-Usage: python bench/gpu_smoke.py [--model shakespeare]
+(bytes of weights + state read per step × steps/s), gpt-fast style; batch 256 of the
+shipped model against the 20,000 tokens/s target.
+Roofline: a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600, random weights)
+at batch 1, eager and as a CUDA graph (torch.compile, reduce-overhead): bandwidth achieved
+÷ the device's HBM peak (`--hbm-gbs`, H200: 4,800 GB/s), against the 60% target.
+Usage: python bench/gpu_smoke.py [--model shakespeare] [--hbm-gbs 4800]
+       python bench/gpu_smoke.py --device cpu --small    (a dry run of every code path)
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import time
 import torch
 
 import model
+from model.checkpoint import build
+
+BATCH_256_TARGET = 20_000  # tokens/s, the shipped model at batch 256 (issue 14)
+HBM_TARGET = 0.60  # bandwidth achieved ÷ HBM peak, WikiText-103-size model at batch 1
 
 
 def check(name: str, ok: bool, figure: str) -> bool:
@@ -31,15 +41,25 @@ def check(name: str, ok: bool, figure: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="shakespeare")
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
+    ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
         return 2
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    lm = model.load(args.model, device="cuda", precision="fp32")
+    print(
+        torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+        "torch",
+        torch.__version__,
+        flush=True,
+    )
+    lm = model.load(args.model, device=dev, precision="fp32")
     ok = True
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (2, 3 * lm.segment_len), generator=g).cuda()
+    x = torch.randint(0, 256, (2, 3 * lm.segment_len), generator=g).to(dev)
+    cpu_logits, _ = model.load(args.model, device="cpu", precision="fp32")(x.cpu(), None)
     whole, _ = lm(x, lm.new_state(2))
     st, parts = lm.new_state(2), []
     for t in range(x.shape[1]):
@@ -47,13 +67,15 @@ def main() -> int:
         parts.append(logits)
     d = (whole - torch.cat(parts, 1)).abs().max().item()
     ok &= check("chunk invariance fp32", d <= 1e-4, f"max |Δlogit| {d:.2e}")
+    d = (whole.cpu() - cpu_logits).abs().max().item()
+    ok &= check("device fp32 == CPU fp32", d <= 1e-3, f"max |Δlogit| {d:.2e}")
 
     states = []
     for n in (5, 50, 300):
         s = lm.new_state(1)
         _, s = lm.consume(torch.randint(0, 256, (n,), generator=g), s)
         states.append(s)
-    nxt = torch.randint(0, 256, (3, 8), generator=g).cuda()
+    nxt = torch.randint(0, 256, (3, 8), generator=g).to(dev)
     batched, _ = lm(nxt, lm.stack_states(states))
     alone = torch.cat([lm(nxt[i : i + 1], s)[0] for i, s in enumerate(states)])
     d = (batched - alone).abs().max().item()
@@ -71,8 +93,8 @@ def main() -> int:
     ok &= check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
 
     lm.append_in_place = False  # as the engine runs a compiled step: state built functionally
-    step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead")
-    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default")
+    tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
     s_e = s_c = states[1]
     diffs = []
     for _ in range(16):
@@ -83,21 +105,40 @@ def main() -> int:
     ok &= check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
     lm.append_in_place = True
 
+    batch_256 = throughput(lm, states[2], dev)
+    ok &= check(
+        "shipped model, batch 256",
+        batch_256 >= BATCH_256_TARGET,
+        f"{batch_256:,.0f} tokens/s (target {BATCH_256_TARGET:,})",
+    )
+    ok &= roofline(dev, args.hbm_gbs, args.small)
+    return 0 if ok else 1
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def throughput(lm, state, dev: str) -> float:
+    """Greedy decode tokens/s at batch 1, 16, 64 and 256, fp32 and bf16, printed; returns
+    fp32 batch 256's."""
     weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    out = 0.0
     for precision in ("fp32", "bf16"):
         lm.precision = precision
         for batch in (1, 16, 64, 256):
-            st = lm.stack_states([states[2]] * batch)
-            tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+            st = lm.stack_states([state] * batch)
+            tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             for _ in range(5):
                 _, st = lm(tok, st)
-            torch.cuda.synchronize()
+            sync(dev)
             steps, t0 = 100, time.perf_counter()
             for _ in range(steps):
                 logits = lm.next_logits(st)
                 tok = logits.argmax(-1, keepdim=True)
                 _, st = lm(tok, st)
-            torch.cuda.synchronize()
+            sync(dev)
             dt = time.perf_counter() - t0
             per_step_bytes = weights + st.nbytes()
             print(
@@ -105,7 +146,58 @@ def main() -> int:
                 f"{steps / dt:7.1f} steps/s   {per_step_bytes * steps / dt / 1e9:6.1f} GB/s achieved",
                 flush=True,
             )
-    return 0 if ok else 1
+            if precision == "fp32" and batch == 256:
+                out = batch * steps / dt
+    lm.precision = "fp32"
+    return out
+
+
+def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
+    """A WikiText-103-size Transformer-XL (random weights) at batch 1, its memory full:
+    bandwidth achieved (weights + the key/value state each step reads) ÷ HBM peak, eager
+    and as a CUDA graph."""
+    torch.manual_seed(0)
+    size = (
+        dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=256, mem_len=64)
+        if small
+        else dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, mem_len=1600)
+    )
+    lm = build("transformer-xl", {**size, "tgt_len": 128, "dropout": 0.0}).to(dev).eval()
+    state = lm.new_state(1)
+    _, state = lm.consume(torch.randint(0, 256, (size["mem_len"] + 1,)), state)
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    per_step = weights + state.nbytes()  # every weight, and the memory's keys and values
+    best = 0.0
+    for name in ("eager", "cuda graph"):
+        lm.append_in_place = name == "eager"
+        step = (
+            lm.forward
+            if name == "eager"
+            else torch.compile(
+                lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
+            )
+        )
+        st, tok = state, torch.zeros(1, 1, dtype=torch.long, device=dev)
+        for _ in range(5):
+            _, st = step(tok, st)
+        sync(dev)
+        steps, t0 = 50, time.perf_counter()
+        for _ in range(steps):
+            logits, st = step(tok, st)
+            tok = logits[:, -1:].argmax(-1)
+        sync(dev)
+        achieved = per_step * steps / (time.perf_counter() - t0) / 1e9
+        best = max(best, achieved / hbm_gbs)
+        print(
+            f"roofline {name}: {per_step / 1e6:.0f} MB/step, {achieved:,.0f} GB/s = {achieved / hbm_gbs:.0%} of HBM",
+            flush=True,
+        )
+    lm.append_in_place = True
+    return check(
+        "WikiText-103-size model, batch 1, bandwidth ÷ HBM peak",
+        best >= HBM_TARGET,
+        f"{best:.0%} (target {HBM_TARGET:.0%})",
+    )
 
 
 if __name__ == "__main__":
