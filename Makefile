@@ -12,7 +12,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow install ref-env bench lint docs clean
+.PHONY: run test test-slow test-image install ref-env bench lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ test: $(STAMP) $(REF_STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk the README's
+# curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)
+test-image: $(STAMP)
+	PY=$(PY) tests/deploy/image_test.sh
 
 bench: $(STAMP)
 	$(PY) bench/report.py
