@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, ClassVar, NamedTuple
 
@@ -56,6 +57,7 @@ class LanguageModel(nn.Module):
         # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
         # builds every step functionally (the benchmarks' baseline; the same results)
         self.append_in_place = True
+        self.register_state_dict_post_hook(_contiguous_state)
 
     # -- to implement -------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -151,6 +153,26 @@ class LanguageModel(nn.Module):
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)
 
+    def train(self, mode: bool = True) -> LanguageModel:
+        super().train(mode)
+        if not mode and self.device.type == "cpu":
+            self._lay_out_weights()
+        return self
+
+    def _lay_out_weights(self) -> None:
+        """Lay out each (untied) linear layer's weight with its longer side contiguous in
+        memory: a tall one is stored transposed, the same tensor. One token's step
+        multiplies a vector by every weight, and a CPU's BLAS streams a long contiguous side
+        faster than a short one. `state_dict` hands out contiguous copies of these
+        (`_contiguous_state`), so checkpoints and fingerprints are unchanged."""
+        uses = Counter(id(p) for _, p in self.named_parameters(remove_duplicate=False))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                w = m.weight
+                n_out, n_in = w.shape
+                if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
+                    w.data = w.data.t().contiguous().t()
+
     def grows_in_place(self) -> bool:
         return self.append_in_place and not torch.is_grad_enabled()
 
@@ -225,6 +247,14 @@ class LanguageModel(nn.Module):
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
+
+
+def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A state_dict's tensors in the standard layout (see `LanguageModel._lay_out_weights`):
+    safetensors saves only contiguous tensors."""
+    for name, t in state_dict.items():
+        if not t.is_contiguous():
+            state_dict[name] = t.contiguous()
 
 
 def _check_time_axis(name: str, t: torch.Tensor, axis: TimeAxis, n_tokens: torch.Tensor) -> None:

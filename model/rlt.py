@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel, TimeAxis
-from .state import Growth, State, StateError, Window, kv_appender, unzip
+from .state import Growth, State, StateError, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
 KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -92,51 +92,101 @@ class RLTConfig:
 
 
 # -- positions and masks ------------------------------------------------------------------
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (B, T, 1, hd/2)
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, T, 1, hd), see `apply_rope`
 
 
 def rope_angles(pos: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
-    """Absolute positions (B, T) -> cos, sin (B, T, 1, hd/2) in `dtype`. Angles are computed
-    in float64, so a position gets the same rotation whichever chunk it arrives in, even
-    far into a long session."""
+    """Absolute positions (B, T) -> cos, sin (B, T, 1, hd) in `dtype`, the sines of the first
+    half negated (`apply_rope`). Angles are computed in float64, so a position gets the same
+    rotation whichever chunk it arrives in, even far into a long session."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
-    ang = pos.to(torch.float64)[..., None] * inv_freq
-    return ang.cos()[:, :, None].to(dtype), ang.sin()[:, :, None].to(dtype)
+    ang = pos.to(torch.float64)[..., None] * inv_freq  # (B, T, hd/2)
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat([cos, cos], -1)[:, :, None].to(dtype), torch.cat([-sin, sin], -1)[:, :, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cs: Rope, n_head: int) -> torch.Tensor:
-    """Rotate each head of x (B, T, n_head*hd) by its position (rotate-half form)."""
+    """Rotate each head of x (B, T, n_head*hd) by its position, rotate-half form:
+    [x1; x2] -> [x1 cos - x2 sin; x2 cos + x1 sin] = x cos + [x2; x1] (signed sin)."""
     B, T, D = x.shape
-    xh = x.view(B, T, n_head, D // n_head)
-    x1, x2 = xh.chunk(2, -1)
-    cos, sin = cs[0].to(x.dtype), cs[1].to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).view(B, T, D)
+    hd = D // n_head
+    xh = x.view(B, T, n_head, hd)
+    swapped = xh.roll(hd // 2, -1)  # [x2; x1]
+    cos, sin = cs if cs[0].dtype == x.dtype else (cs[0].to(x.dtype), cs[1].to(x.dtype))
+    return torch.addcmul(xh * cos, swapped, sin).view(B, T, D)
 
 
 def window_mask(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, span: int, first_valid: torch.Tensor
-) -> torch.Tensor:
-    """(B, 1, T, K) True where query may attend: 0 <= q - k < span and k is not left padding.
+    q0: int, T: int, k0: int, K: int, span: int, first_valid: torch.Tensor, padded: bool
+) -> torch.Tensor | None:
+    """(B, 1, T, K) True where query may attend: 0 <= q - k < span and k is not left padding;
+    None where every query may attend every key (one query whose keys all lie in its span,
+    and no padding: the attention then needs no mask).
 
-    Indices are positions in one key array [cache; chunk]; first_valid [B] is where each
-    row's real entries start (everything before is padding from batching).
+    Queries are the positions q0 .. q0+T-1 and keys k0 .. k0+K-1 in one key array [cache;
+    chunk]; first_valid [B] is where each row's real entries start (everything before is
+    padding from batching); `padded`: whether any row has padding.
     """
-    dist = q_idx[:, None] - k_idx[None, :]  # (T, K)
+    if q0 >= k0 + K - 1 and q0 + T - 1 - k0 < span and not padded:
+        return None
+    dev = first_valid.device
+    k_idx = torch.arange(k0, k0 + K, device=dev)
+    dist = torch.arange(q0, q0 + T, device=dev)[:, None] - k_idx  # (T, K)
     ok = (dist >= 0) & (dist < span)
-    real = k_idx[None, :] >= first_valid[:, None]  # (B, K)
+    real = k_idx >= first_valid[:, None]  # (B, K)
     return (ok[None] & real[:, None])[:, None]
 
 
+def real_keys(first_valid: torch.Tensor, K: int, padded: bool) -> torch.Tensor | None:
+    """(B, 1, 1, K) True where key k is not left padding (k >= first_valid [B]), or None where
+    no row is `padded`. A query's slice of it is its mask when its keys are sliced to its span."""
+    if not padded:
+        return None
+    return (torch.arange(K, device=first_valid.device) >= first_valid[:, None])[:, None, None]
+
+
+def window_appender(k: Growth, v: Growth, i: int, span: int) -> KV:
+    """For decoder layer i stepping one token: append its key and value to the window cache,
+    get back the last `span` of them."""
+    return lambda k_new, v_new: (k.append(i, k_new)[:, -span:], v.append(i, v_new)[:, -span:])
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, holding its eps as a tensor for `rms_norm`."""
+
+    eps_tensor: torch.Tensor
+
+    def __init__(self, d: int, eps: float):
+        super().__init__(d, eps=eps)
+        self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self)
+
+
+def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w with mean(x^2) = |x|^2 / d: five small kernels where
+    nn.RMSNorm's CPU path runs seven, and no module call (a decode step runs fourteen norms)."""
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * torch.rsqrt(torch.addcmul(norm.eps_tensor, n, n, value=1 / x.shape[-1])) * norm.weight
+
+
+def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, K, D) -> a view (B, nh, K, hd)."""
+    B, K, D = x.shape
+    return x.view(B, K, n_head, D // n_head).transpose(1, 2)
+
+
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, n_head: int
+    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, allowed: torch.Tensor | None, n_head: int
 ) -> torch.Tensor:
-    """q (B, T, D), k, v (B, K, D), allowed (B, 1, T, K) -> (B, T, D)."""
+    """q (B, T, D), kh, vh (B, nh, K, hd), allowed (B, 1, T, K) or None (all) -> (B, T, D)."""
     B, T, D = q.shape
-    K = k.shape[1]
     hd = D // n_head
+    if T == 1:  # one query: splitting its heads is a view, and so is joining them
+        out = F.scaled_dot_product_attention(q.view(B, n_head, 1, hd), kh, vh, attn_mask=allowed)
+        return out.view(B, 1, D)
     qh = q.view(B, T, n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-    kh = k.view(B, K, n_head, hd).transpose(1, 2)  # (B, nh, K, hd)
-    vh = v.view(B, K, n_head, hd).transpose(1, 2)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)  # (B, nh, T, hd)
     return out.transpose(1, 2).reshape(B, T, D)
 
@@ -156,12 +206,14 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,  # (B, T, d), already normalised
         cs: Rope,
         kv: KV,  # cached rotated keys and values of earlier positions (B, S, d)
-        allowed: torch.Tensor,  # (B, 1, T, S+T)
+        allowed: torch.Tensor | None,  # (B, 1, T, S+T), or None: every key
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, -1)
-        q, k = apply_rope(q, cs, self.n_head), apply_rope(k, cs, self.n_head)
-        k, v = kv(k, v)  # (B, S+T, d)
-        return self.proj(attend(q, k, v, allowed, self.n_head))
+        d = x.shape[-1]
+        qkv = F.linear(x, self.qkv.weight)  # (B, T, 3d)
+        q, k = apply_rope(qkv[..., : 2 * d], cs, 2 * self.n_head).chunk(2, -1)  # q's and k's heads at once
+        k, v = kv(k, qkv[..., 2 * d :])  # (B, S+T, d)
+        kh, vh = split_heads(k, self.n_head), split_heads(v, self.n_head)
+        return F.linear(attend(q, kh, vh, allowed, self.n_head), self.proj.weight)
 
 
 class CrossAttention(nn.Module):
@@ -177,12 +229,12 @@ class CrossAttention(nn.Module):
         self,
         x: torch.Tensor,
         cs: Rope,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        allowed: torch.Tensor,
+        kh: torch.Tensor,  # (B, nh, K, hd) the memory entries in reach, split into heads
+        vh: torch.Tensor,
+        allowed: torch.Tensor | None,
     ) -> torch.Tensor:
-        q = apply_rope(self.q(x), cs, self.n_head)
-        return self.proj(attend(q, k, v, allowed, self.n_head))
+        q = apply_rope(F.linear(x, self.q.weight), cs, self.n_head)
+        return F.linear(attend(q, kh, vh, allowed, self.n_head), self.proj.weight)
 
 
 class MLP(nn.Module):
@@ -192,30 +244,30 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return F.linear(F.gelu(F.linear(x, self.fc.weight)), self.proj.weight)
 
 
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: RLTConfig):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = SelfAttention(cfg)
-        self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cs: Rope, kv: KV, allowed: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cs, kv, allowed)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cs: Rope, kv: KV, allowed: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.norm1), cs, kv, allowed)
+        return x + self.mlp(rms_norm(x, self.norm2))
 
 
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: RLTConfig):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = SelfAttention(cfg)  # sliding window W
-        self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.cross = CrossAttention(cfg)
-        self.norm3 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm3 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -223,14 +275,14 @@ class DecoderBlock(nn.Module):
         x: torch.Tensor,  # (B, T, d)
         cs: Rope,
         kv: KV,  # the window cache (B, S, d)
-        self_allowed: torch.Tensor,  # (B, 1, T, S+T)
-        mem_k: torch.Tensor,  # (B, K, d) this layer's memory group, the entries in reach
+        self_allowed: torch.Tensor | None,  # (B, 1, T, S+T), or None: every key
+        mem_k: torch.Tensor,  # (B, nh, K, hd) this layer's memory group, the entries in reach
         mem_v: torch.Tensor,
-        mem_allowed: torch.Tensor,  # (B, 1, T, K)
+        mem_allowed: torch.Tensor | None,  # (B, 1, T, K), or None: every entry
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cs, kv, self_allowed)
-        x = x + self.cross(self.norm2(x), cs, mem_k, mem_v, mem_allowed)
-        return x + self.mlp(self.norm3(x))
+        x = x + self.attn(rms_norm(x, self.norm1), cs, kv, self_allowed)
+        x = x + self.cross(rms_norm(x, self.norm2), cs, mem_k, mem_v, mem_allowed)
+        return x + self.mlp(rms_norm(x, self.norm3))
 
 
 class Memory(nn.Module):
@@ -239,15 +291,15 @@ class Memory(nn.Module):
     def __init__(self, cfg: RLTConfig):
         super().__init__()
         self.G, self.n_head = cfg.memory_groups, cfg.n_head
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.k = nn.Linear(cfg.d_model, self.G * cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, self.G * cfg.d_model, bias=False)
 
     def forward(self, e: torch.Tensor, cs: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, d = e.shape
-        h = self.norm(e)
-        k = apply_rope(self.k(h), cs, self.G * self.n_head)  # (B, T, G*d)
-        v = self.v(h)
+        h = rms_norm(e, self.norm)
+        k = apply_rope(F.linear(h, self.k.weight), cs, self.G * self.n_head)  # (B, T, G*d)
+        v = F.linear(h, self.v.weight)
         return k.view(B, T, self.G, d).transpose(1, 2), v.view(B, T, self.G, d).transpose(
             1, 2
         )  # (B, G, T, d)
@@ -259,14 +311,24 @@ class Merge(nn.Module):
     def __init__(self, cfg: RLTConfig):
         super().__init__()
         self.alpha = cfg.alpha
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.gate = nn.Linear(2 * cfg.d_model, cfg.d_model)  # W_g, b_g
         self.W_s = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, e: torch.Tensor, s_prev: torch.Tensor) -> torch.Tensor:
-        r = self.norm(s_prev)
-        g = torch.sigmoid(self.gate(torch.cat([e, r], -1)))
-        return e + self.alpha * g * self.W_s(r)
+    def prepare(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a chunk's steps share: the gate's e_t part W_g[:, :d] e_t + b_g for every
+        position (B, T, d), and one weight [W_g[:, d:]; W_s] (2d, d) mapping r to both the
+        gate's r part and W_s r, so that a step multiplies r once."""
+        d = e.shape[-1]
+        w = self.gate.weight
+        return F.linear(e, w[:, :d], self.gate.bias), torch.cat([w[:, d:], self.W_s.weight])
+
+    def forward(
+        self, e: torch.Tensor, ge: torch.Tensor, s_prev: torch.Tensor, w_r: torch.Tensor
+    ) -> torch.Tensor:
+        """u_t (B, 1, d) from e_t, its gate part ge_t (`prepare`) and s_{t-1}, each (B, 1, d)."""
+        g_r, w_s_r = F.linear(rms_norm(s_prev, self.norm), w_r).chunk(2, -1)
+        return torch.addcmul(e, torch.sigmoid(ge + g_r), w_s_r, value=self.alpha)
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -290,7 +352,7 @@ class RLT(LanguageModel):
         self.merge = Merge(cfg) if cfg.feedback else None
         self.s_star = nn.Parameter(torch.zeros(d))  # s_0
         self.decoder = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_decoder_layers))
-        self.norm_out = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.norm_out = RMSNorm(d, cfg.norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)  # W_o
         self.apply(self._init_weights)
         nn.init.normal_(self.s_star, 0.0, 0.02)
@@ -337,28 +399,34 @@ class RLT(LanguageModel):
         pos = n[:, None] + torch.arange(T, device=tokens.device)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)
         ctx_valid = n.clamp(max=cfg.max_context - 1)  # (B,) real cached encoder / memory entries per row
+        n_min = int(n.min())  # one host read: which time axes hold left padding (`_padded`)
         in_place = self.grows_in_place()
-        grown = {name: state.window(name).grow(T, in_place) for name in ("enc_k", "enc_v", "mem_k", "mem_v")}
+        axes = self.time_axes()
+        grown = {name: state.window(name).grow(T, in_place) for name in axes}
         with self.autocast():
-            e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid)  # (B, T, d)
+            e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid, n_min)  # (B, T, d)
             mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
-            s_all, swa = self._recur(e, cs, state, mem, ctx_valid)  # (B, T, d)
-            logits = self.head(self.norm_out(s_all))  # (B, T, V)
-        windows = {name: g.result(min(cfg.max_context - 1, g.M + T)) for name, g in grown.items()}
-        tensors, arenas = unzip({**windows, "swa_k": swa[0], "swa_v": swa[1]})
+            s_all = self._recur(
+                e, cs, state, mem, ctx_valid, n_min, grown["swa_k"], grown["swa_v"]
+            )  # (B, T, d)
+            logits = F.linear(rms_norm(s_all, self.norm_out), self.head.weight)  # (B, T, V)
+        tensors, arenas = unzip({name: g.result(min(axes[name].bound, g.M + T)) for name, g in grown.items()})
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
         tensors["n_tokens"] = n + T
         return _at_least_fp32(logits), self._state(tensors, arenas)
 
+    def _padded(self, n_min: int, axis: str, rows: int) -> bool:
+        """Whether a time axis holding `rows` rows is left-padded in some stream: one that has
+        consumed n_min tokens holds min(n_min, bound) real rows."""
+        return min(n_min, self.time_axes()[axis].bound) < rows
+
     def _encode(
-        self, tokens: torch.Tensor, cs: Rope, ek: Growth, ev: Growth, ctx_valid: torch.Tensor
+        self, tokens: torch.Tensor, cs: Rope, ek: Growth, ev: Growth, ctx_valid: torch.Tensor, n_min: int
     ) -> torch.Tensor:
         """The causal encoder, one batch over the chunk: tokens (B, T) -> e (B, T, d)."""
-        T, M, dev = tokens.shape[1], ek.M, tokens.device
+        T, M, C = tokens.shape[1], ek.M, self.config.max_context
         # keys [cache (M); chunk (T)]; row b's real cached entries are its last ctx_valid[b]
-        allowed = window_mask(
-            torch.arange(M, M + T, device=dev), torch.arange(M + T, device=dev), self.config.max_context, M - ctx_valid
-        )
+        allowed = window_mask(M, T, 0, M + T, C, M - ctx_valid, self._padded(n_min, "enc_k", M))
         x = self.tok_emb(tokens)  # (B, T, d)
         for i, blk in enumerate(self.encoder):
             x = blk(x, cs, kv_appender(ek, ev, i), allowed)
@@ -379,68 +447,87 @@ class RLT(LanguageModel):
         e: torch.Tensor,  # (B, T, d) the chunk's encoder outputs
         cs: Rope,
         state: State,
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],  # per group k, v (B, Mm+T, d)
         ctx_valid: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[Window, Window]]:
-        """The decoder over the chunk: s_t for every position (B, T, d), and the window caches."""
-        n, Mm = state.n_tokens, state["mem_k"].shape[2]
+        n_min: int,
+        sk: Growth,  # the window caches' keys and values (B, L_D, S, d), growing by T
+        sv: Growth,
+    ) -> torch.Tensor:
+        """The decoder over the chunk: s_t for every position (B, T, d)."""
+        T, S = e.shape[1], sk.M
+        Mm = mem[0][0].shape[1] - T
+        # (B,) each row's first real window cache row and memory entry; whether any is padding
+        swa_first = S - state.n_tokens.clamp(max=self.config.window - 1)
         mem_first = Mm - ctx_valid
-        swa = (state.window("swa_k"), state.window("swa_v"))
+        padded = (self._padded(n_min, "swa_k", S), self._padded(n_min, "mem_k", Mm))
         if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
-            return self._decode(e, 0, cs, swa, mem, Mm, mem_first, n)
-        s = state["s"][:, None]  # (B, 1, d) s_{t-1}
-        outs = []
-        for t in range(e.shape[1]):
-            u = self.merge(e[:, t : t + 1], s)  # (B, 1, d)
-            cs_t = (cs[0][:, t : t + 1], cs[1][:, t : t + 1])
-            s, swa = self._decode(u, t, cs_t, swa, mem, Mm, mem_first, n)
-            outs.append(s)
-        return torch.cat(outs, 1), swa  # (B, T, d)
+            return self._decode_chunk(e, cs, sk, sv, mem, swa_first, mem_first, padded)
+        return self._decode_steps(e, cs, state["s"], sk, sv, mem, swa_first, mem_first, padded)
 
-    def _decode(
+    def _decode_chunk(
         self,
-        x: torch.Tensor,  # (B, T, d) decoder input u for chunk offsets t0 .. t0+T-1
-        t0: int,
+        x: torch.Tensor,  # (B, T, d) decoder inputs u
         cs: Rope,
-        swa: tuple[Window, Window],  # the window caches' keys and values (B, L_D, S, d)
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],  # per group k, v (B, Mm+chunk, d)
-        Mm: int,  # cached memory entries before the chunk
-        mem_first: torch.Tensor,  # (B,) first real memory entry per row
-        n: torch.Tensor,  # (B,) tokens before the chunk
-    ) -> tuple[torch.Tensor, tuple[Window, Window]]:
+        sk: Growth,
+        sv: Growth,
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
+        swa_first: torch.Tensor,  # (B,) first real window cache row
+        mem_first: torch.Tensor,  # (B,) first real memory entry
+        padded: tuple[bool, bool],  # whether the window caches, the memory hold padding
+    ) -> torch.Tensor:
+        """The decoder blocks over a whole chunk (RLT-0, where u does not depend on s)."""
         cfg = self.config
-        W, C = cfg.window, cfg.max_context
-        B, T, _ = x.shape
-        dev = x.device
-        # sliding-window self-attention: keys [cache (S); these T], row b has min(n+t0, W-1) real cached
-        S = swa[0].rows.shape[2]
-        self_allowed = window_mask(
-            torch.arange(S, S + T, device=dev),
-            torch.arange(S + T, device=dev),
-            W,
-            S - (n + t0).clamp(max=W - 1),
-        )
-        keep = min(W - 1, S + T)
-        # memory prefix: entries j in (t - C, t], i.e. indices [lo, Mm + t0 + T)
-        hi = Mm + t0 + T
-        lo = max(0, Mm + t0 + 1 - C)
-        q_idx = torch.arange(Mm + t0, hi, device=dev)
-        mem_allowed = window_mask(q_idx, torch.arange(lo, hi, device=dev), C, mem_first)
-        in_place = self.grows_in_place()
-        sk, sv = swa[0].grow(T, in_place), swa[1].grow(T, in_place)
+        T, S = x.shape[1], sk.M
+        Mm = mem[0][0].shape[1] - T
+        # window keys [cache (S); chunk (T)]; memory entries in reach of the chunk [lo, Mm + T)
+        self_allowed = window_mask(S, T, 0, S + T, cfg.window, swa_first, padded[0])
+        lo = max(0, Mm + 1 - cfg.max_context)
+        mem_allowed = window_mask(Mm, T, lo, Mm + T - lo, cfg.max_context, mem_first, padded[1])
+        H = cfg.n_head
         for i, blk in enumerate(self.decoder):
             g = i % cfg.memory_groups
-            x = blk(
-                x,
-                cs,
-                kv_appender(sk, sv, i),
-                self_allowed,
-                mem[0][g][:, lo:hi],
-                mem[1][g][:, lo:hi],
-                mem_allowed,
-            )
-        return x, (sk.result(keep), sv.result(keep))
+            mk, mv = split_heads(mem[0][g][:, lo:], H), split_heads(mem[1][g][:, lo:], H)
+            x = blk(x, cs, kv_appender(sk, sv, i), self_allowed, mk, mv, mem_allowed)
+        return x
+
+    def _decode_steps(
+        self,
+        e: torch.Tensor,  # (B, T, d) the chunk's encoder outputs
+        cs: Rope,
+        s0: torch.Tensor,  # (B, d) s before the chunk
+        sk: Growth,
+        sv: Growth,
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
+        swa_first: torch.Tensor,
+        mem_first: torch.Tensor,
+        padded: tuple[bool, bool],
+    ) -> torch.Tensor:
+        """RLT-1: the recurrence, one token at a time (u_t needs s_{t-1}). Everything that does
+        not need s was done for the whole chunk; a step slices its keys to its span, so only
+        left padding (rare: batched streams of different lengths) needs a mask."""
+        cfg = self.config
+        T, S, W, C = e.shape[1], sk.M, cfg.window, cfg.max_context
+        Mm = mem[0][0].shape[1] - T
+        swa_real, mem_real = real_keys(swa_first, S + T, padded[0]), real_keys(mem_first, Mm + T, padded[1])
+        assert self.merge is not None
+        ge, w_r = self.merge.prepare(e)
+        mem_h = [(split_heads(k, cfg.n_head), split_heads(v, cfg.n_head)) for k, v in zip(*mem, strict=True)]
+        s = s0[:, None]  # (B, 1, d) s_{t-1}
+        outs = []
+        for t in range(T):
+            x = self.merge(e[:, t : t + 1], ge[:, t : t + 1], s, w_r)  # u_t (B, 1, d)
+            cs_t = (cs[0][:, t : t + 1], cs[1][:, t : t + 1])
+            w0, m0 = max(0, S + t + 1 - W), max(0, Mm + t + 1 - C)  # first key in reach
+            self_allowed = None if swa_real is None else swa_real[..., w0 : S + t + 1]
+            mem_allowed = None if mem_real is None else mem_real[..., m0 : Mm + t + 1]
+            for i, blk in enumerate(self.decoder):
+                mk, mv = mem_h[i % cfg.memory_groups]
+                mk, mv = mk[:, :, m0 : Mm + t + 1], mv[:, :, m0 : Mm + t + 1]
+                x = blk(x, cs_t, window_appender(sk, sv, i, W), self_allowed, mk, mv, mem_allowed)
+            s = x
+            outs.append(s)
+        return torch.cat(outs, 1)  # (B, T, d)
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():
-            return _at_least_fp32(self.head(self.norm_out(state["s"])))
+            return _at_least_fp32(F.linear(rms_norm(state["s"], self.norm_out), self.head.weight))

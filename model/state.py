@@ -251,12 +251,24 @@ def encode(state: State, persist: Persist) -> Encoded:
 
 
 class Arena:
-    """Rows [B, L, capacity, D] behind a time-axis tensor; rows before `end` are claimed."""
+    """Rows [B, L, capacity, D] behind a time-axis tensor; rows before `end` are claimed.
 
-    __slots__ = ("data", "end")
+    `time_major`: in memory, each (stream, layer)'s rows are laid out along time (a row's D
+    values are `capacity` apart), so a kernel that scans the time axis reads it contiguously
+    (a single stream's attention scores, `model.transformer_xl`). The tensor is the same."""
 
-    def __init__(self, data: torch.Tensor, end: int):
-        self.data, self.end = data, end
+    __slots__ = ("data", "end", "time_major")
+
+    def __init__(self, data: torch.Tensor, end: int, time_major: bool = False):
+        self.data, self.end, self.time_major = data, end, time_major
+
+    @staticmethod
+    def empty(like: torch.Tensor, capacity: int, time_major: bool) -> torch.Tensor:
+        """An uninitialised [B, L, capacity, D] buffer for rows like `like` [B, L, M, D]."""
+        B, L, _, D = like.shape
+        if time_major:
+            return like.new_empty(B, L, D, capacity).transpose(2, 3)
+        return like.new_empty(B, L, capacity, D)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is this arena's newest window: its last row is the last claimed row."""
@@ -278,44 +290,62 @@ class Window:
     rows: torch.Tensor
     arena: Arena | None = None
 
-    def grow(self, T: int, in_place: bool) -> Growth:
+    def grow(self, T: int, in_place: bool, time_major: bool = False) -> Growth:
         """Make room for T new rows per layer. `in_place` must be False under autograd (the
-        functional path keeps every step in the graph)."""
-        return Growth(self, T, in_place)
+        functional path keeps every step in the graph); `time_major` picks the layout of a
+        new arena (see `Arena`)."""
+        return Growth(self, T, in_place, time_major)
 
 
 class Growth:
-    """One append of T rows to each layer of a `Window`: `append(i, rows)` per layer, then
-    `result(keep)` for the window the next state carries."""
+    """One append of T rows to each layer of a `Window`: `append(i, rows)` per layer (all T
+    rows at once, or a few at a time), then `result(keep)` for the window the next state
+    carries."""
 
-    def __init__(self, window: Window, T: int, in_place: bool):
+    def __init__(self, window: Window, T: int, in_place: bool, time_major: bool = False):
         old = window.rows
-        B, L, M, D = old.shape
+        M = old.shape[2]
         self.old, self.M, self.T = old, M, T
         self.arena: Arena | None = None
-        self.joined: list[torch.Tensor | None] = [None] * L
+        self.joined: list[torch.Tensor | None] = [None] * old.shape[1]
+        self.filled = [0] * old.shape[1]  # new rows appended so far, per layer
         if not in_place:
             return
         arena = window.arena
-        if arena is None or not arena.holds(old) or arena.end + T > arena.data.shape[2]:
-            data = old.new_empty(B, L, M + T + max(T, ARENA_SLACK), D)
+        if (
+            arena is None
+            or arena.time_major != time_major
+            or not arena.holds(old)
+            or arena.end + T > arena.data.shape[2]
+        ):
+            data = Arena.empty(old, M + T + max(T, ARENA_SLACK), time_major)
             data[:, :, :M] = old
-            arena = Arena(data, M)
+            arena = Arena(data, M, time_major)
         self.arena, self.start = arena, arena.end - M
+        self.layers = arena.data.unbind(1)  # [B, capacity, D] per layer
         arena.end += T  # claimed now: no other view of this arena can append to these rows
 
     def append(self, i: int, rows: torch.Tensor) -> torch.Tensor:
-        """Add layer i's new rows [B, T, D]; returns its old rows then the new [B, M+T, D]."""
+        """Add n of layer i's new rows [B, n, D]; returns its old rows then every new row so
+        far [B, M+filled, D]."""
+        n = rows.shape[1]
+        filled = self.filled[i] = self.filled[i] + n
+        if filled > self.T:
+            raise RuntimeError(f"Growth of {self.T} rows: layer {i} got {filled}")
         if self.arena is None:
-            joined = torch.cat([self.old[:, i], rows.to(self.old.dtype)], 1)
+            before = self.joined[i]
+            joined = torch.cat([self.old[:, i] if before is None else before, rows.to(self.old.dtype)], 1)
             self.joined[i] = joined
             return joined
-        end = self.start + self.M + self.T
-        self.arena.data[:, i, end - self.T : end] = rows
-        return self.arena.data[:, i, self.start : end]
+        end = self.start + self.M + filled
+        layer = self.layers[i]
+        layer.narrow(1, end - n, n).copy_(rows)
+        return layer.narrow(1, self.start, end - self.start)
 
     def result(self, keep: int) -> Window:
         """The last `keep` rows of every layer, once all layers have appended."""
+        if any(f != self.T for f in self.filled):
+            raise RuntimeError("Growth.result() before every layer appended")
         if self.arena is not None:
             end = self.start + self.M + self.T
             return Window(self.arena.data[:, :, end - keep : end], self.arena)
@@ -323,8 +353,6 @@ class Growth:
         if L == 0:
             return Window(self.old.new_empty(B, 0, keep, D))
         parts = [j[:, j.shape[1] - keep :] for j in self.joined if j is not None]
-        if len(parts) != L:
-            raise RuntimeError("Growth.result() before every layer appended")
         return Window(torch.stack(parts, 1))
 
 

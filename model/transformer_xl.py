@@ -16,7 +16,10 @@ Memory (Sec. 3.2): each layer keeps the last `mem_len` hidden states of its *inp
 detached (StopGrad, Eq. h~ = [SG(m); h]). At inference the layer's keys and values for
 the memory rows are also cached in the state, so a decode step projects one new row
 instead of re-projecting the whole memory; the cache is derived data and is rebuilt from
-the memory when a state is loaded from bytes.
+the memory when a state is loaded from bytes. A decode step (one new token per stream, at
+inference) runs `RelPartialLearnableMultiHeadAttn.step`, the same attention arranged for a
+step bound by memory bandwidth: no relative shift, the position table sliced, and a single
+stream's cache kept time-major (`model.state.Arena`) so its scores scan contiguous rows.
 
 Pretrained checkpoints (the original / HF `TransfoXLLMHeadModel` layout, see model/hf.py)
 add three options, all off by default so native checkpoints are untouched:
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import LanguageModel, TimeAxis
-from .state import State, kv_appender, unzip
+from .state import Growth, State, kv_appender, unzip
 
 
 @dataclass
@@ -108,6 +111,19 @@ def sinusoid(pos_seq: torch.Tensor, d_model: int) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], -1)
 
 
+@dataclass
+class PositionTables:
+    """Inference cache: per layer W_{k,R} R over the distances P-1 .. 0, in that order and
+    one distance per column (H*dh, P), so that the last K columns serve any K <= P as a
+    slice (no gather per step) and a decode step scans contiguous rows."""
+
+    rk: list[torch.Tensor]
+
+    def keys(self, layer: int, K: int, n_head: int) -> torch.Tensor:
+        """W_{k,R} R for distances K-1 .. 0, one per row: a view (K, H, dh)."""
+        return self.rk[layer][:, -K:].t().view(K, n_head, -1)
+
+
 def rel_shift(x: torch.Tensor) -> torch.Tensor:
     """The paper's vectorised relative shift (Appendix B).
 
@@ -119,6 +135,38 @@ def rel_shift(x: torch.Tensor) -> torch.Tensor:
     B, H, T, K = x.shape
     padded = torch.cat([x.new_zeros(B, H, T, 1), x], -1).view(B, H, K + 1, T)
     return padded[:, :, 1:].reshape(B, H, T, K)
+
+
+# appends a layer's new keys and values to its cache, returns all of them (B, M+T, H*dh)
+KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def attend_one(
+    q: torch.Tensor,  # (B, H, dh) one query per stream, content bias u added
+    k: torch.Tensor,  # (B, K, H*dh) keys as the cache holds them
+    v: torch.Tensor,  # (B, K, H*dh)
+    bias: torch.Tensor,  # (B, H, K) the position scores (b) + (d), unscaled
+    mask: torch.Tensor | None,  # (B, 1, K) True = may not attend
+    scale: float,
+) -> torch.Tensor:
+    """softmax(scale * (q k^T + bias)) v for one query per stream -> (B, H, dh)."""
+    B, H, dh = q.shape
+    K = k.shape[1]
+    if B > 1:
+        bias = bias[:, :, None] * scale  # (B, H, 1, K)
+        if mask is not None:
+            bias = bias.masked_fill(mask[:, None], float("-inf"))
+        kh, vh = k.view(B, K, H, dh).transpose(1, 2), v.view(B, K, H, dh).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None], kh, vh, attn_mask=bias.to(q.dtype), scale=scale)
+        return out[:, :, 0]  # (B, H, dh)
+    # one stream: the heads are the batch of two matrix products that read the cache where
+    # it lies; a time-major arena (`model.state.Arena`) makes the scores scan contiguous rows
+    kt = k[0].t().view(H, dh, K)  # (H, dh, K)
+    s = torch.baddbmm(bias.view(H, 1, K), q.view(H, 1, dh), kt, beta=scale, alpha=scale)  # (H, 1, K)
+    if mask is not None:
+        s = s.masked_fill(mask[0], float("-inf"))
+    out = torch.bmm(s.softmax(-1), v[0].view(K, H, dh).transpose(0, 1))  # (H, 1, dh)
+    return out.view(1, H, dh)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -148,10 +196,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         h: torch.Tensor,  # (B, T, d) this layer's input for the new tokens
         mem: torch.Tensor,  # (B, M, d) SG(memory), used when no kv cache is given
         rk: torch.Tensor,  # (K, H, dh) W_{k,R} R for distances K-1 .. 0
-        mask: torch.Tensor,  # (B, T, K) True = may not attend
+        mask: torch.Tensor | None,  # (B, T, K) True = may not attend; None: every key
         u: torch.Tensor,
         v_bias: torch.Tensor,
-        kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+        kv: KV | None,
     ) -> torch.Tensor:
         """`kv(k_new, v_new)` appends the new keys and values to the cached ones and returns
         all of them (B, M+T, H*dh); without it (training) memory is projected afresh."""
@@ -174,7 +222,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         # computes (a) + (c), the softmax and the weighted sum, reading the cached keys and
         # values where they lie (strided views: no copy of the cache per step)
         bd = rel_shift(torch.einsum("bihd,jhd->bhij", qh + v_bias, rk))  # (B, H, T, K)
-        bias = (bd * self.scale).masked_fill(mask[:, None], float("-inf"))
+        bias = bd * self.scale
+        if mask is not None:
+            bias = bias.masked_fill(mask[:, None], float("-inf"))
         out = F.scaled_dot_product_attention(
             (qh + u).transpose(1, 2),  # (B, H, T, dh)
             k.view(B, K, H, dh).transpose(1, 2),  # (B, H, K, dh)
@@ -184,6 +234,29 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             scale=self.scale,
         )  # (B, H, T, dh)
         out = self.drop(self.o_net(out.transpose(1, 2).reshape(B, T, H * dh)))
+        return h + out if self.pre_lnorm else self.layer_norm(h + out)
+
+    def step(
+        self,
+        h: torch.Tensor,  # (B, 1, d) this layer's input for one new token per stream
+        rk: torch.Tensor,  # (H*dh, K) W_{k,R} R for distances K-1 .. 0, one per column
+        mask: torch.Tensor | None,  # (B, 1, K) True = may not attend; None: every key
+        u: torch.Tensor,
+        v_bias: torch.Tensor,
+        kv: KV,
+    ) -> torch.Tensor:
+        """`forward` for one new token per stream (inference): no relative shift (the one
+        query's distances are the keys' order reversed), and every read of the cache and
+        the position table is in place."""
+        B = h.shape[0]
+        H, dh = self.n_head, self.d_head
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        q, k_new, v_new = self.qkv_net(x).chunk(3, -1)  # (B, 1, H*dh)
+        k, v = kv(k_new, v_new)  # (B, K, H*dh)
+        qh = q.view(B, H, dh)
+        bd = torch.bmm((qh + v_bias).transpose(0, 1), rk.view(H, dh, -1)).transpose(0, 1)  # (B, H, K)
+        out = attend_one(qh + u, k, v, bd, mask, self.scale)  # (B, H, dh)
+        out = self.o_net(out.reshape(B, 1, H * dh))
         return h + out if self.pre_lnorm else self.layer_norm(h + out)
 
 
@@ -335,7 +408,8 @@ class TransformerXL(LanguageModel):
             self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
             if cfg.tie_weights:
                 self.out.weight = self.word_emb.weight  # type: ignore[assignment]
-        self._rk_table: list[torch.Tensor] | None = None
+        self._tables: PositionTables | None = None  # inference only (`_positions`)
+        self._masks: dict[tuple, tuple[torch.Tensor, bool]] = {}  # by shape (`_mask`)
         self.apply(self._init_weights)
         if cfg.adaptive:
             self._init_adaptive()
@@ -367,8 +441,9 @@ class TransformerXL(LanguageModel):
         return list(self.layers)  # type: ignore[arg-type]
 
     def train(self, mode: bool = True) -> TransformerXL:
-        self._rk_table = None  # weights may change: the relative-key table is stale
-        return super().train(mode)
+        self._tables = None  # weights may change: the projected position tables are stale
+        super().train(mode)
+        return self
 
     # -- state: memory rows, their cached keys and values, the last hidden state ----------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -396,35 +471,72 @@ class TransformerXL(LanguageModel):
         return self._state({**tensors, "k": k, "v": v})
 
     # -- forward --------------------------------------------------------------------------
-    def _mask(self, T: int, M: int, valid: torch.Tensor) -> torch.Tensor:
-        """(B, T, M+T) True where query i may not attend to key j."""
+    def _mask(self, T: int, M: int, valid: torch.Tensor) -> torch.Tensor | None:
+        """(B, T, M+T) True where query i may not attend to key j; None where every query may
+        attend to every key (a decode step over full memories). The part the shapes decide is
+        cached; the left padding of short memories is per stream."""
         dev = valid.device
-        i = torch.arange(T, device=dev)[:, None]
-        j = torch.arange(M + T, device=dev)[None, :]
-        dist = M + i - j
-        blocked = dist < 0
-        if self.config.attention == "window":
-            blocked = blocked | (dist > self.config.mem_len)
-        elif self.config.same_length:
-            blocked = blocked | (dist >= self.config.mem_len)
-        padding = j[None] < (M - valid)[:, None, None]  # left padding of short memories
-        return blocked[None] | padding
+        if torch.compiler.is_compiling():  # one graph: no cache, no host reads
+            return self._blocked(T, M, dev)[None] | self._padding(T, M, valid)[:, None]
+        cached = self._masks.get((T, M, dev))
+        if cached is None:
+            blocked = self._blocked(T, M, dev)
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            cached = self._masks[(T, M, dev)] = (blocked, bool(blocked.any()))
+        blocked, any_blocked = cached
+        if not bool((valid < M).any()):  # no stream's memory is padded
+            return blocked[None] if any_blocked else None
+        return blocked[None] | self._padding(T, M, valid)[:, None]
 
-    def _rel_keys(self, layer: int, pos_seq: torch.Tensor) -> torch.Tensor:
-        """W_{k,R} R for the given distances: (K,) -> (K, H, dh)."""
+    @staticmethod
+    def _padding(T: int, M: int, valid: torch.Tensor) -> torch.Tensor:
+        """(B, M+T) True at the left padding of each stream's shorter memory."""
+        return torch.arange(M + T, device=valid.device) < (M - valid)[:, None]
+
+    def _blocked(self, T: int, M: int, dev: torch.device) -> torch.Tensor:
+        """(T, M+T) True where query i may not attend to key j, whatever the streams hold."""
         cfg = self.config
-        attn = self.blocks()[layer].dec_attn
-        if self.training:
-            return attn.r_net(sinusoid(pos_seq, cfg.d_model)).view(-1, cfg.n_head, cfg.d_head)
-        # inference: a per-layer table over all distances the chunk can need
-        need = int(pos_seq.max()) + 1 if pos_seq.numel() else 1
-        if self._rk_table is None or self._rk_table[0].shape[0] < need or self._rk_table[0].device != pos_seq.device:
-            size = max(need, cfg.mem_len + cfg.tgt_len + 1)
-            r = sinusoid(torch.arange(size, device=pos_seq.device), cfg.d_model)
-            self._rk_table = [
-                lay.dec_attn.r_net(r).view(size, cfg.n_head, cfg.d_head).detach() for lay in self.blocks()
-            ]
-        return self._rk_table[layer][pos_seq]
+        dist = M + torch.arange(T, device=dev)[:, None] - torch.arange(M + T, device=dev)
+        blocked = dist < 0
+        if cfg.attention == "window":
+            blocked = blocked | (dist > cfg.mem_len)
+        elif cfg.same_length:
+            blocked = blocked | (dist >= cfg.mem_len)
+        return blocked
+
+    def _distances(self, K: int, device: torch.device) -> torch.Tensor:
+        """The relative distances K-1 .. 0 of a query to its keys, as R indexes them:
+        distances beyond those any query may attend share the last embedding."""
+        cfg = self.config
+        dist = torch.arange(K - 1, -1, -1, device=device)
+        if cfg.clamp_len > 0:
+            dist = dist.clamp(max=cfg.clamp_len)
+        if cfg.attention == "window":
+            dist = dist.clamp(max=cfg.mem_len + 1)  # farther keys are masked anyway
+        elif cfg.same_length:
+            dist = dist.clamp(max=cfg.mem_len)
+        return dist
+
+    def _positions(self, K: int, device: torch.device) -> PositionTables:
+        """Inference tables over at least K distances, built once and cached for the reach of
+        the usual chunk (mem_len + tgt_len + 1 distances); a longer chunk's are its own."""
+        cfg = self.config
+        P = cfg.mem_len + cfg.tgt_len + 1
+        tables = self._tables
+        if K <= P and tables is not None and tables.rk[0].device == device:
+            return tables
+        r = sinusoid(self._distances(max(K, P), device), cfg.d_model)  # (P, d)
+        tables = PositionTables([lay.dec_attn.r_net(r).t().contiguous().detach() for lay in self.blocks()])
+        if K <= P:
+            self._tables = tables
+        return tables
+
+    def _rel_keys(self, layer: int, K: int, device: torch.device) -> torch.Tensor:
+        """Training: W_{k,R} R for distances K-1 .. 0 (K, H, dh), with gradients."""
+        cfg = self.config
+        r = sinusoid(self._distances(K, device), cfg.d_model)
+        return self.blocks()[layer].dec_attn.r_net(r).view(K, cfg.n_head, cfg.d_head)
 
     def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
         cfg = self.config
@@ -435,40 +547,48 @@ class TransformerXL(LanguageModel):
             state = self.rebuild_state({name: state[name] for name in self.persistent})
         mem = state["mem"]  # (B, L, M, d)
         M = mem.shape[2]
-        K = M + T
-        valid = state.n_tokens.clamp(max=cfg.mem_len)
-        keep = min(cfg.mem_len, K)  # memory rows carried to the next call
+        keep = min(cfg.mem_len, M + T)  # memory rows carried to the next call
         in_place = self.grows_in_place()
-        # training projects the memory afresh (with gradients): no key/value cache
-        names = ("mem",) if self.training else ("mem", "k", "v")
-        grown = {name: state.window(name).grow(T, in_place) for name in names}
-
-        mask = self._mask(T, M, valid)
-        pos_seq = torch.arange(K - 1, -1, -1, device=tokens.device)
-        if cfg.clamp_len > 0:
-            pos_seq = pos_seq.clamp(max=cfg.clamp_len)
-        if cfg.attention == "window":
-            pos_seq = pos_seq.clamp(max=cfg.mem_len + 1)  # farther keys are masked anyway
-        elif cfg.same_length:
-            pos_seq = pos_seq.clamp(max=cfg.mem_len)
+        grown = {"mem": state.window("mem").grow(T, in_place)}
+        if not self.training:  # training projects the memory afresh (with gradients): no cache
+            # a single stream's decode steps scan its keys and values along time (`attend_one`)
+            time_major = B == 1 and T == 1
+            grown.update({name: state.window(name).grow(T, in_place, time_major) for name in ("k", "v")})
+        mask = self._mask(T, M, state.n_tokens.clamp(max=cfg.mem_len))
 
         with self.autocast():
             h = self.drop(self.word_emb(tokens) * self.emb_scale)  # (B, T, d)
-            for i, layer in enumerate(self.blocks()):
-                grown["mem"].append(i, h.detach())  # SG(h): the memory carries no gradient
-                attn = layer.dec_attn
-                u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
-                vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
-                kv = kv_appender(grown["k"], grown["v"], i) if "k" in grown else None
-                h = attn(h, mem[:, i], self._rel_keys(i, pos_seq), mask, u, vb, kv)
-                h = layer.pos_ff(h)
-            h = self.drop(h)
+            h = self._layers(h, mem, grown, mask)
             logits = self.head(h)  # (B, T, V)
 
         tensors, arenas = unzip({name: g.result(keep) for name, g in grown.items()})
         tensors["last_hidden"] = h[:, -1].detach().to(mem.dtype)
         tensors["n_tokens"] = state.n_tokens + T
         return logits.float(), self._state(tensors, arenas)
+
+    def _layers(
+        self, h: torch.Tensor, mem: torch.Tensor, grown: dict[str, Growth], mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The decoder layers over the chunk's embeddings h (B, T, d), appending each layer's
+        input to its memory (and its keys and values to the cache, at inference)."""
+        cfg = self.config
+        T, K, dev = h.shape[1], mem.shape[2] + h.shape[1], h.device
+        tables = None if self.training else self._positions(K, dev)
+        for i, layer in enumerate(self.blocks()):
+            grown["mem"].append(i, h.detach())  # SG(h): the memory carries no gradient
+            attn = layer.dec_attn
+            u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
+            vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
+            if tables is None:  # training: no key/value cache, the memory projected afresh
+                h = attn(h, mem[:, i], self._rel_keys(i, K, dev), mask, u, vb, None)
+            else:
+                kv = kv_appender(grown["k"], grown["v"], i)
+                if T == 1:  # a decode step
+                    h = attn.step(h, tables.rk[i][:, -K:], mask, u, vb, kv)
+                else:
+                    h = attn(h, mem[:, i], tables.keys(i, K, cfg.n_head), mask, u, vb, kv)
+            h = layer.pos_ff(h)
+        return self.drop(h)
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():

@@ -224,9 +224,9 @@ def test_full_queue_refuses_at_once(lm):
     asyncio.run(go())
 
 
-@pytest.mark.slow
 def test_compiled_decode_step_matches_eager(lm):
-    """The `compile` setting changes speed, never tokens (on CPU compiling takes ~1.5 min)."""
+    """The `compile` setting changes speed, never tokens (compiling the tiny model on this
+    CPU takes about 10 s)."""
 
     async def run(compile: bool):
         engine = engine_for(lm, compile=compile)
