@@ -254,9 +254,9 @@ class Sessions:
         """A new session, owned by `owner`, holding an exported state: verified (container,
         checksum, the served model's fingerprint, shapes and sizes) and never unpickled."""
         try:
-            header, _ = read_blob(blob)
-            n_tokens = header.get("n_tokens")
-            if header.get("delta") is not None or not isinstance(n_tokens, list) or len(n_tokens) != 1:
+            header, tensors = read_blob(blob)
+            n_tokens = tensors["n_tokens"]
+            if header.get("delta") is not None or n_tokens.shape != (1,):
                 raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
             start = Stored(blob, (), int(n_tokens[0]))
             return await self._create(Request(start, [], persist=Persist(self.state_dtype)), ttl, owner)

@@ -133,6 +133,8 @@ async def list_sessions(
     limit: Annotated[int, Query(ge=1, le=1000, description="about how many sessions per page")] = 50,
     cursor: Annotated[str, Query(pattern=r"^\d{1,20}$", description="`next_cursor` of the page before")] = "0",
 ) -> SessionList:
+    if int(cursor) >= 2**64:  # Redis's cursors are unsigned 64-bit numbers
+        raise ApiError(ErrorType.invalid_request, "cursor: not a cursor this server gave out")
     metas, after = await sessions.listing(owner, int(cursor), limit)
     return SessionList(sessions=[_info(m) for m in metas], next_cursor=str(after) if after else None)
 

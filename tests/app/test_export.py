@@ -91,7 +91,7 @@ def test_export_is_conditional_and_narrows_on_request(a):
     assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request"
 
 
-def test_bad_bytes_get_a_clear_4xx_and_create_nothing(a, tmp_path):
+def test_bad_bytes_get_a_clear_4xx_and_create_nothing(a, tmp_path, tiny_model_dir):
     s = create(a)
     blob = a.get(f"/v1/sessions/{s['id']}/state").content
     before = a.get("/v1/usage").json()["sessions"]
@@ -106,6 +106,10 @@ def test_bad_bytes_get_a_clear_4xx_and_create_nothing(a, tmp_path):
     st = lm.new_state(1)
     _, st = lm.consume([lm.tokenizer.bos_id, 65], st)
     invalid_state(import_state(a, st.to_bytes()), "made by model")
+    # the served model's own state, but of two streams: not a session's
+    served = model.load(tiny_model_dir, device="cpu")
+    _, two = served.consume([[served.tokenizer.bos_id, 65]] * 2, served.new_state(2))
+    invalid_state(import_state(a, two.to_bytes()), "single-stream")
     r = import_state(a, b"x" * 30_000)  # past RECUR_MAX_IMPORT_MB
     assert r.status_code == 413 and r.json()["error"]["type"] == "body_too_large"
     assert a.get("/v1/usage").json()["sessions"] == before
@@ -135,5 +139,6 @@ def test_a_key_exports_lists_and_imports_only_its_own(a, b):
     assert a.delete(f"/v1/sessions/{gone}").status_code == 204
     listed = {s["id"] for s in a.get("/v1/sessions", params={"limit": 1000}).json()["sessions"]}
     assert gone not in listed
-    r = a.get("/v1/sessions", params={"cursor": "x"})
-    assert r.status_code == 422
+    for bad in ("x", "-1", str(2**64), "9" * 21):
+        r = a.get("/v1/sessions", params={"cursor": bad})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", (bad, r.text)
