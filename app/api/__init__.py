@@ -16,7 +16,7 @@ from app import sessions as sessions_service
 from app.config import Settings
 from app.store import SessionStore
 
-from . import completions, errors, health, metrics, playground, sessions, usage
+from . import completions, errors, health, metrics, playground, sessions, tokens, usage
 from .body_limit import BodyLimit
 from .deps import admit, authenticate, bind_session
 from .middleware import RequestContext
@@ -91,4 +91,5 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.include_router(sessions.router, dependencies=v1)
     app.include_router(completions.router, dependencies=v1)
     app.include_router(usage.router, dependencies=v1)
+    app.include_router(tokens.router, dependencies=v1)
     return app

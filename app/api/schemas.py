@@ -68,9 +68,7 @@ class SessionDetail(SessionInfo):
 
 class SessionList(Response):
     sessions: list[SessionInfo]
-    next_cursor: str | None = Field(
-        description="pass as `cursor` for the next page; null when there is none"
-    )
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null when there is none")
 
 
 # -- generate -------------------------------------------------------------------------------
@@ -275,6 +273,30 @@ class ModelCard(Response):
 class ModelList(Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- tokens (vLLM's /tokenize and /detokenize) ---------------------------------------------
+class Tokenize(Request):
+    model: str | None = Field(None, description="the served model's name, if given")
+    prompt: str
+    add_special_tokens: bool = Field(True, description="prepend BOS, as a new session's state does")
+
+
+class TokenizeResult(Response):
+    count: int
+    max_model_len: int = Field(
+        description="the longest prompt one request may send (RECUR_MAX_PROMPT_TOKENS)"
+    )
+    tokens: list[int]
+
+
+class Detokenize(Request):
+    model: str | None = Field(None, description="the served model's name, if given")
+    tokens: list[int] = Field(max_length=1 << 16)
+
+
+class DetokenizeResult(Response):
+    prompt: str
 
 
 # -- health ---------------------------------------------------------------------------------
