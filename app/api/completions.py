@@ -115,7 +115,7 @@ async def create_completion(
     started = time.perf_counter()
     engine = sessions.engine
     _check(body, engine.name, x_session_id)
-    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    ids = prompt_ids(engine, settings.max_prompt_tokens, _one_prompt(body.prompt))
     params = sampling_params(
         1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
     )
@@ -157,6 +157,23 @@ async def create_completion(
         finish_reason=_FINISH[run.finish_reason],
     )
     return CompletionResult(**head, choices=[choice], usage=_usage(run), session=_ref(run))
+
+
+def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a body: a string or ids, or an array holding one of them."""
+    if isinstance(prompt, str):
+        return prompt
+    ids = [x for x in prompt if isinstance(x, int)]
+    if len(ids) == len(prompt):
+        return ids
+    one = prompt[0]
+    if len(prompt) != 1 or isinstance(one, int):
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"prompt: an array of {len(prompt)} prompts is a batch, which this server does not run yet; "
+            "send one prompt per request",
+        )
+    return one
 
 
 def _check(body: Completion, served: str, x_session_id: str | None) -> None:

@@ -167,7 +167,11 @@ class Completion(Request):
     has but recur cannot honour are accepted only at their neutral values."""
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    prompt: Prompt = ""
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        "",
+        description="text or token ids, or (as OpenAI's SDKs and LangChain send it) an array of "
+        "one of them; a batch of several prompts is not supported yet (422)",
+    )
     max_tokens: int | None = Field(
         16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
     )

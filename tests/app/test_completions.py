@@ -153,6 +153,17 @@ def test_token_id_prompts_logprobs_and_seed(oa):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
 
 
+def test_a_prompt_in_an_array_of_one_is_that_prompt(oa):
+    """LangChain's `OpenAI(...).invoke(text)` sends `prompt: [text]`: the same completion."""
+    plain = oa.completions.create(model="tiny", prompt="Hi", max_tokens=5, seed=3)
+    listed = oa.completions.create(model="tiny", prompt=["Hi"], max_tokens=5, seed=3)
+    ids = oa.completions.create(model="tiny", prompt=[[72, 105]], max_tokens=5, seed=3)
+    assert plain.choices[0].text == listed.choices[0].text == ids.choices[0].text
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        oa.completions.create(model="tiny", prompt=["Hi", "Ho"], max_tokens=5)
+    assert "batch" in str(e.value)
+
+
 def test_errors_surface_as_sdk_exceptions(oa, http):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         oa.completions.create(model="tiny", prompt="x", n=2)
