@@ -68,6 +68,13 @@ class LanguageModel(nn.Module):
         """The state's fixed-size float tensors, by name: their shape after the batch dim."""
         raise NotImplementedError
 
+    @property
+    def context_window(self) -> int:
+        """Tokens a position attends over directly, itself included (Transformer-XL: its
+        memory and itself; RLT: its encoder span C). Older context lives on only through
+        the recurrent state, so a stream itself has no length limit."""
+        return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
+
     def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
 

@@ -51,7 +51,15 @@ _STARTED = time.time()
 
 @router.get("/models", response_model=ModelList, summary="The served model (OpenAI format)")
 async def list_models(engine: EngineDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=engine.name, created=int(_STARTED))])
+    lm = engine.lm
+    card = ModelCard(
+        id=engine.name,
+        created=int(_STARTED),
+        family=lm.family,
+        vocab_size=engine.vocab_size,
+        context_window=lm.context_window,
+    )
+    return ModelList(data=[card])
 
 
 def _logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:

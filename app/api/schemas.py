@@ -272,6 +272,12 @@ class ModelCard(Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "recur"
+    family: str = Field(description="the model family (transformer-xl, rlt)")
+    vocab_size: int
+    context_window: int = Field(
+        description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
+        "max_context); a session has no length limit: older context lives on in its recurrent state"
+    )
 
 
 class ModelList(Response):

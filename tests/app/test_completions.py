@@ -45,10 +45,14 @@ def _session(http: httpx.Client, sid: str) -> dict:
     return r.json()
 
 
-def test_models_lists_the_served_model(oa):
+def test_models_lists_the_served_model(oa, server):
     models = oa.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].object == "model"
+    # the context facts, as the served checkpoint has them
+    lm = model.load(server.model_dir, device="cpu")
+    card = models.data[0].model_dump()
+    assert (card["family"], card["vocab_size"], card["context_window"]) == (lm.family, 258, lm.context_window)
 
 
 def test_completion_in_a_new_session(oa, http, server):

@@ -60,3 +60,9 @@ def test_shipped_model_predicts_held_out_text_and_uses_its_memory():
     without = evaluate.score_without_memory(lm, excerpt).bpb
     assert with_memory < 2.5
     assert with_memory < without
+
+
+def test_the_context_window_is_each_familys_attention_span():
+    txl, rlt = model.load("shakespeare", device="cpu"), model.load("shakespeare-rlt", device="cpu")
+    assert txl.context_window == txl.config.mem_len + 1
+    assert rlt.context_window == rlt.config.max_context
