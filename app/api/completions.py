@@ -24,10 +24,10 @@ from fastapi import APIRouter, Header, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app import logs
-from app.engine import FinishReason, TokenEvent
+from app.engine import Engine, FinishReason, TokenEvent
 from app.sessions import Run
 
-from .deps import EngineDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
+from .deps import EngineDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params, served_model
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     Completion,
@@ -122,7 +122,7 @@ async def create_completion(
 ) -> CompletionResult | EventSourceResponse:
     started = time.perf_counter()
     engine = sessions.engine
-    _check(body, engine.name, x_session_id)
+    _check(body, engine, x_session_id)
     ids = prompt_ids(engine, settings.max_prompt_tokens, _one_prompt(body.prompt))
     params = sampling_params(
         1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
@@ -184,11 +184,8 @@ def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | 
     return one
 
 
-def _check(body: Completion, served: str, x_session_id: str | None) -> None:
-    if body.model is not None and body.model != served:
-        raise ApiError(
-            ErrorType.model_not_found, f"model {body.model!r} is not served here; this server runs {served!r}"
-        )
+def _check(body: Completion, engine: Engine, x_session_id: str | None) -> None:
+    served_model(body.model, engine)
     if body.session_id and x_session_id and body.session_id != x_session_id:
         raise ApiError(
             ErrorType.invalid_request, "session_id and the X-Session-Id header name different sessions"

@@ -45,6 +45,11 @@ def prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) 
             ErrorType.prompt_too_long,
             f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}",
         )
+    return in_vocabulary(engine, ids)
+
+
+def in_vocabulary(engine: Engine, ids: list[int]) -> list[int]:
+    """`ids`, or 422 when one is outside the served model's vocabulary."""
     bad = [i for i in ids if not 0 <= i < engine.vocab_size]
     if bad:
         raise ApiError(
@@ -52,6 +57,14 @@ def prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) 
             f"token id {bad[0]} is outside the model's vocabulary [0, {engine.vocab_size})",
         )
     return ids
+
+
+def served_model(asked: str | None, engine: Engine) -> None:
+    """404 model_not_found when a body names another model than the one served."""
+    if asked is not None and asked != engine.name:
+        raise ApiError(
+            ErrorType.model_not_found, f"model {asked!r} is not served here; this server runs {engine.name!r}"
+        )
 
 
 def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:

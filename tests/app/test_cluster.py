@@ -31,7 +31,7 @@ from app.config import Settings
 from app.store import CLIENT_NAME, SessionStore, StateBlobs, StoreUnavailable, parse_redis_url
 from tests.app.sse_client import events, generate
 from tests.conftest import ServerProcess
-from tests.faults.harness import error_type, store_for, stored, stream_generate
+from tests.faults.harness import error_type, mutate, store_for, stored, stream_generate, until_not_busy
 
 from .cluster_harness import SERVICE, LocalCluster, LocalSentinel, wait_for
 
@@ -200,38 +200,19 @@ def test_racing_writers_on_cluster_lose_no_update(cluster, cluster_server, tiny_
     lock = threading.Lock()
     go = threading.Barrier(n_writers)
 
-    def attempt(c: httpx.Client, i: int, rng: random.Random) -> tuple[int, int, int] | str:
-        if i % 2:
-            ids = list(rng.randbytes(rng.randint(1, 9)))
-            r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": ids, "commit": True})
-            if r.status_code != 200:
-                return f"{r.status_code} {error_type(r)}"
-            s = r.json()["session"]
-            return s["version"], s["n_tokens"], len(ids)
-        o = stream_generate(c, sid, {"max_tokens": rng.randint(1, 6), "seed": i})
-        if o.kind != "done":
-            return f"{o.status} {o.error}" if o.kind == "http" else f"{o.kind} {o.error}"
-        return o.version, o.n_tokens, o.tokens
-
     def writer(i: int) -> None:
         nonlocal busy
         rng = random.Random(i)
+        kind = ("stream", "score")[i % 2]
         with httpx.Client(base_url=cluster_server.url, timeout=60) as c:
             go.wait()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                got = attempt(c, i, rng)
-                with lock:
-                    if isinstance(got, tuple):
-                        done.append(got)
-                        return
-                    if got != "409 session_busy":
-                        failures.append(got)
-                        return
-                    busy += 1
-                time.sleep(rng.uniform(0.005, 0.03))
-            with lock:
-                failures.append(f"writer {i} never committed")
+            got, collided = until_not_busy(lambda: mutate(c, sid, kind, rng, i), rng)
+        with lock:
+            busy += collided
+            if isinstance(got, tuple):
+                done.append(got)
+            else:
+                failures.append(f"writer {i}: {got}")
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_writers)]
     for t in threads:

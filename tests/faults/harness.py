@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,48 @@ def local_logprobs(lm: model.LanguageModel, state: model.State, ids: list[int]) 
     """What scoring `ids` on `state` gives, computed in this process."""
     lps, _ = lm.consume(ids, state.clone())
     return [float(x) for x in lps[0].tolist()]
+
+
+Committed = tuple[int, int, int]  # (version, n_tokens, tokens consumed) of a committed request
+
+
+def mutate(c: httpx.Client, sid: str, kind: str, rng: random.Random, seed: int) -> Committed | str:
+    """One mutating request on `sid` (`score` with commit, `generate` as JSON, or `stream`):
+    what it committed, else its refusal as "STATUS type"."""
+    if kind == "score":
+        ids = list(rng.randbytes(rng.randint(1, 9)))
+        r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": ids, "commit": True})
+        if r.status_code != 200:
+            return f"{r.status_code} {error_type(r)}"
+        s = r.json()["session"]
+        return s["version"], s["n_tokens"], len(ids)
+    if kind == "generate":
+        body = {"prompt": "g", "max_tokens": rng.randint(1, 6), "stream": False, "seed": seed}
+        r = c.post(f"/v1/sessions/{sid}/generate", json=body)
+        if r.status_code != 200:
+            return f"{r.status_code} {error_type(r)}"
+        d = r.json()
+        used = d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"]
+        return d["session"]["version"], d["session"]["n_tokens"], used
+    o = stream_generate(c, sid, {"max_tokens": rng.randint(1, 6), "seed": seed})
+    if o.kind != "done":
+        return f"{o.status} {o.error}" if o.kind == "http" else f"{o.kind} {o.error}"
+    return o.version, o.n_tokens, o.tokens
+
+
+def until_not_busy(
+    attempt: Callable[[], Committed | str], rng: random.Random, deadline_s: float = 120
+) -> tuple[Committed | str, int]:
+    """Call `attempt()` until it answers anything but 409 session_busy (a racing writer's
+    retry loop): (the last answer, how often it was busy)."""
+    busy, end = 0, time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = attempt()
+        if got != "409 session_busy":
+            return got, busy
+        busy += 1
+        time.sleep(rng.uniform(0.001, 0.03))
+    return "never committed", busy
 
 
 def honour_retry_after(send, lease_s: float) -> httpx.Response:

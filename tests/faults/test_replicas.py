@@ -22,7 +22,7 @@ import redis
 
 from tests.conftest import ServerProcess
 
-from .harness import error_type, start_all, store_for, stored, stream_generate
+from .harness import error_type, mutate, start_all, store_for, stored, stream_generate, until_not_busy
 
 STALL_SECONDS = 2.0
 COMMON = dict(cpu_threads=1, max_tokens=64)
@@ -87,28 +87,6 @@ def test_racing_writers_lose_no_update(cluster, lm, rdb):
     lock = threading.Lock()
     go = threading.Barrier(50)
 
-    def attempt(c: httpx.Client, kind: str, rng: random.Random, i: int) -> tuple[int, int, int] | str:
-        """One request: (version, n_tokens, tokens consumed) on success, else the error type."""
-        if kind == "score":
-            ids = list(rng.randbytes(rng.randint(1, 9)))
-            r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": ids, "commit": True})
-            if r.status_code != 200:
-                return f"{r.status_code} {error_type(r)}"
-            s = r.json()["session"]
-            return s["version"], s["n_tokens"], len(ids)
-        if kind == "generate":
-            body = {"prompt": "g", "max_tokens": rng.randint(1, 6), "stream": False, "seed": i}
-            r = c.post(f"/v1/sessions/{sid}/generate", json=body)
-            if r.status_code != 200:
-                return f"{r.status_code} {error_type(r)}"
-            d = r.json()
-            used = d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"]
-            return d["session"]["version"], d["session"]["n_tokens"], used
-        o = stream_generate(c, sid, {"max_tokens": rng.randint(1, 6), "seed": i})
-        if o.kind != "done":
-            return f"{o.status} {o.error}" if o.kind == "http" else f"{o.kind} {o.error}"
-        return o.version, o.n_tokens, o.tokens
-
     def worker(i: int) -> None:
         nonlocal busy
         rng = random.Random(i)
@@ -116,22 +94,13 @@ def test_racing_writers_lose_no_update(cluster, lm, rdb):
         kind = ("score", "generate", "stream")[i % 3]
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             go.wait()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                got = attempt(c, kind, rng, i)
-                if isinstance(got, tuple):
-                    with lock:
-                        successes.append(Success(*got, replica=name))
-                    return
-                if got != "409 session_busy":
-                    with lock:
-                        failures.append(f"{kind} via {name}: {got}")
-                    return
-                with lock:
-                    busy += 1
-                time.sleep(rng.uniform(0.001, 0.02))
-            with lock:
-                failures.append(f"{kind} via {name}: never committed")
+            got, collided = until_not_busy(lambda: mutate(c, sid, kind, rng, i), rng)
+        with lock:
+            busy += collided
+            if isinstance(got, tuple):
+                successes.append(Success(*got, replica=name))
+            else:
+                failures.append(f"{kind} via {name}: {got}")
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(50)]
     for t in threads:
