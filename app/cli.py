@@ -1,7 +1,8 @@
 """`recur`: the one command-line entry point.
 
 Model subcommands (init, train, eval, ...) are registered by `model.cli`; the service
-subcommands (serve, ...) by `app`. This module only assembles the parser.
+subcommands (serve, chat, replay: replay reads a server's transcripts) by `app`. This
+module only assembles the parser.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 
 import model.cli
-from app import chat, serve
+from app import chat, replay_client, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.cli.register(sub)
     serve.register(sub)
     chat.register(sub)
+    replay_client.register(sub)
     return parser
 
 

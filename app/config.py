@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="compute precision (bf16 on CUDA only)"
+        "auto", description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, on CPU too)"
     )
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"

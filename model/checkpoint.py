@@ -59,7 +59,7 @@ def layout(path: Path) -> str:
 def load(name_or_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto") -> LanguageModel:
     """Load a checkpoint by shipped name or directory, in eval mode on `device`.
 
-    precision: "fp32", "bf16" (autocast, CUDA only) or "auto" (bf16 on CUDA, else fp32).
+    precision: "fp32", "bf16" (autocast, on CUDA or CPU) or "auto" (bf16 on CUDA, else fp32).
     """
     path = resolve(name_or_dir)
     lm = READERS[layout(path)](path)

@@ -1,4 +1,5 @@
-"""The model-side `recur` subcommands: init, train, eval, replay and convert.
+"""The model-side `recur` subcommands: init, train, eval and convert (`recur replay`, which
+may fetch a server's transcript, is registered by `app/replay_client.py`).
 
 `app/cli.py` owns the top-level parser and calls `register()`; each subcommand's work
 lives in the module named for it, so this file only wires flags to functions.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import evaluate, hf, replay, train
+from . import evaluate, hf, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -38,7 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
     train.add_subcommand(sub)
     evaluate.add_subcommand(sub)
-    replay.add_subcommand(sub)
     hf.add_subcommand(sub)  # recur convert (issue 9)
 
 

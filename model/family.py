@@ -52,7 +52,7 @@ class LanguageModel(nn.Module):
         self.config = config
         self.tokenizer: Tokenizer | None = None
         self.fingerprint = "unset"
-        # bf16 autocast is used only on CUDA; CPU always computes in fp32
+        # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
         # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
         # builds every step functionally (the benchmarks' baseline; the same results)
@@ -184,8 +184,8 @@ class LanguageModel(nn.Module):
         return self.append_in_place and not torch.is_grad_enabled()
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda" and self.precision == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def load_state(self, blob: bytes, deltas: Iterable[bytes] = ()) -> State:

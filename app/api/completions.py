@@ -58,6 +58,7 @@ async def list_models(engine: EngineDep) -> ModelList:
         family=lm.family,
         vocab_size=engine.vocab_size,
         context_window=lm.context_window,
+        precision=lm.precision,
     )
     return ModelList(data=[card])
 

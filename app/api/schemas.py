@@ -278,6 +278,10 @@ class ModelCard(Response):
         description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
         "max_context); a session has no length limit: older context lives on in its recurrent state"
     )
+    precision: str = Field(
+        description="the compute precision the server runs: fp32, or bf16 (autocast); the behaviour log-probs it "
+        "records come from it, so `recur replay --precision auto` replays in it"
+    )
 
 
 class ModelList(Response):

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import model
-from model.replay import Rollout, replay
+from model.replay import Rollout, replay, replay_transcript, transcript_rollout
+from model.replay import report as replay_report
 from model.sampling import SamplingParams, make_generator, sample
 
 from .conftest import tiny_txl
@@ -147,3 +150,149 @@ def test_recur_replay_prints_the_ratios(tmp_path, capsys, family):
     (tmp_path / "bad.json").write_text(json.dumps({**obj, "behaviour_logprobs": [-1.0]}))
     with pytest.raises(SystemExit, match="recur replay: .*same length"):
         main(["replay", str(tmp_path / "m"), str(tmp_path / "bad.json")])
+
+
+# -- a session's transcript (the JSON of GET /v1/sessions/{id}/transcript) --------------------
+# (kind, prompt, max sampled tokens, sampling, seed): what a session's requests did
+TURNS = [
+    ("create", "ROMEO: ", 0, None, None),
+    ("generate", "wherefore", 14, SamplingParams(temperature=0.8, top_k=20), 1),
+    ("score", " art thou", 0, None, None),
+    ("generate", "", 9, SamplingParams(temperature=0.0), None),
+    ("rollback", None, 0, None, None),  # no ids: a marker in the lineage
+    ("generate", "?", 12, SamplingParams(temperature=1.3, top_p=0.9), 7),
+    ("keep", "", 5, SamplingParams(temperature=1.0, top_k=8, top_p=0.6), 3),
+]
+
+
+@torch.no_grad()
+def session_transcript(lm: model.LanguageModel, turns=TURNS) -> dict:
+    """A transcript as the server records one: every turn's prompt teacher-forced, then
+    its tokens sampled (`sample`) and consumed one at a time; behaviour log-probs kept as
+    the transcript stores them (float32)."""
+    state = lm.new_state(1)
+    segments: list[dict] = []
+    n = 0
+    for version, (kind, prompt, steps, params, seed) in enumerate(turns):
+        seg = {"session_id": "s", "version": version, "kind": kind, "start": n, "ids": [], "sampled": [],
+               "logprobs": [], "sampling": None, "seed": seed}  # fmt: skip
+        if prompt is not None:
+            ids = ([lm.tokenizer.bos_id] if kind == "create" else []) + lm.tokenizer.encode(prompt)
+            if ids:
+                _, state = lm.consume(ids, state)
+            seg.update(ids=ids, sampled=[False] * len(ids), logprobs=[None] * len(ids))
+        if steps:
+            seg["sampling"] = dataclasses.asdict(params)
+            gen = make_generator(seed)
+            for _ in range(steps):
+                tok, lp = sample(lm.next_logits(state), [params], [gen])
+                _, state = lm(tok[None], state)
+                seg["ids"].append(int(tok[0]))
+                seg["sampled"].append(True)
+                seg["logprobs"].append(float(np.float32(lp[0])))
+        n += len(seg["ids"])
+        segments.append(seg)
+    return {"session_id": "s", "version": len(turns) - 1, "n_tokens": n, "complete": True, "segments": segments}
+
+
+def n_sampled(transcript: dict) -> int:
+    return sum(sum(s["sampled"]) for s in transcript["segments"])
+
+
+@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+def test_a_transcript_replays_to_ratio_one_under_each_segments_settings(family):
+    lm = families()[family]
+    transcript = session_transcript(lm)
+    rollout = transcript_rollout(transcript)
+    assert len(rollout.ids) == transcript["n_tokens"] > 2 * lm.segment_len
+    result = replay_transcript(lm, rollout)
+    assert len(result.ratios) == n_sampled(transcript) == 14 + 9 + 12 + 5
+    assert all(abs(r - 1) <= 1e-5 for r in result.ratios), result.ratios
+    # prompt tokens are consumed, not scored; each action knows its request's context
+    first = rollout.actions[0]
+    assert first.position == len(lm.tokenizer.encode("ROMEO: wherefore")) + 1
+    assert rollout.request_prompt(first) == lm.tokenizer.encode("wherefore")
+    assert rollout.request_output(rollout.actions[3]) == [a.id for a in rollout.actions[:3]]
+    report = replay_report(lm, rollout, result, top=3)
+    assert report["n_actions"] == 40 and report["max_abs_ratio_minus_1"] <= 1e-5
+    assert report["mean_ratio"] == pytest.approx(1, abs=1e-5) and len(report["worst"]) == 3
+    assert set(report["worst"][0]) == {"position", "id", "text", "version", "logprob", "behaviour_logprob", "ratio"}
+
+
+@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+def test_a_transcript_scored_under_other_settings_or_weights_moves_the_ratios(family):
+    lm = families()[family]
+    transcript = session_transcript(lm)
+    # one segment's settings swapped for another's: its actions no longer replay to 1
+    swapped = copy.deepcopy(transcript)
+    swapped["segments"][1]["sampling"] = swapped["segments"][5]["sampling"]
+    result = replay_transcript(lm, transcript_rollout(swapped))
+    assert max(abs(r - 1) for r in result.ratios[:14]) > 1e-3
+    assert max(abs(r - 1) for r in result.ratios[14:]) <= 1e-5
+    updated = copy.deepcopy(lm)
+    with torch.no_grad():
+        next(updated.parameters()).add_(0.05)
+    moved = replay_transcript(updated, transcript_rollout(transcript)).ratios
+    assert max(abs(r - 1) for r in moved) > 1e-3
+
+
+def test_since_version_scores_only_later_commits_but_rebuilds_from_the_start():
+    lm = tiny_rlt()
+    transcript = session_transcript(lm)
+    rollout = transcript_rollout(transcript)
+    later = replay_transcript(lm, rollout, since_version=3)
+    assert [a.version for a in later.actions] == [5] * 12 + [6] * 5
+    assert all(abs(r - 1) <= 1e-5 for r in later.ratios)
+    # a parent's segments (a fork's inherited history) are never "since" a version of its own
+    forked = copy.deepcopy(transcript)
+    for seg in forked["segments"][:4]:
+        seg["session_id"] = "parent"
+    assert len(replay_transcript(lm, transcript_rollout(forked), since_version=0).actions) == 17
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t: t.update(complete=False), "incomplete"),
+        (lambda t: t.update(n_tokens=t["n_tokens"] + 1), "segments hold"),
+        (lambda t: t["segments"][2].update(start=0), "starts at"),
+        (lambda t: t["segments"][1]["sampling"].update(mirostat=5.0), "unknown to this version"),
+        (lambda t: t["segments"][1].update(sampling=None), "needs its sampling parameters"),
+        (lambda t: t["segments"][1]["logprobs"].__setitem__(-1, None), "no finite behaviour"),
+        (lambda t: t["segments"][1]["sampled"].pop(), "same length"),
+        (lambda t: t["segments"][0]["ids"].__setitem__(0, "a"), "token ids"),
+        (lambda t: t.pop("segments"), "list of segments"),
+    ],
+)
+def test_transcripts_replay_cannot_rebuild_are_refused(damage, message):
+    transcript = session_transcript(tiny_txl())
+    damage(transcript)
+    with pytest.raises(ValueError, match=message):
+        transcript_rollout(transcript)
+
+
+def test_ids_outside_the_vocabulary_are_refused():
+    lm = tiny_txl()
+    transcript = session_transcript(lm)
+    transcript["segments"][2]["ids"][0] = lm.config.vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        replay_transcript(lm, transcript_rollout(transcript))
+
+
+@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+def test_recur_replay_reads_a_transcript_file(tmp_path, capsys, family):
+    from app.cli import main
+
+    lm = families()[family]
+    model.save(lm, tmp_path / "m")
+    transcript = session_transcript(lm)
+    (tmp_path / "t.json").write_text(json.dumps(transcript))
+    assert main(["replay", str(tmp_path / "m"), str(tmp_path / "t.json"), "--since-version", "4"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["n_actions"] == 17 and out["max_abs_ratio_minus_1"] <= 1e-5 and out["precision"] == "fp32"
+    assert "replayed 17 sampled tokens" in captured.err
+    with pytest.raises(SystemExit, match="recur replay: give a FILE, or --url and --session"):
+        main(["replay", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match="recur replay: --url and --session go together"):
+        main(["replay", str(tmp_path / "m"), "--url", "http://127.0.0.1:1"])
