@@ -5,6 +5,8 @@ header continues one (its recurrent state is the context, so the prompt only nee
 new text); without either, a new session is created. Either way the session's id comes
 back in the `X-Session-Id` header and the body, and the generation is committed to it
 exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions.py).
+`prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
+(and one new session) per prompt. What the OpenAI routes share is in openai_framing.py.
 
 Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1, a stop string is
 kept in `text` (the state has consumed it), and `logprobs` are the sampled tokens' own
@@ -17,16 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 
-from app import logs
-from app.engine import Engine, FinishReason, TokenEvent
-from app.sessions import Run
+from app.config import Settings
+from app.engine import TokenEvent
 
+from . import openai_framing as oai
 from .deps import EngineDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params, served_model
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
@@ -37,15 +39,11 @@ from .schemas import (
     CompletionUsage,
     ModelCard,
     ModelList,
-    SessionRef,
 )
-from .sse import guarded, respond, sse_json, until_disconnect
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("recur.openai")
 
-# OpenAI knows no "eos": the model ending its text is a stop
-_FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
 _STARTED = time.time()
 
 
@@ -71,18 +69,6 @@ def _logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=[ev.text for ev in events], token_logprobs=[ev.logprob for ev in events], text_offset=offsets
     )
-
-
-def _usage(run: Run) -> CompletionUsage:
-    n = len(run.tokens)
-    return CompletionUsage(
-        prompt_tokens=run.prompt_tokens, completion_tokens=n, total_tokens=run.prompt_tokens + n
-    )
-
-
-def _ref(run: Run) -> SessionRef:
-    assert run.meta is not None
-    return SessionRef(id=run.meta.id, version=run.meta.version, n_tokens=run.meta.n_tokens)
 
 
 @router.post(
@@ -123,102 +109,91 @@ async def create_completion(
 ) -> CompletionResult | EventSourceResponse:
     started = time.perf_counter()
     engine = sessions.engine
-    _check(body, engine, x_session_id)
-    ids = prompt_ids(engine, settings.max_prompt_tokens, _one_prompt(body.prompt))
+    served_model(body.model, engine)
+    sid = oai.session_asked(body.session_id, x_session_id)
+    prompts = [prompt_ids(engine, settings.max_prompt_tokens, p) for p in _prompts(body.prompt, settings)]
     params = sampling_params(
         1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
     )
-    sid = body.session_id or x_session_id
-    if sid is None:  # a fresh session: BOS now, the prompt with the generation
-        sid = (await sessions.create([], settings.session_ttl, owner)).id
-    else:
-        logs.session_id.set(logs.clip(sid))
-    run = await sessions.generate(
+    choices = await oai.start(
+        sessions,
+        settings,
+        owner,
         sid,
-        ids,
+        prompts,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        keep_stop=True,
         params=params,
         seed=body.seed,
         max_tokens=min(body.max_tokens or settings.max_tokens, settings.max_tokens),
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        expected=None,
-        owner=owner,
         started=started,
     )
     if body.user is not None:  # OpenAI's end-user id: recorded for the operator, never used
         log.info("completion for user %r", body.user, extra={"openai_user": body.user})
-    head: dict[str, Any] = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": engine.name,
-        "system_fingerprint": engine.fingerprint,
-        "session_id": sid,
-    }
-    headers = {"X-Session-Id": sid}
+    framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), body.logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(run, head, body.logprobs is not None, include_usage)
-        return respond(run, _then_done(guarded(run, chunks, error_event=None)), headers=headers)
-    await run.complete(until_disconnect(request))
-    response.headers.update(headers)
-    choice = CompletionChoice(
-        text=run.text,
-        logprobs=_logprobs(run.tokens, 0) if body.logprobs is not None else None,
-        finish_reason=_FINISH[run.finish_reason],
-    )
-    return CompletionResult(**head, choices=[choice], usage=_usage(run), session=_ref(run))
+        return oai.stream(choices, framer, include_usage)
+    await oai.complete(choices, request)
+    response.headers.update(oai.session_header(choices))
+    entries = [
+        CompletionChoice(
+            index=c.index,
+            text=c.text.whole(c.run.text),
+            logprobs=_logprobs(c.run.tokens, 0) if framer.logprobs else None,
+            finish_reason=c.finish_reason,
+            session=c.ref(),
+        )
+        for c in choices.items
+    ]
+    return CompletionResult(**framer.head, choices=entries, usage=choices.usage(), session=entries[0].session)
 
 
-def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """The one prompt of a body: a string or ids, or an array holding one of them."""
+def _prompts(
+    prompt: str | list[int] | list[str] | list[list[int]], settings: Settings
+) -> list[str] | list[list[int]]:
+    """The prompts of a body, in OpenAI's four forms: text, ids, or an array of either."""
     if isinstance(prompt, str):
-        return prompt
-    ids = [x for x in prompt if isinstance(x, int)]
-    if len(ids) == len(prompt):
-        return ids
-    one = prompt[0]
-    if len(prompt) != 1 or isinstance(one, int):
+        return [prompt]
+    if all(isinstance(x, int) for x in prompt):  # ids ([] too: one empty prompt)
+        return [[x for x in prompt if isinstance(x, int)]]
+    if len(prompt) > settings.max_batch_size:
         raise ApiError(
             ErrorType.invalid_request,
-            f"prompt: an array of {len(prompt)} prompts is a batch, which this server does not run yet; "
-            "send one prompt per request",
+            f"prompt: a batch of {len(prompt)} prompts; this server runs at most {settings.max_batch_size} "
+            "(max_batch_size) in one request",
         )
-    return one
+    return prompt  # type: ignore[return-value]  # a list of ids or of strings, not mixed (the schema)
 
 
-def _check(body: Completion, engine: Engine, x_session_id: str | None) -> None:
-    served_model(body.model, engine)
-    if body.session_id and x_session_id and body.session_id != x_session_id:
-        raise ApiError(
-            ErrorType.invalid_request, "session_id and the X-Session-Id header name different sessions"
+@dataclass
+class _Chunks:
+    """The stream's shapes: `text_completion` chunks, one choice each."""
+
+    head: dict[str, Any]
+    logprobs: bool
+
+    def __post_init__(self) -> None:
+        self.offsets: dict[int, int] = {}  # each choice's text_offset so far
+
+    def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> CompletionResult:
+        first = next((e for e in entries if isinstance(e, CompletionChoice) and e.index == 0), None)
+        return CompletionResult(
+            **self.head, choices=entries, usage=usage, session=first.session if first else None
         )
 
+    def opening(self, choice: oai.Choice) -> None:
+        return None
 
-async def _chunks(run: Run, head: dict[str, Any], logprobs: bool, include_usage: bool):
-    def chunk(
-        choices: list[CompletionChoice],
-        usage: CompletionUsage | None = None,
-        session: SessionRef | None = None,
-    ) -> ServerSentEvent:
-        body = CompletionResult(**head, choices=choices, usage=usage, session=session)
-        data = body.model_dump(mode="json")  # usage: null in every chunk but the last, as OpenAI's
-        if session is None:
-            del data["session"]
-        return ServerSentEvent(data=sse_json(data))
+    def token(self, choice: oai.Choice, event: TokenEvent | None, text: str) -> CompletionChoice:
+        lp = None
+        if self.logprobs and event is not None:
+            offset = self.offsets.get(choice.index, 0)
+            lp = _logprobs([event], offset)
+            self.offsets[choice.index] = offset + len(event.text)
+        return CompletionChoice(index=choice.index, text=text, logprobs=lp, finish_reason=None)
 
-    offset = 0
-    async for ev in run.stream():
-        lp = _logprobs([ev], offset) if logprobs else None
-        offset += len(ev.text)
-        yield chunk([CompletionChoice(text=ev.text, logprobs=lp, finish_reason=None)])
-    # committed: the finish reason, with the session as it now is
-    yield chunk([CompletionChoice(text="", finish_reason=_FINISH[run.finish_reason])], session=_ref(run))
-    if include_usage:
-        yield chunk([], usage=_usage(run))
-
-
-async def _then_done(frames):
-    """OpenAI's stream ends with `data: [DONE]`, after an error chunk too (the SDK raises
-    the error chunk, `{"error": ...}`, as its usual exception)."""
-    async for frame in frames:
-        yield frame
-    yield ServerSentEvent(data="[DONE]")
+    def closing(self, choice: oai.Choice) -> CompletionChoice:
+        return CompletionChoice(
+            index=choice.index, text="", finish_reason=choice.finish_reason, session=choice.ref()
+        )

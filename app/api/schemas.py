@@ -169,8 +169,8 @@ class Completion(Request):
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         "",
-        description="text or token ids, or (as OpenAI's SDKs and LangChain send it) an array of "
-        "one of them; a batch of several prompts is not supported yet (422)",
+        description="text, token ids, or an array of either: a batch, one choice per prompt (`index` "
+        "in order), each in a new session; at most the server's max_batch_size prompts",
     )
     max_tokens: int | None = Field(
         16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
@@ -263,8 +263,12 @@ class CompletionResult(Response):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: CompletionUsage | None
-    session_id: str = Field(description="the session generated in (also the X-Session-Id header)")
-    session: SessionRef | None = Field(None, description="the session after the commit (in the last chunk)")
+    session_id: str = Field(
+        description="the session generated in (also the X-Session-Id header); with several choices, the first's"
+    )
+    session: SessionRef | None = Field(
+        None, description="the (first choice's) session after the commit (streamed: in its last chunk)"
+    )
 
 
 class ModelCard(Response):
@@ -304,6 +308,10 @@ class TokenizeResult(Response):
     tokens: list[int]
 
 
+    session: SessionRef | None = Field(
+        default=None,
+        description="the session this choice was generated in, after its commit (streamed: in its last chunk)",
+    )
 class Detokenize(Request):
     model: str | None = Field(None, description="the served model's name, if given")
     tokens: list[int] = Field(max_length=1 << 16)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from app.sessions import Run
-
 from . import errors
+
+
+class Closes(Protocol):
+    """What a response closes when it ends: a `Run`, or the runs of several choices."""
+
+    async def close(self) -> None: ...
 
 
 def sse_json(data: dict) -> str:
@@ -28,7 +33,7 @@ async def until_disconnect(request: Request) -> None:
 
 
 async def guarded(
-    run: Run, frames: AsyncIterator[ServerSentEvent], error_event: str | None
+    run: Closes, frames: AsyncIterator[ServerSentEvent], error_event: str | None
 ) -> AsyncIterator[ServerSentEvent]:
     """`frames`; if they fail once streaming has begun (too late for a status code), one
     error frame with the usual error body, and nothing was committed. The run is closed
@@ -45,7 +50,7 @@ async def guarded(
 
 
 def respond(
-    run: Run, frames: AsyncIterator[ServerSentEvent], headers: dict[str, str] | None = None
+    run: Closes, frames: AsyncIterator[ServerSentEvent], headers: dict[str, str] | None = None
 ) -> EventSourceResponse:
     """The streaming response; the run is closed when it ends, however it ends."""
     return EventSourceResponse(frames, headers=headers, background=BackgroundTask(run.close), ping=15)

@@ -163,9 +163,55 @@ def test_a_prompt_in_an_array_of_one_is_that_prompt(oa):
     listed = oa.completions.create(model="tiny", prompt=["Hi"], max_tokens=5, seed=3)
     ids = oa.completions.create(model="tiny", prompt=[[72, 105]], max_tokens=5, seed=3)
     assert plain.choices[0].text == listed.choices[0].text == ids.choices[0].text
+
+
+BATCH = ["Hi", "Ho", "Hum"]
+
+
+def test_a_batch_of_prompts_is_one_choice_each_in_its_own_session(oa, http, server):
+    alone = [oa.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0) for p in BATCH]
+    batch = oa.completions.create(model="tiny", prompt=BATCH, max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    refs = [c.session for c in batch.choices]  # type: ignore[attr-defined]
+    assert len({r["id"] for r in refs}) == 3
+    assert batch.session_id == refs[0]["id"]  # type: ignore[attr-defined]
+    for r, p in zip(refs, BATCH, strict=True):
+        assert r["version"] == 1 and _session(http, r["id"])["n_tokens"] == r["n_tokens"] == 1 + len(p) + 5
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (7, 15)
+    # token-id prompts: the same batch
+    ids = oa.completions.create(
+        model="tiny", prompt=[list(p.encode()) for p in BATCH], max_tokens=5, temperature=0
+    )
+    assert [c.text for c in ids.choices] == [c.text for c in batch.choices]
+
+    # streamed: every chunk names its choice; each choice closes with its finish reason and session
+    chunks = list(
+        oa.completions.create(
+            model="tiny",
+            prompt=BATCH,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *events, usage = chunks
+    texts = {i: "".join(c.choices[0].text for c in events if c.choices[0].index == i) for i in range(3)}
+    assert texts == {i: c.text for i, c in enumerate(batch.choices)}
+    closing = {c.choices[0].index: c.choices[0] for c in events if c.choices[0].finish_reason}
+    assert sorted(closing) == [0, 1, 2] and all(c.finish_reason == "length" for c in closing.values())
+    assert len({c.session["id"] for c in closing.values()}) == 3  # type: ignore[attr-defined]
+    assert usage.usage is not None and usage.usage.completion_tokens == 15
+
+    # a batch cannot continue one session, nor be larger than the server's batch
+    sid = refs[0]["id"]
     with pytest.raises(openai.UnprocessableEntityError) as e:
-        oa.completions.create(model="tiny", prompt=["Hi", "Ho"], max_tokens=5)
-    assert "batch" in str(e.value)
+        oa.completions.create(model="tiny", prompt=BATCH, max_tokens=5, extra_body={"session_id": sid})
+    assert "one continuation" in str(e.value) and _session(http, sid)["version"] == 1
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        oa.completions.create(model="tiny", prompt=["x"] * 33, max_tokens=1)
+    assert "max_batch_size" in str(e.value)
 
 
 def test_errors_surface_as_sdk_exceptions(oa, http):

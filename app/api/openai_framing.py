@@ -1,0 +1,276 @@
+"""What the OpenAI-compatible routes (`completions.py`, `chat_completions.py`) share: one
+generation per choice, each in a new or a continued session; stop strings cut from the
+returned text OpenAI's way; the response head; the chunk stream merged from every choice,
+its usage chunk and `data: [DONE]`.
+
+A route parses its own body and frames its own choices (a `Framer`); everything between
+the parsed body and the framed bytes is here, once. It never builds an error body
+(errors.py) and never knows the model family.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from fastapi import Request
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from app import logs
+from app.config import Settings
+from app.engine import FinishReason, TokenEvent
+from app.sessions import Run, Sessions
+
+from .errors import ApiError, ErrorType
+from .schemas import CompletionUsage, SessionRef
+from .sse import guarded, respond, sse_json, until_disconnect
+
+# OpenAI knows no "eos": the model ending its text is a stop
+FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def session_asked(body_sid: str | None, header_sid: str | None) -> str | None:
+    """The session a request continues (body `session_id` or `X-Session-Id`), if any."""
+    if body_sid and header_sid and body_sid != header_sid:
+        raise ApiError(
+            ErrorType.invalid_request, "session_id and the X-Session-Id header name different sessions"
+        )
+    sid = body_sid or header_sid
+    if sid is not None:
+        logs.session_id.set(logs.clip(sid))
+    return sid
+
+
+class StopText:
+    """The text of one generation as an OpenAI route returns it: cut before the first stop
+    string that ended it (OpenAI's semantics; the session's state has still consumed it),
+    unless `keep` (vLLM's include_stop_str_in_output). While streaming, text that may be
+    the start of a stop string is held back until the next tokens tell."""
+
+    def __init__(self, stop: Sequence[str], keep: bool = False):
+        self.stop = [] if keep else [s for s in stop if s]
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, text: str) -> str:
+        """Add a token's text; returns what may go out now."""
+        self.text += text
+        cut = self._cut()
+        end = cut if cut is not None else len(self.text) - self._held()
+        return self._release(max(end, self.sent))
+
+    def finish(self) -> str:
+        """The rest, once the generation has ended: held-back text that was no stop."""
+        cut = self._cut()
+        return self._release(len(self.text) if cut is None else cut)
+
+    def whole(self, text: str) -> str:
+        """A generation's whole returned text, not streamed."""
+        return self.feed(text) + self.finish()
+
+    def _release(self, end: int) -> str:
+        out, self.sent = self.text[self.sent : end], max(end, self.sent)
+        return out
+
+    def _cut(self) -> int | None:
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held(self) -> int:
+        """The longest end of the text that is the start of a stop string."""
+        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                return n
+        return 0
+
+
+@dataclass
+class Choice:
+    """One choice of a response: its generation and its returned text."""
+
+    index: int
+    run: Run
+    text: StopText
+
+    def ref(self) -> SessionRef:
+        assert self.run.meta is not None
+        meta = self.run.meta
+        return SessionRef(id=meta.id, version=meta.version, n_tokens=meta.n_tokens)
+
+    @property
+    def finish_reason(self) -> Literal["stop", "length"]:
+        return FINISH[self.run.finish_reason]
+
+
+@dataclass
+class Choices:
+    """The generations of one response, closed together (each releases its session)."""
+
+    items: list[Choice] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for c in self.items:
+            await c.run.close()
+
+    def usage(self) -> CompletionUsage:
+        prompt = sum(c.run.prompt_tokens for c in self.items)
+        completion = sum(len(c.run.tokens) for c in self.items)
+        return CompletionUsage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+
+async def start(
+    sessions: Sessions,
+    settings: Settings,
+    owner: str,
+    sid: str | None,
+    prompts: list[list[int]],
+    *,
+    stop: list[str],
+    keep_stop: bool = False,
+    **generate: Any,
+) -> Choices:
+    """One generation per prompt, choice i for prompt i: in session `sid`, or each in a new
+    session. All start, or none does (those started are closed)."""
+    if sid is not None and len(prompts) != 1:
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"a session has one continuation: send one prompt with session_id, not {len(prompts)}",
+        )
+    started = await asyncio.gather(
+        *(_run(sessions, settings, owner, sid, ids, stop=stop, **generate) for ids in prompts),
+        return_exceptions=True,
+    )
+    runs = [r for r in started if isinstance(r, Run)]
+    choices = Choices([Choice(i, run, StopText(stop, keep_stop)) for i, run in enumerate(runs)])
+    failed = next((r for r in started if isinstance(r, BaseException)), None)
+    if failed is not None:
+        await choices.close()
+        raise failed
+    # the runs started in tasks of their own: the request's log context learns the session here
+    logs.session_id.set(choices.items[0].run.writer.meta.id)
+    return choices
+
+
+async def _run(
+    sessions: Sessions, settings: Settings, owner: str, sid: str | None, ids: list[int], **generate: Any
+) -> Run:
+    """The generation of one prompt: in session `sid`, or (None) in a new session that has
+    consumed BOS, the prompt coming with the generation."""
+    if sid is None:
+        sid = (await sessions.create([], settings.session_ttl, owner)).id
+    return await sessions.generate(sid, ids, expected=None, owner=owner, **generate)
+
+
+def head(prefix: str, model: str, fingerprint: str, choices: Choices) -> dict[str, Any]:
+    """The fields every body and chunk of a response repeats. `session_id` is the first
+    choice's (as the X-Session-Id header is); each choice reports its own session."""
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "session_id": choices.items[0].run.writer.meta.id,
+    }
+
+
+def session_header(choices: Choices) -> dict[str, str]:
+    return {"X-Session-Id": choices.items[0].run.writer.meta.id}
+
+
+async def complete(choices: Choices, request: Request) -> None:
+    """Run every choice to its commit, without streaming. A client that hangs up abandons
+    them all (nothing is committed for a choice not yet committed)."""
+    hangup = asyncio.ensure_future(until_disconnect(request))
+    # one watcher of the request, shielded: each run's `complete` cancels only its own view
+    tasks = [asyncio.ensure_future(c.run.complete(asyncio.shield(hangup))) for c in choices.items]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in (*tasks, hangup):
+            t.cancel()
+        await choices.close()
+
+
+class Framer(Protocol):
+    """A route's shapes: the chunk body around choice entries, and each entry."""
+
+    def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> BaseModel: ...
+    def opening(self, choice: Choice) -> BaseModel | None: ...
+    def token(self, choice: Choice, event: TokenEvent | None, text: str) -> BaseModel | None: ...
+    def closing(self, choice: Choice) -> BaseModel: ...
+
+
+def stream(choices: Choices, framer: Framer, include_usage: bool) -> EventSourceResponse:
+    """The SSE response: each choice's chunks as its tokens come, a closing chunk per choice
+    once it has committed (its finish_reason and session), the usage chunk if asked, then
+    `data: [DONE]` (after an error chunk too: the SDK raises `{"error": ...}` chunks)."""
+    frames = guarded(choices, _frames(choices, framer, include_usage), error_event=None)
+    return respond(choices, _then_done(frames), headers=session_header(choices))
+
+
+async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+    def frame(entry: BaseModel | None) -> ServerSentEvent | None:
+        return None if entry is None else _event(framer.chunk([entry], None))
+
+    for c in choices.items:
+        if (f := frame(framer.opening(c))) is not None:
+            yield f
+    async for c, ev in _merged(choices):
+        if ev is not None:
+            f = frame(framer.token(c, ev, c.text.feed(ev.text)))
+        else:  # committed: what was held back, then the finish reason and the session
+            rest = c.text.finish()
+            if rest and (f := frame(framer.token(c, None, rest))) is not None:
+                yield f
+            f = frame(framer.closing(c))
+        if f is not None:
+            yield f
+    if include_usage:
+        yield _event(framer.chunk([], choices.usage()))
+
+
+def _event(body: BaseModel) -> ServerSentEvent:
+    data = body.model_dump(mode="json")  # usage: null in every chunk but the last, as OpenAI's
+    for part in (data, *data.get("choices", [])):
+        if part.get("session", 0) is None:  # a session goes only where it is news
+            del part["session"]
+    return ServerSentEvent(data=sse_json(data))
+
+
+async def _merged(choices: Choices) -> AsyncIterator[tuple[Choice, TokenEvent | None]]:
+    """Every choice's token events as they come, and (choice, None) once it has committed."""
+    queue: asyncio.Queue[tuple[Choice, TokenEvent | None] | BaseException] = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for ev in c.run.stream():
+                queue.put_nowait((c, ev))
+            queue.put_nowait((c, None))
+        except Exception as exc:  # handed to the consumer, which frames it as the error chunk
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices.items]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            done += item[1] is None
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _then_done(frames: AsyncIterator[ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
+    async for frame in frames:
+        yield frame
+    yield ServerSentEvent(data="[DONE]")
