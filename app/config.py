@@ -68,6 +68,19 @@ class Settings(BaseSettings):
     delta_persistence: bool = Field(
         True, description="commit only what changed in a state (a delta) instead of the whole state"
     )
+    history_versions: int = Field(
+        8,
+        ge=1,
+        description="versions of a session that stay readable (fork or roll back to them; the current one "
+        "included); a session may ask for another number at creation, up to max_history_versions",
+    )
+    max_history_versions: int = Field(64, ge=1, description="most versions a session may ask to keep")
+    transcript_max_kb: float = Field(
+        1024.0,
+        gt=0,
+        description="most transcript one session keeps, in KiB (about 9 bytes per token plus a few hundred "
+        "per commit); past it the oldest commits' segments are dropped",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the decode step (CUDA graphs via mode reduce-overhead on CUDA); "

@@ -38,6 +38,7 @@ runs the model, the store speaks to Redis.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from app import logs, metrics
 from app.config import Limits, Settings
 from app.engine import Engine, EngineError, Finished, FinishReason, Request, Stored, TokenEvent
 from app.store import (
+    AtVersion,
     QuotaExceeded,
     SessionMeta,
     SessionStore,
@@ -56,12 +58,14 @@ from app.store import (
     StorageFull,
     StoreUnavailable,
     Usage,
+    Version,
     VersionMismatch,
     Writer,
     new_session_id,
     owner_of,
     tenant_of,
 )
+from app.transcript import Kind, Segment, lineage
 from model import LanguageModel, State, StateError
 from model.sampling import SamplingParams
 from model.state import Persist, read_blob
@@ -155,8 +159,10 @@ class Sessions:
         limits: Limits,
         tenants: dict[str, Limits],
         storage_guard: float,
+        history_versions: int,
     ):
         self.store = store
+        self.history_versions = history_versions  # kept versions of a session that asks for no number
         self.engine = engine
         self.cache = HotCache(hot_cache_bytes)
         self.state_dtype = state_dtype
@@ -197,7 +203,9 @@ class Sessions:
         read never fails for the ledger (in a Cluster it lives on another primary than the
         session), at worst the ledger forgets the session early and counts too little."""
         try:
-            self._seen(owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None))
+            self._seen(
+                owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None)
+            )
         except StoreUnavailable:
             log.warning("could not record a use of session %s in its tenant's ledger", meta.id)
 
@@ -221,15 +229,37 @@ class Sessions:
         await self._touch(meta, owner)
         return meta
 
-    async def fork(self, session_id: str, expected: int | None, owner: str) -> SessionMeta:
-        source = await self.get(session_id, owner)
+    async def fork(
+        self, session_id: str, expected: int | None, owner: str, version: int | None = None
+    ) -> SessionMeta:
+        """A new session holding the state `session_id` had at `version` (a kept one; None:
+        the current one), its transcript starting with that state's lineage."""
+        at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
+        source = at.meta
+        if expected is not None and source.version != expected:
+            raise VersionMismatch(session_id, expected, source.version)
+        assert at.state is not None and at.transcript is not None
         new_id = new_session_id()
-        await self._reserve(owner, new_id, source.state_bytes, source.ttl, grows=True)
+        inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
+        inherited.append(Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes())
+        size = at.state.nbytes + sum(map(len, inherited))
+        await self._reserve(owner, new_id, size, source.ttl, grows=True)
         try:
-            return await self.store.fork(session_id, expected, owner, new_id)
+            meta = await self.store.create(
+                at.state,
+                at.version.n_tokens,
+                source.model,
+                source.fingerprint,
+                source.ttl,
+                owner,
+                new_id,
+                keep=source.keep_versions,
+                transcript=inherited,
+            )
         except BaseException:
             await self.store.forget(owner, new_id)
             raise
+        return await self._settle(owner, meta, size)
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
@@ -240,15 +270,71 @@ class Sessions:
         """A page of the caller's own sessions, and the next page's cursor (0: no more)."""
         return await self.store.list_sessions(owner, cursor, count)
 
-    async def export(self, session_id: str, owner: str, dtype: str, expected: int | None) -> tuple[SessionMeta, bytes]:
-        """The committed state as one snapshot in `dtype`: the state format itself
-        (safetensors plus its JSON header with the model's fingerprint and a checksum)."""
+    async def export(
+        self, session_id: str, owner: str, dtype: str, expected: int | None, version: int | None = None
+    ) -> tuple[SessionMeta, int, bytes]:
+        """The committed state (or a kept `version`'s) as one snapshot in `dtype`: the state
+        format itself (safetensors plus its JSON header with the model's fingerprint and a
+        checksum). Returns the session, the version exported, and the bytes."""
+        if version is not None:
+            at = await self._read_version(session_id, version, expected, owner)
+            res = await self._run(Request(self._stored(at), [], persist=Persist(dtype)))
+            assert res.encoded is not None
+            return at.meta, version, res.encoded.blob
         meta, start = await self._read(session_id, expected, owner)
         res = await self._run(Request(start, [], persist=Persist(dtype)))
         self._keep_loaded(meta, res)
         await self._touch(meta, owner)
         assert res.encoded is not None
-        return meta, res.encoded.blob
+        return meta, meta.version, res.encoded.blob
+
+    # -- history -----------------------------------------------------------------------------
+    async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
+        """The session and the versions it keeps (oldest first)."""
+        meta, kept = await self.store.versions(session_id, owner)
+        await self._touch(meta, owner)
+        return meta, kept
+
+    async def transcript(
+        self, session_id: str, owner: str, since_version: int | None = None
+    ) -> tuple[SessionMeta, list[Segment], bool]:
+        """The segments the current state consumed, in order (only the session's own
+        versions after `since_version`, when given), and whether that history is complete."""
+        at = await self.store.read_at(session_id, None, owner, transcript=True)
+        assert at.transcript is not None
+        await self._touch(at.meta, owner)
+        segments, complete = lineage(
+            [Segment.from_bytes(b) for b in at.transcript], session_id, at.meta.version
+        )
+        if since_version is not None:
+            segments = [g for g in segments if g.session_id == session_id and g.version > since_version]
+        return at.meta, segments, complete and not at.trimmed
+
+    async def rollback(self, session_id: str, version: int, expected: int | None, owner: str) -> SessionMeta:
+        """Make a kept version's state current again, as a new version (fenced like every
+        write): history only moves forward, and the versions rolled back over stay kept."""
+        writer, _ = await self._begin(session_id, expected, owner)
+        try:
+            at = await self._read_version(session_id, version, None, owner)
+            res = await self._run(Request(self._stored(at), [], persist=Persist(self.state_dtype)))
+            segment = Segment(session_id, writer.meta.version + 1, "rollback", res.n_tokens, restores=version)
+            return await self._commit(writer, res, owner, segment)
+        finally:
+            await writer.release()
+
+    async def _read_version(
+        self, session_id: str, version: int, expected: int | None, owner: str
+    ) -> AtVersion:
+        at = await self.store.read_at(session_id, version, owner, state=True)
+        if expected is not None and at.meta.version != expected:
+            raise VersionMismatch(session_id, expected, at.meta.version)
+        self._same_model(at.meta)
+        return at
+
+    @staticmethod
+    def _stored(at: AtVersion) -> Stored:
+        assert at.state is not None
+        return Stored(at.state.snapshot, at.state.deltas, at.version.n_tokens)
 
     async def import_state(self, blob: bytes, ttl: int, owner: str) -> SessionMeta:
         """A new session, owned by `owner`, holding an exported state: verified (container,
@@ -257,20 +343,26 @@ class Sessions:
             header, tensors = read_blob(blob)
             n_tokens = tensors["n_tokens"]
             if header.get("delta") is not None or n_tokens.shape != (1,):
-                raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
+                raise StateError(
+                    "only a single-stream snapshot (as GET .../state exports it) can be imported"
+                )
             start = Stored(blob, (), int(n_tokens[0]))
-            return await self._create(Request(start, [], persist=Persist(self.state_dtype)), ttl, owner)
+            req = Request(start, [], persist=Persist(self.state_dtype))
+            return await self._create(req, ttl, owner, None, "import")
         except StateError as exc:
             raise StateRejected(f"the state cannot be imported: {exc}") from None
 
     # -- transactions ----------------------------------------------------------------------------
-    async def create(self, ids: list[int], ttl: int, owner: str) -> SessionMeta:
-        """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed."""
+    async def create(self, ids: list[int], ttl: int, owner: str, keep: int | None = None) -> SessionMeta:
+        """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed,
+        keeping its last `keep` versions (None: the service's default)."""
         bos = self.engine.tokenizer.bos_id
         prompt = ([bos] if bos is not None else []) + ids
-        return await self._create(Request(None, prompt, persist=Persist(self.state_dtype)), ttl, owner)
+        return await self._create(Request(None, prompt, persist=Persist(self.state_dtype)), ttl, owner, keep)
 
-    async def _create(self, req: Request, ttl: int, owner: str) -> SessionMeta:
+    async def _create(
+        self, req: Request, ttl: int, owner: str, keep: int | None, kind: Kind = "create"
+    ) -> SessionMeta:
         """A new session holding the state `req` makes."""
         # a place in the tenant's quota first: Redis down, or the tenant at its limit, fails
         # fast, before any model time is spent
@@ -280,16 +372,28 @@ class Sessions:
             res = await self._run(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
             blob = res.encoded.blob
-            await self._reserve(owner, session_id, len(blob), ttl, grows=True)
+            segment = Segment(
+                session_id, 0, kind, res.n_tokens - len(req.prompt), req.prompt, committed_at=time.time()
+            ).to_bytes()
+            size = len(blob) + len(segment)
+            await self._reserve(owner, session_id, size, ttl, grows=True)
             meta = await self.store.create(
-                StateBlobs(blob), res.n_tokens, self.engine.name, self.engine.fingerprint, ttl, owner, session_id
+                StateBlobs(blob),
+                res.n_tokens,
+                self.engine.name,
+                self.engine.fingerprint,
+                ttl,
+                owner,
+                session_id,
+                keep=keep or self.history_versions,
+                transcript=[segment],
             )
         except BaseException:
             await self.store.forget(owner, session_id)
             raise
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
-        return meta
+        return await self._settle(owner, meta, size)
 
     async def score(
         self, session_id: str, ids: list[int], *, commit: bool, expected: int | None, owner: str
@@ -307,7 +411,8 @@ class Sessions:
             res = await self._run(
                 Request(start, ids, prompt_logprobs=True, persist=self.persist_for(writer.meta))
             )
-            return await self._commit(writer, res, owner), res.prompt_logprobs
+            segment = Segment(session_id, writer.meta.version + 1, "score", writer.meta.n_tokens, ids)
+            return await self._commit(writer, res, owner, segment), res.prompt_logprobs
         finally:
             await writer.release()
 
@@ -367,11 +472,7 @@ class Sessions:
     def _start(self, meta: SessionMeta, blobs: StateBlobs | None, held: Held | None) -> State | Stored:
         """The starting state of a request on `meta`: the bytes Redis returned or, when it
         returned none because `held` is the current commit, the held state."""
-        if meta.fingerprint != self.engine.fingerprint:
-            raise ModelMismatch(
-                f"session {meta.id} belongs to model {meta.model!r} ({meta.fingerprint}); "
-                f"this server runs {self.engine.name!r} ({self.engine.fingerprint})"
-            )
+        self._same_model(meta)
         if blobs is not None:
             metrics.HOT_CACHE_MISSES.inc()
             return Stored(blobs.snapshot, blobs.deltas, meta.n_tokens)
@@ -379,6 +480,13 @@ class Sessions:
             raise EngineError(f"session {meta.id}: Redis sent no state and the current one is not held")
         metrics.HOT_CACHE_HITS.inc()
         return held.state
+
+    def _same_model(self, meta: SessionMeta) -> None:
+        if meta.fingerprint != self.engine.fingerprint:
+            raise ModelMismatch(
+                f"session {meta.id} belongs to model {meta.model!r} ({meta.fingerprint}); "
+                f"this server runs {self.engine.name!r} ({self.engine.fingerprint})"
+            )
 
     async def _run(self, req: Request) -> Finished:
         """3, for a request whose tokens nobody streams."""
@@ -392,15 +500,29 @@ class Sessions:
             self.state_dtype, since=meta.n_tokens, delta_budget=meta.snapshot_bytes - meta.delta_bytes
         )
 
-    async def _commit(self, writer: Writer, res: Finished, owner: str) -> SessionMeta:
-        """4 and 5: the fenced commit (within the tenant's quota and Redis's room), then the
-        committed state kept hot."""
+    async def _commit(self, writer: Writer, res: Finished, owner: str, segment: Segment) -> SessionMeta:
+        """4 and 5: the fenced commit of the new state and its transcript segment (within
+        the tenant's quota and Redis's room), then the committed state kept hot."""
         assert res.encoded is not None
         old = writer.meta
-        size = len(res.encoded.blob) + (old.state_bytes if res.encoded.kind == "delta" else 0)
+        packed = dataclasses.replace(segment, committed_at=time.time()).to_bytes()
+        # at most what the session will hold (a replaced chain moves to the history, when kept)
+        kept = (
+            old.snapshot_bytes + old.delta_bytes
+            if res.encoded.kind == "delta" or old.keep_versions > 1
+            else 0
+        )
+        size = len(res.encoded.blob) + len(packed) + old.history_bytes + kept
         await self._reserve(owner, old.id, size, old.ttl, grows=size > old.state_bytes)
-        meta = await writer.commit(res.n_tokens, **{res.encoded.kind: res.encoded.blob})
+        meta = await writer.commit(res.n_tokens, **{res.encoded.kind: res.encoded.blob}, segment=packed)
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
+        return await self._settle(owner, meta, size)
+
+    async def _settle(self, owner: str, meta: SessionMeta, reserved: int) -> SessionMeta:
+        """The tenant's ledger takes the size the session has after a write, when the
+        history and transcript bounds made it smaller than the reservation."""
+        if meta.state_bytes != reserved:
+            await self._touch(meta, owner)
         return meta
 
     def _keep_loaded(self, meta: SessionMeta, res: Finished) -> None:
@@ -447,7 +569,7 @@ class Run:
             yield ev
         res = self.result
         await self.sessions.spend(self.owner, len(self.tokens))
-        self.meta = await self.sessions._commit(self.writer, res, self.owner)
+        self.meta = await self.sessions._commit(self.writer, res, self.owner, self.segment("generate"))
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
         metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
 
@@ -477,6 +599,22 @@ class Run:
     def result(self) -> Finished:
         assert self.req.result is not None
         return self.req.result
+
+    def segment(self, kind: Kind) -> Segment:
+        """This generation's transcript segment: the prompt, then the tokens handed out."""
+        n = len(self.prompt)
+        return Segment(
+            self.writer.meta.id,
+            self.version,
+            kind,
+            self.writer.meta.n_tokens,
+            self.prompt + [ev.id for ev in self.tokens],
+            [False] * n + [True] * len(self.tokens),
+            [None] * n + [ev.logprob for ev in self.tokens],
+            dataclasses.asdict(self.req.params),
+            self.req.seed,
+            self.req.result.finish_reason if kind == "generate" and self.req.result else None,
+        )
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -508,11 +646,18 @@ class Run:
             await s.spend(self.owner, len(self.tokens))
             ids = self.prompt + [ev.id for ev in self.tokens]
             res = await s._run(Request(self.req.start, ids, persist=self.req.persist))
-            self.meta = await s._commit(self.writer, res, self.owner)
+            self.meta = await s._commit(self.writer, res, self.owner, self.segment("keep"))
         except Exception:
             log.warning("could not keep the tokens of a generation cut short", exc_info=True)
         finally:
             await self.writer.release()
+
+
+def _lineage_bytes(stored: list[bytes], session_id: str, version: int) -> list[bytes]:
+    """The stored segments (as stored) of the lineage of `session_id` at `version`."""
+    segments = [Segment.from_bytes(raw) for raw in stored]
+    packed = {id(seg): raw for raw, seg in zip(stored, segments, strict=True)}
+    return [packed[id(seg)] for seg in lineage(segments, session_id, version)[0]]
 
 
 # -- assembly ------------------------------------------------------------------------------------
@@ -541,4 +686,5 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         limits=settings.limits(),
         tenants={owner_of(key): limits for key, limits in settings.load_tenants().items()},
         storage_guard=settings.storage_guard,
+        history_versions=settings.history_versions,
     )

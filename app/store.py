@@ -20,6 +20,22 @@ Key schema (`P` is `Settings.key_prefix`, `ID` a session id of 32 lowercase hex 
     P deltas:{ID}    list, the state deltas committed since the snapshot, oldest first
                      (`State.delta_bytes`); the state is snapshot + deltas, merged in order
     P lock:{ID}      string, the writer lock: a random token, with a short lease (PX)
+    P history:{ID}   hash, the session's past versions (the last `keep` of them stay readable):
+        n:V, t:V, b:V   per kept version V: its n_tokens, commit time, and the version of
+                        the snapshot it is built on (its base: the current chain's base is
+                        `version` minus the number of `deltas`)
+        s:V, d:V        the snapshot and the delta that a replaced chain (see `base`)
+                        committed as version V, kept while a kept version is built on them
+    P transcript:{ID} list, one packed segment per commit, oldest first (`app.transcript`):
+                     the tokens each commit consumed, its action mask, behaviour log-probs,
+                     sampling parameters and seed; its oldest entries are dropped past the
+                     size bound (`transcript_trimmed` then says so)
+
+More fields of the session hash, for the history and the transcript:
+        keep             how many versions stay readable (the current one included)
+        history_bytes    bytes of the blobs in `history`
+        meta_lo, blob_lo the lowest version whose metadata, and whose blobs, `history` may hold
+        transcript_bytes, transcript_trimmed
 
 The id is the keys' hash tag (`{ID}`), so all keys of a session share a Redis Cluster
 slot and every script touches one slot. No script spans two sessions: `fork` is a read
@@ -31,7 +47,10 @@ is still the one `begin` read (the fence), so a writer whose lock lease expired 
 overwrite a newer commit. A commit either appends a delta or replaces the snapshot and
 clears the deltas, in the same step as the version bump. Reads accept the commit id of
 the state the caller already holds (a hot cache) and then return no state bytes when it is
-still the current one. Commit ids, unlike version numbers, are never issued twice, even
+still the current one. A commit that replaces the snapshot moves the replaced snapshot
+and its deltas into `history` when a kept version still needs them; every commit drops
+what no kept version needs any more, and appends its transcript segment: so a kept
+version, the transcript and the current state never disagree. Commit ids, unlike version numbers, are never issued twice, even
 after Redis loses a commit.
 Each use of a session re-arms its TTL (sliding expiry).
 
@@ -161,33 +180,76 @@ end
 _LUA_TOUCH = (
     _LUA_NOW
     + """
-local function touch(key, deltas)
-  local ttl = tonumber(redis.call('HGET', key, 'ttl'))
+-- keys: session, deltas, lock, history, transcript (every session script gets all five)
+local function touch(keys)
+  local ttl = tonumber(redis.call('HGET', keys[1], 'ttl'))
   local exp = string.format('%.6f', now() + ttl)
-  redis.call('HSET', key, 'expires_at', exp)
-  redis.call('EXPIRE', key, ttl)
-  if deltas then redis.call('EXPIRE', deltas, ttl) end
+  redis.call('HSET', keys[1], 'expires_at', exp)
+  for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', keys[i], ttl) end
   return exp
+end
+local function num(key, field)
+  return tonumber(redis.call('HGET', key, field) or '0')
+end
+-- the version whose snapshot `state` holds: the deltas after it are the versions up to now
+local function base_of(keys)
+  return num(keys[1], 'version') - redis.call('LLEN', keys[2])
 end
 local function meta(key)
   local m = redis.call('HMGET', key, 'version', 'n_tokens', 'model', 'fingerprint', 'created_at', 'expires_at', 'ttl')
   m[8] = tostring(redis.call('HSTRLEN', key, 'state'))
   m[9] = redis.call('HGET', key, 'delta_bytes') or '0'
   m[10] = redis.call('HGET', key, 'commit') or ''
+  m[11] = tostring(num(key, 'history_bytes') + num(key, 'transcript_bytes'))
+  m[12] = redis.call('HGET', key, 'keep') or '1'
   return m
 end
 -- the state bytes, unless the caller already holds the state of commit `held`
 local function with_state(m, key, deltas, held)
   if held == '' or m[10] ~= held then
-    m[11] = redis.call('HGET', key, 'state')
-    m[12] = redis.call('LRANGE', deltas, 0, -1)
+    m[13] = redis.call('HGET', key, 'state')
+    m[14] = redis.call('LRANGE', deltas, 0, -1)
   end
   return m
+end
+-- a version's metadata in the history
+local function remember(keys, v, n, base)
+  redis.call('HSET', keys[4], 'n:' .. v, n, 't:' .. v, string.format('%.6f', now()), 'b:' .. v, base)
+end
+-- drop from the history what no kept version (the last `keep` up to `current`) needs
+local function prune(keys, current)
+  local oldest = math.max(0, current - math.max(1, num(keys[1], 'keep')) + 1)
+  local base = base_of(keys)
+  local cutoff = base
+  local b = redis.call('HGET', keys[4], 'b:' .. oldest)  -- (absent: nothing older was kept)
+  if oldest < base and b then cutoff = tonumber(b) end
+  for u = num(keys[1], 'meta_lo'), oldest - 1 do
+    redis.call('HDEL', keys[4], 'n:' .. u, 't:' .. u, 'b:' .. u)
+  end
+  local freed = 0
+  for u = num(keys[1], 'blob_lo'), cutoff - 1 do
+    freed = freed + redis.call('HSTRLEN', keys[4], 's:' .. u) + redis.call('HSTRLEN', keys[4], 'd:' .. u)
+    redis.call('HDEL', keys[4], 's:' .. u, 'd:' .. u)
+  end
+  redis.call('HSET', keys[1], 'meta_lo', oldest, 'blob_lo', math.max(cutoff, num(keys[1], 'blob_lo')))
+  if freed > 0 then redis.call('HINCRBY', keys[1], 'history_bytes', 0 - freed) end
+end
+-- append a transcript segment, then drop the oldest ones past `limit` bytes (never the newest)
+local function transcribe(keys, segment, limit)
+  if segment == '' then return end
+  redis.call('RPUSH', keys[5], segment)
+  local size = redis.call('HINCRBY', keys[1], 'transcript_bytes', string.len(segment))
+  while size > limit and redis.call('LLEN', keys[5]) > 1 do
+    size = redis.call('HINCRBY', keys[1], 'transcript_bytes', 0 - string.len(redis.call('LPOP', keys[5])))
+    redis.call('HSET', keys[1], 'transcript_trimmed', 1)
+  end
 end
 """
 )
 
-# KEYS: session, deltas. ARGV: ttl, model, fingerprint, n_tokens, owner, commit id, snapshot, deltas...
+# KEYS: session, deltas, lock, history, transcript. ARGV: ttl, model, fingerprint, n_tokens,
+# owner, commit id, versions to keep, transcript bound, number of deltas D, snapshot,
+# D deltas, transcript segments...
 _CREATE = (
     _LUA_TOUCH
     + """
@@ -196,16 +258,21 @@ local ts = string.format('%.6f', now())
 -- the first write must be one Redis refuses over maxmemory (HSET, not DEL): after a
 -- script's first write, Redis lets the rest through, so a full Redis would take it all
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[7], 'delta_bytes', 0, 'commit', ARGV[6])
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[10], 'delta_bytes', 0, 'commit', ARGV[6],
+           'keep', ARGV[7], 'history_bytes', 0, 'meta_lo', 0, 'blob_lo', 0 - tonumber(ARGV[9]),
+           'transcript_bytes', 0)
 local size = 0
-redis.call('DEL', KEYS[2])
-for i = 8, #ARGV do
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5])
+local last = 10 + tonumber(ARGV[9])
+for i = 11, last do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   size = size + string.len(ARGV[i])
 end
 if size > 0 then redis.call('HSET', KEYS[1], 'delta_bytes', size) end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[5]) end
-touch(KEYS[1], KEYS[2])
+remember(KEYS, 0, ARGV[4], base_of(KEYS))
+for i = last + 1, #ARGV do transcribe(KEYS, ARGV[i], tonumber(ARGV[8])) end
+touch(KEYS)
 return meta(KEYS[1])
 """
 )
@@ -219,7 +286,7 @@ _READ = (
 if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[3] then
   return false
 end
-if ARGV[4] ~= '0' then touch(KEYS[1], KEYS[2]) end
+if ARGV[4] ~= '0' then touch(KEYS) end
 local m = meta(KEYS[1])
 if ARGV[1] == '1' then with_state(m, KEYS[1], KEYS[2], ARGV[2]) end
 return m
@@ -238,31 +305,49 @@ local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy', redis.call('PTTL', KEYS[3])} end
 if ARGV[3] ~= '' and v ~= ARGV[3] then return {'mismatch', v} end
 redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
-touch(KEYS[1], KEYS[2])
+touch(KEYS)
 local m = with_state(meta(KEYS[1]), KEYS[1], KEYS[2], ARGV[4])
 table.insert(m, 1, 'ok')
 return m
 """
 )
 
-# KEYS: session, deltas, lock. ARGV: expected version, n_tokens, lock token,
-# 'delta' | 'snapshot', blob, new commit id. A delta is appended; a snapshot replaces
-# state and deltas.
+# KEYS: session, deltas, lock, history, transcript. ARGV: expected version, n_tokens, lock
+# token, 'delta' | 'snapshot', blob, new commit id, transcript segment (or ''), transcript
+# bound. A delta is appended; a snapshot replaces state and deltas, which move to the
+# history (when more than one version is kept).
 _COMMIT = (
     _LUA_TOUCH
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if v ~= ARGV[1] then return {'conflict', v} end
+local new = tonumber(v) + 1
 if ARGV[4] == 'delta' then
   redis.call('RPUSH', KEYS[2], ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'delta_bytes', string.len(ARGV[5]))
 else  -- (HSET before DEL: the first write is the one a full Redis refuses, see _CREATE)
+  local base, old = base_of(KEYS), redis.call('HGET', KEYS[1], 'state')
+  local chain = redis.call('LRANGE', KEYS[2], 0, -1)
   redis.call('HSET', KEYS[1], 'state', ARGV[5], 'delta_bytes', 0)
   redis.call('DEL', KEYS[2])
+  if num(KEYS[1], 'keep') > 1 then  -- the replaced chain, for the kept versions built on it
+    local size = string.len(old)
+    redis.call('HSET', KEYS[4], 's:' .. base, old)
+    for i, d in ipairs(chain) do
+      redis.call('HSET', KEYS[4], 'd:' .. (base + i), d)
+      size = size + string.len(d)
+    end
+    redis.call('HINCRBY', KEYS[1], 'history_bytes', size)
+  else
+    redis.call('HSET', KEYS[1], 'blob_lo', new)
+  end
 end
-redis.call('HSET', KEYS[1], 'version', tonumber(v) + 1, 'n_tokens', ARGV[2], 'commit', ARGV[6])
-touch(KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], 'version', new, 'n_tokens', ARGV[2], 'commit', ARGV[6])
+remember(KEYS, new, ARGV[2], base_of(KEYS))
+prune(KEYS, new)
+transcribe(KEYS, ARGV[7], tonumber(ARGV[8]))
+touch(KEYS)
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 local m = meta(KEYS[1])
 table.insert(m, 1, 'ok')
@@ -290,9 +375,71 @@ end
 local v = redis.call('HGET', KEYS[1], 'version')
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'busy', redis.call('PTTL', KEYS[3])} end
 if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 return {'ok'}
 """
+
+# KEYS: the session's five. ARGV: owner, version ('' = the current one), '1' for its state,
+# '1' for the transcript. Returns {'ok', meta, n_tokens and commit time of the version,
+# snapshot, deltas (or false, false), transcript segments, trimmed flag (or false, false)},
+# {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL.
+_READ_AT = (
+    _LUA_TOUCH
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then
+  return {'missing'}
+end
+touch(KEYS)
+local m = meta(KEYS[1])
+local current = tonumber(m[1])
+local v = current
+if ARGV[2] ~= '' then v = tonumber(ARGV[2]) end
+local n, t = redis.call('HGET', KEYS[4], 'n:' .. v), redis.call('HGET', KEYS[4], 't:' .. v)
+if v == current then n, t = m[2], t or m[6] end
+if v > current or v < num(KEYS[1], 'meta_lo') or not n then
+  return {'gone', tostring(math.max(num(KEYS[1], 'meta_lo'), current - math.max(1, tonumber(m[12])) + 1))}
+end
+local out = {'ok', m, n, t, false, false, false, false}
+if ARGV[3] == '1' then
+  local base = base_of(KEYS)
+  if v >= base then
+    out[5] = redis.call('HGET', KEYS[1], 'state')
+    out[6] = {}
+    if v > base then out[6] = redis.call('LRANGE', KEYS[2], 0, v - base - 1) end
+  else
+    local b = tonumber(redis.call('HGET', KEYS[4], 'b:' .. v))
+    out[5] = redis.call('HGET', KEYS[4], 's:' .. b)
+    out[6] = {}
+    for u = b + 1, v do table.insert(out[6], redis.call('HGET', KEYS[4], 'd:' .. u)) end
+  end
+end
+if ARGV[4] == '1' then
+  out[7] = redis.call('LRANGE', KEYS[5], 0, -1)
+  out[8] = redis.call('HGET', KEYS[1], 'transcript_trimmed') or '0'
+end
+return out
+"""
+)
+
+# KEYS: the session's five. ARGV: owner. Returns {'ok', meta, {version, n_tokens, commit
+# time}... of every kept version, oldest first} or {'missing'}. Re-arms the TTL.
+_VERSIONS = (
+    _LUA_TOUCH
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then
+  return {'missing'}
+end
+touch(KEYS)
+local m = meta(KEYS[1])
+local current = tonumber(m[1])
+local out = {'ok', m}
+for v = math.max(num(KEYS[1], 'meta_lo'), current - math.max(1, tonumber(m[12])) + 1), current do
+  local n = redis.call('HGET', KEYS[4], 'n:' .. v)
+  if n then table.insert(out, {tostring(v), n, redis.call('HGET', KEYS[4], 't:' .. v)}) end
+end
+return out
+"""
+)
 
 
 # -- tenant scripts: quotas ---------------------------------------------------------------------
@@ -417,10 +564,42 @@ class SessionMeta:
     snapshot_bytes: int  # size of the stored snapshot
     delta_bytes: int  # total size of the deltas stored after it
     commit_id: str  # random id of the commit that wrote the current state (never reused)
+    history_bytes: int = 0  # the kept past versions' blobs and the transcript
+    keep_versions: int = 1  # how many versions stay readable, the current one included
 
     @property
     def state_bytes(self) -> int:
-        return self.snapshot_bytes + self.delta_bytes
+        """Everything the session stores: what its tenant's quota counts."""
+        return self.snapshot_bytes + self.delta_bytes + self.history_bytes
+
+
+@dataclass(frozen=True)
+class Version:
+    """A kept version of a session: readable, forkable, restorable."""
+
+    version: int
+    n_tokens: int
+    committed_at: float
+
+
+@dataclass(frozen=True)
+class AtVersion:
+    """A session (`meta`, its current version) as it was at a kept version."""
+
+    meta: SessionMeta
+    version: Version
+    state: StateBlobs | None  # when asked for
+    transcript: list[bytes] | None  # the packed segments, oldest first, when asked for
+    trimmed: bool = False  # the transcript's oldest segments were dropped (its size bound)
+
+
+class VersionGone(StoreError):
+    def __init__(self, session_id: str, version: int, oldest: int):
+        self.oldest = oldest
+        super().__init__(
+            f"session {session_id!r} no longer keeps version {version} (or never had it): "
+            f"the oldest it keeps is {oldest}"
+        )
 
 
 @dataclass(frozen=True)
@@ -465,7 +644,7 @@ def new_commit_id() -> str:
 
 
 def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
-    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:10]]
+    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:12]]
     return SessionMeta(
         id=session_id,
         version=int(s[0]),
@@ -478,14 +657,16 @@ def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
         snapshot_bytes=int(s[7]),
         delta_bytes=int(s[8]),
         commit_id=str(s[9]),
+        history_bytes=int(s[10]),
+        keep_versions=int(s[11]),
     )
 
 
 def _blobs(raw: list[Any]) -> StateBlobs | None:
     """The state bytes after the meta fields, or None when the caller held the current commit."""
-    if len(raw) <= 10 or raw[10] is None:
+    if len(raw) <= 12 or raw[12] is None:
         return None
-    blobs = StateBlobs(bytes(raw[10]), tuple(bytes(d) for d in raw[11]))
+    blobs = StateBlobs(bytes(raw[12]), tuple(bytes(d) for d in raw[13]))
     metrics.STATE_BYTES_READ.inc(blobs.nbytes)
     return blobs
 
@@ -611,8 +792,10 @@ class SessionStore:
         lock_lease_seconds: float,
         timeout: float,
         max_connections: int,
+        transcript_max_bytes: int,
     ):
         self.prefix = key_prefix
+        self.transcript_max_bytes = transcript_max_bytes
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
         self.timeout = timeout
         target = parse_redis_url(url)
@@ -630,6 +813,8 @@ class SessionStore:
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
         self._delete = r.register_script(_DELETE)
+        self._read_at = r.register_script(_READ_AT)
+        self._versions = r.register_script(_VERSIONS)
         self._record = r.register_script(_RECORD)
         self._forget = r.register_script(_FORGET)
         self._usage = r.register_script(_USAGE)
@@ -693,6 +878,7 @@ class SessionStore:
             lock_lease_seconds=settings.lock_lease_seconds,
             timeout=settings.redis_timeout,
             max_connections=settings.redis_max_connections,
+            transcript_max_bytes=int(settings.transcript_max_kb * 1024),
         )
 
     # -- the key schema (one place) ---------------------------------------------------------
@@ -705,6 +891,12 @@ class SessionStore:
     def lock_key(self, session_id: str) -> str:
         return f"{self.prefix}lock:{{{session_id}}}"
 
+    def history_key(self, session_id: str) -> str:
+        return f"{self.prefix}history:{{{session_id}}}"
+
+    def transcript_key(self, session_id: str) -> str:
+        return f"{self.prefix}transcript:{{{session_id}}}"
+
     def ledger_keys(self, tenant: str) -> list[str]:
         """A tenant's ledger: its live sessions by expiry (sorted set), and their bytes (hash)."""
         return [f"{self.prefix}tenant:{{{tenant}}}:live", f"{self.prefix}tenant:{{{tenant}}}:bytes"]
@@ -713,9 +905,15 @@ class SessionStore:
         """A tenant's request and token buckets (hash)."""
         return f"{self.prefix}tenant:{{{tenant}}}:rate"
 
-    def _keys(self, session_id: str, lock: bool = False) -> list[str]:
-        keys = [self.session_key(session_id), self.deltas_key(session_id)]
-        return keys + [self.lock_key(session_id)] if lock else keys
+    def _keys(self, session_id: str) -> list[str]:
+        """A session's keys, as every session script takes them (one hash slot)."""
+        return [
+            self.session_key(session_id),
+            self.deltas_key(session_id),
+            self.lock_key(session_id),
+            self.history_key(session_id),
+            self.transcript_key(session_id),
+        ]
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
@@ -830,8 +1028,11 @@ class SessionStore:
         ttl: int,
         owner: str = "",
         session_id: str | None = None,
+        keep: int = 1,
+        transcript: list[bytes] | tuple[bytes, ...] = (),
     ) -> SessionMeta:
-        """A new session (under `session_id`, when the caller has reserved one)."""
+        """A new session (under `session_id`, when the caller has reserved one), keeping its
+        last `keep` versions, its transcript starting with the `transcript` segments."""
         while True:  # 128 random bits never collide in practice; the script refuses if they do
             sid = session_id or new_session_id()
             raw = await self._run(
@@ -844,8 +1045,12 @@ class SessionStore:
                     int(n_tokens),
                     owner,
                     new_commit_id(),
+                    int(keep),
+                    self.transcript_max_bytes,
+                    len(state.deltas),
                     state.snapshot,
                     *state.deltas,
+                    *transcript,
                 ],
             )
             if raw:
@@ -870,6 +1075,39 @@ class SessionStore:
             raise SessionNotFound(session_id)
         return _meta(session_id, raw), _blobs(raw)
 
+    async def read_at(
+        self,
+        session_id: str,
+        version: int | None,
+        owner: str,
+        *,
+        state: bool = False,
+        transcript: bool = False,
+    ) -> AtVersion:
+        """A kept version (None: the current one): its state and the transcript when asked
+        for, read in one step (so they agree). VersionGone past the kept history."""
+        self._check_id(session_id)
+        args = [owner, _arg(version), "1" if state else "0", "1" if transcript else "0"]
+        res = await self._run(self._read_at, self._keys(session_id), args)
+        _check_status(res, session_id, None)
+        if res[0] == b"gone":
+            raise VersionGone(session_id, -1 if version is None else version, int(res[1]))
+        meta = _meta(session_id, res[1])
+        at = Version(meta.version if version is None else version, int(res[2]), float(res[3]))
+        blobs = None
+        if state:
+            blobs = StateBlobs(bytes(res[4]), tuple(bytes(d) for d in res[5]))
+            metrics.STATE_BYTES_READ.inc(blobs.nbytes)
+        segments = [bytes(x) for x in res[6]] if transcript else None
+        return AtVersion(meta, at, blobs, segments, transcript and res[7] == b"1")
+
+    async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
+        """The session and its kept versions, oldest first."""
+        self._check_id(session_id)
+        res = await self._run(self._versions, self._keys(session_id), [owner])
+        _check_status(res, session_id, None)
+        return _meta(session_id, res[1]), [Version(int(v), int(n), float(t)) for v, n, t in res[2:]]
+
     async def list_sessions(self, owner: str, cursor: int, count: int) -> tuple[list[SessionMeta], int]:
         """A page of the tenant's live sessions, from its ledger (never `KEYS`), and the
         cursor of the next page (0: no more). Redis's HSCAN guarantees: a session that lives
@@ -887,22 +1125,9 @@ class SessionStore:
         # (a session that expired or was deleted since its ledger entry was read is left out)
         return [_meta(sid, raw) for sid, raw in zip(ids, found, strict=True) if raw], int(cursor)
 
-    async def fork(
-        self, session_id: str, expected_version: int | None = None, owner: str = "", new_id: str | None = None
-    ) -> SessionMeta:
-        """A new session (under `new_id`, when the caller has reserved one) holding the
-        committed state of `session_id` (version 0), same owner."""
-        meta, state = await self.read(session_id, with_state=True, owner=owner)
-        if expected_version is not None and meta.version != expected_version:
-            raise VersionMismatch(session_id, expected_version, meta.version)
-        assert state is not None
-        return await self.create(state, meta.n_tokens, meta.model, meta.fingerprint, meta.ttl, owner, new_id)
-
     async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
         self._check_id(session_id)
-        res = await self._run(
-            self._delete, self._keys(session_id, lock=True), [_arg(expected_version), owner]
-        )
+        res = await self._run(self._delete, self._keys(session_id), [_arg(expected_version), owner])
         _check_status(res, session_id, expected_version)
 
     async def begin(
@@ -916,12 +1141,11 @@ class SessionStore:
         token = secrets.token_hex(16)
         res = await self._run(
             self._begin,
-            self._keys(session_id, lock=True),
+            self._keys(session_id),
             [token, self.lock_lease_ms, _arg(expected_version), held_commit or "", owner],
         )
         _check_status(res, session_id, expected_version)
         return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
-
 
     # -- tenants: quotas ------------------------------------------------------------------------
     async def record(
@@ -932,7 +1156,9 @@ class SessionStore:
         tenant = tenant_of(owner)
         check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
         res = await self._run(
-            self._record, self.ledger_keys(tenant), [session_id, int(state_bytes), f"{expires_at:.3f}", *check]
+            self._record,
+            self.ledger_keys(tenant),
+            [session_id, int(state_bytes), f"{expires_at:.3f}", *check],
         )
         status, usage = res[0].decode(), Usage(int(res[1]), int(res[2]))
         if status == "sessions" and limits:
@@ -977,7 +1203,9 @@ class SessionStore:
         """Charge a finished generation's tokens to the tenant's token bucket."""
         if limits.tokens_per_second and tokens:
             await self._run(
-                self._admit, [self.rate_key(tenant_of(owner))], [0, limits.tokens_per_second, "1", int(tokens)]
+                self._admit,
+                [self.rate_key(tenant_of(owner))],
+                [0, limits.tokens_per_second, "1", int(tokens)],
             )
 
     async def _memory_info(self) -> list[dict]:
@@ -1033,12 +1261,18 @@ class Writer:
         self._renewer = asyncio.create_task(_keep_alive(store, store.lock_key(meta.id), token))
 
     async def commit(
-        self, n_tokens: int, *, snapshot: bytes | None = None, delta: bytes | None = None
+        self,
+        n_tokens: int,
+        *,
+        snapshot: bytes | None = None,
+        delta: bytes | None = None,
+        segment: bytes = b"",
     ) -> SessionMeta:
         """Commit version `meta.version + 1`, only if nobody committed since `begin`.
 
         Exactly one of `snapshot` (replaces the whole stored state) or `delta` (appended
-        after the stored snapshot and deltas) is given.
+        after the stored snapshot and deltas) is given; `segment` is appended to the
+        transcript in the same step.
         """
         if self._done:
             raise RuntimeError("a writer commits at most once")
@@ -1050,8 +1284,17 @@ class Writer:
         assert blob is not None
         res = await s._run(
             s._commit,
-            s._keys(sid, lock=True),
-            [self.meta.version, int(n_tokens), self._token, mode, blob, new_commit_id()],
+            s._keys(sid),
+            [
+                self.meta.version,
+                int(n_tokens),
+                self._token,
+                mode,
+                blob,
+                new_commit_id(),
+                segment,
+                s.transcript_max_bytes,
+            ],
         )
         status = res[0].decode()
         if status == "missing":

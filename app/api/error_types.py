@@ -22,6 +22,7 @@ class ErrorType(str, enum.Enum):
     session_conflict = "session_conflict"
     model_mismatch = "model_mismatch"
     version_mismatch = "version_mismatch"
+    version_gone = "version_gone"
     prompt_too_long = "prompt_too_long"
     body_too_large = "body_too_large"
     queue_full = "queue_full"

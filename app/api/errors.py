@@ -27,6 +27,7 @@ from app.store import (
     SessionNotFound,
     StorageFull,
     StoreUnavailable,
+    VersionGone,
     VersionMismatch,
 )
 from model import StateError
@@ -48,6 +49,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.session_conflict: 409,
     ErrorType.model_mismatch: 409,
     ErrorType.version_mismatch: 412,
+    ErrorType.version_gone: 404,
     ErrorType.prompt_too_long: 413,
     ErrorType.body_too_large: 413,
     ErrorType.queue_full: 429,
@@ -66,6 +68,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (SessionNotFound, ErrorType.session_not_found),
     (SessionBusy, ErrorType.session_busy),
     (VersionMismatch, ErrorType.version_mismatch),
+    (VersionGone, ErrorType.version_gone),
     (CommitConflict, ErrorType.session_conflict),
     (StoreUnavailable, ErrorType.redis_unavailable),
     (QuotaExceeded, ErrorType.quota_exceeded),

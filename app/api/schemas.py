@@ -48,6 +48,63 @@ class CreateSession(Request):
     ttl_seconds: int | None = Field(
         None, ge=1, description="idle seconds before the session expires (sliding)"
     )
+    keep_versions: int | None = Field(
+        None,
+        ge=1,
+        description="how many versions stay readable (fork or roll back to them), the current one included; "
+        "default: the server's history_versions, at most its max_history_versions",
+    )
+
+
+class RollbackTo(Request):
+    version: int = Field(ge=0, description="a version the session still keeps (GET .../versions)")
+
+
+class ForkAt(Request):
+    version: int | None = Field(None, ge=0, description="fork the state as it was at this kept version")
+
+
+class VersionInfo(Response):
+    version: int
+    n_tokens: int
+    committed_at: datetime
+
+
+class VersionList(Response):
+    session_id: str
+    version: int = Field(description="the current version")
+    versions: list[VersionInfo] = Field(description="the versions kept, oldest first")
+
+
+class TranscriptSegment(Response):
+    session_id: str = Field(
+        description="the session that committed it (a fork's first ones are its parent's)"
+    )
+    version: int = Field(description="the version that commit made")
+    kind: Literal["create", "generate", "score", "keep", "rollback", "import", "fork"]
+    start: int = Field(description="the token position where its ids begin")
+    ids: list[int] = Field(description="the tokens the state consumed in this commit")
+    text: str
+    sampled: list[bool] = Field(description="the action mask: true where the model sampled the token")
+    logprobs: list[float | None] = Field(
+        description="behaviour log-prob of each sampled token; null for prompt"
+    )
+    sampling: dict | None = Field(description="the request's sampling parameters (generate, keep)")
+    seed: int | None
+    finish_reason: str | None
+    committed_at: float = Field(description="unix seconds")
+    restores: int | None = Field(description="a rollback: the version it made current again")
+
+
+class Transcript(Response):
+    session_id: str
+    version: int
+    n_tokens: int
+    complete: bool = Field(
+        description="false when the segments do not reach back to the session's first token (older ones "
+        "dropped past the size bound, or the session was imported)"
+    )
+    segments: list[TranscriptSegment]
 
 
 class SessionRef(Response):

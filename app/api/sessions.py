@@ -1,4 +1,5 @@
-"""The session resource: create, read, delete, fork, generate (SSE or JSON), score.
+"""The session resource: create, read, delete, fork, generate (SSE or JSON), score, and
+its history: the kept versions, rollback, the transcript, state export and import.
 
 `GET .../generate` is the same generation for `EventSource` (which can only GET): its
 parameters come in the query string, and it always streams.
@@ -24,11 +25,13 @@ from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sa
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     CreateSession,
+    ForkAt,
     Generate,
     GenerateDone,
     GeneratedToken,
     GenerateQuery,
     GenerateResult,
+    RollbackTo,
     Score,
     ScoredToken,
     ScoreResult,
@@ -36,7 +39,11 @@ from .schemas import (
     SessionInfo,
     SessionList,
     SessionRef,
+    Transcript,
+    TranscriptSegment,
     Usage,
+    VersionInfo,
+    VersionList,
 )
 from .sse import guarded, respond, sse_json, until_disconnect
 
@@ -117,8 +124,12 @@ async def create_session(
     ttl = body.ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
+    if (body.keep_versions or 0) > settings.max_history_versions:
+        raise ApiError(
+            ErrorType.invalid_request, f"keep_versions may be at most {settings.max_history_versions}"
+        )
     ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
-    return _created(response, await sessions.create(ids, ttl, owner))
+    return _created(response, await sessions.create(ids, ttl, owner, body.keep_versions))
 
 
 @router.get(
@@ -131,7 +142,9 @@ async def list_sessions(
     sessions: SessionsDep,
     owner: OwnerDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="about how many sessions per page")] = 50,
-    cursor: Annotated[str, Query(pattern=r"^\d{1,20}$", description="`next_cursor` of the page before")] = "0",
+    cursor: Annotated[
+        str, Query(pattern=r"^\d{1,20}$", description="`next_cursor` of the page before")
+    ] = "0",
 ) -> SessionList:
     if int(cursor) >= 2**64:  # Redis's cursors are unsigned 64-bit numbers
         raise ApiError(ErrorType.invalid_request, "cursor: not a cursor this server gave out")
@@ -182,7 +195,9 @@ async def import_session(
     response_class=Response,
     responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-        **responses(*_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.model_mismatch, ErrorType.queue_full),
+        **responses(
+            *_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.model_mismatch, ErrorType.queue_full
+        ),
     },
 )
 async def export_state(
@@ -193,9 +208,15 @@ async def export_state(
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"], Query(description="float dtype of the exported tensors")
     ] = "float32",
+    version: Annotated[
+        int | None, Query(ge=0, description="a kept past version (default: the current one)")
+    ] = None,
 ) -> Response:
-    meta, blob = await sessions.export(session_id, owner, dtype, expected)
-    headers = {**_etag(meta), "Content-Disposition": f'attachment; filename="{meta.id}.state"'}
+    meta, exported, blob = await sessions.export(session_id, owner, dtype, expected, version)
+    headers = {
+        "ETag": f'"{exported}"',
+        "Content-Disposition": f'attachment; filename="{meta.id}.v{exported}.state"',
+    }
     return Response(blob, media_type="application/octet-stream", headers=headers)
 
 
@@ -232,15 +253,93 @@ async def delete_session(
     "/{session_id}/fork",
     status_code=201,
     response_model=SessionInfo,
-    summary="Copy a session's committed state into a new, independent session",
+    summary="Copy a session's committed state (or a kept version's) into a new, independent session",
     responses=responses(
-        *_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.invalid_request, ErrorType.storage_full
+        *_SESSION_ERRORS,
+        ErrorType.version_mismatch,
+        ErrorType.version_gone,
+        ErrorType.invalid_request,
+        ErrorType.storage_full,
     ),
 )
 async def fork_session(
-    session_id: str, response: Response, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep
+    session_id: str,
+    response: Response,
+    sessions: SessionsDep,
+    expected: IfMatchDep,
+    owner: OwnerDep,
+    body: Annotated[ForkAt | None, Body()] = None,
 ) -> SessionInfo:
-    return _created(response, await sessions.fork(session_id, expected, owner))
+    version = body.version if body else None
+    return _created(response, await sessions.fork(session_id, expected, owner, version))
+
+
+@router.post(
+    "/{session_id}/rollback",
+    response_model=SessionInfo,
+    summary="Make a kept version's state current again, as a new version (undo, regenerate)",
+    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.version_gone, ErrorType.session_conflict),
+)
+async def rollback(
+    session_id: str,
+    body: RollbackTo,
+    response: Response,
+    sessions: SessionsDep,
+    expected: IfMatchDep,
+    owner: OwnerDep,
+) -> SessionInfo:
+    meta = await sessions.rollback(session_id, body.version, expected, owner)
+    response.headers.update(_etag(meta))
+    return _info(meta)
+
+
+@router.get(
+    "/{session_id}/versions",
+    response_model=VersionList,
+    summary="The versions a session keeps: each can be forked, exported or rolled back to",
+    responses=responses(*_SESSION_ERRORS),
+)
+async def versions(
+    session_id: str, response: Response, sessions: SessionsDep, owner: OwnerDep
+) -> VersionList:
+    meta, kept = await sessions.versions(session_id, owner)
+    response.headers.update(_etag(meta))
+    return VersionList(
+        session_id=meta.id,
+        version=meta.version,
+        versions=[
+            VersionInfo(version=v.version, n_tokens=v.n_tokens, committed_at=_time(v.committed_at))
+            for v in kept
+        ],
+    )
+
+
+@router.get(
+    "/{session_id}/transcript",
+    response_model=Transcript,
+    summary="The tokens the session's state consumed, commit by commit, with the action mask and "
+    "behaviour log-probs",
+    responses=responses(*_SESSION_ERRORS),
+)
+async def transcript(
+    session_id: str,
+    response: Response,
+    sessions: SessionsDep,
+    owner: OwnerDep,
+    since_version: Annotated[
+        int | None, Query(ge=0, description="only the session's own commits after this version")
+    ] = None,
+) -> Transcript:
+    meta, segments, complete = await sessions.transcript(session_id, owner, since_version)
+    response.headers.update(_etag(meta))
+    decode = sessions.engine.tokenizer.decode
+    return Transcript(
+        session_id=meta.id,
+        version=meta.version,
+        n_tokens=meta.n_tokens,
+        complete=complete,
+        segments=[TranscriptSegment(**g.to_json(decode)) for g in segments],
+    )
 
 
 @router.post(

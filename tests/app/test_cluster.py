@@ -106,31 +106,32 @@ def test_url_forms():
 
 # -- Cluster ----------------------------------------------------------------------------------
 def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
-    """Sessions land on every primary; each one's keys (session, deltas, lock) are on the
-    primary that serves its slot, and every operation works there."""
+    """Sessions land on every primary; each one's keys (session, deltas, lock, history,
+    transcript) are on the primary that serves its slot, and every operation works there."""
 
     async def go() -> None:
         store = _store(cluster.url)
         seen: set[int] = set()
         while len(seen) < len(cluster.nodes):
-            meta = await store.create(StateBlobs(b"snap", (b"d0",)), 1, "m", "fp", ttl=60)
+            meta = await store.create(
+                StateBlobs(b"snap", (b"d0",)), 1, "m", "fp", ttl=60, keep=3, transcript=[b"t"]
+            )
             node = cluster.primary_for(store.session_key(meta.id))
             seen.add(node.port)
-            keys = [store.session_key(meta.id), store.deltas_key(meta.id), store.lock_key(meta.id)]
+            keys = store._keys(meta.id)  # session, deltas, lock, history, transcript
             r = node.client()
             assert len({r.cluster("KEYSLOT", k) for k in keys}) == 1
             w = await store.begin(meta.id)
-            assert r.exists(*keys) == 3  # (all three on this primary, the lock held)
+            assert r.exists(*keys) == 5  # (all five on this primary, the lock held)
             after = await w.commit(2, delta=b"d1")
             assert after.version == 1 and r.exists(keys[2]) == 0
             _, blobs = await store.read(meta.id, with_state=True)
             assert blobs == StateBlobs(b"snap", (b"d0", b"d1"))
             w = await store.begin(meta.id, expected_version=1)
             await w.commit(3, snapshot=b"new")
-            fork = await store.fork(meta.id)
-            assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"new")
+            past = await store.read_at(meta.id, 1, "", state=True, transcript=True)  # from the history
+            assert past.state == StateBlobs(b"snap", (b"d0", b"d1")) and past.transcript == [b"t"]
             await store.delete(meta.id)
-            await store.delete(fork.id)
             assert r.exists(*keys) == 0
         await store.ping()
         await store.close()

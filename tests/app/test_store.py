@@ -20,6 +20,7 @@ from app.store import (
     SessionStore,
     StateBlobs,
     StoreUnavailable,
+    VersionGone,
     VersionMismatch,
 )
 from tests.conftest import free_port
@@ -97,7 +98,7 @@ def test_the_holder_renews_its_lease(redis_url):
 def test_ttl_is_set_and_slides(redis_url):
     async def go():
         store = _store(redis_url)
-        meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=1000)
+        meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=1000, keep=2)
         key = store.session_key(meta.id)
         await store.redis.expire(key, 10)  # as if time had passed
         await store.read(meta.id)
@@ -107,16 +108,19 @@ def test_ttl_is_set_and_slides(redis_url):
             await w.commit(2, snapshot=b"t")
         assert 990 <= await store.redis.ttl(key) <= 1000
         assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
-        fork = await store.fork(meta.id)
-        assert (
-            fork.version == 0
-            and fork.ttl == 1000
-            and 990 <= await store.redis.ttl(store.session_key(fork.id))
-        )
+        async with holding(store, meta.id) as w:  # the history and the transcript slide with it
+            await w.commit(3, delta=b"u", segment=b"seg")
+        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
+            await store.redis.expire(k, 10)
+        at = await store.read_at(meta.id, 1, "", state=True, transcript=True)
+        assert at.state == StateBlobs(b"t") and at.transcript == [b"seg"]
+        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
+            assert 990 <= await store.redis.ttl(k) <= 1000
         await store.delete(meta.id)
         with pytest.raises(SessionNotFound):
             await store.read(meta.id)
-        assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"t")
+        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
+            assert not await store.redis.exists(k)
         await store.close()
 
     run(go())
@@ -251,3 +255,71 @@ def test_a_burst_waits_for_the_bounded_pool_instead_of_flooding_redis(tmp_path):
         assert 1 <= len(ours) <= 3
     finally:
         own.stop()
+
+
+def test_kept_versions_rebuild_from_the_history_and_nothing_else_stays(redis_url):
+    """Every kept version reads back as exactly the blobs that made it, across deltas and
+    snapshots that replaced them; a version past the history is gone; and the history holds
+    only what a kept version needs."""
+
+    async def go():
+        store = _store(redis_url)
+        meta = await store.create(StateBlobs(b"S0", (b"x", b"y")), 1, "m", "fp", ttl=100, keep=3)
+        chains = {0: StateBlobs(b"S0", (b"x", b"y"))}  # version -> what rebuilds it
+        plan = [
+            "delta",
+            "delta",
+            "snapshot",
+            "delta",
+            "snapshot",
+            "snapshot",
+            "delta",
+            "delta",
+            "delta",
+            "snapshot",
+        ]
+        for v, mode in enumerate(plan, start=1):
+            blob = f"{mode[0]}{v}".encode()
+            async with holding(store, meta.id) as w:
+                await w.commit(v + 1, **{mode: blob}, segment=b"seg%d" % v)
+            prev = chains[v - 1]
+            chains[v] = (
+                StateBlobs(blob) if mode == "snapshot" else StateBlobs(prev.snapshot, (*prev.deltas, blob))
+            )
+            kept = await store.versions(meta.id, "")
+            assert [x.version for x in kept[1]] == list(range(max(0, v - 2), v + 1))
+            for u in range(max(0, v - 2), v + 1):
+                at = await store.read_at(meta.id, u, "", state=True)
+                assert at.state == chains[u] and at.version.n_tokens == u + 1, (v, u)
+            with pytest.raises(VersionGone):
+                await store.read_at(meta.id, v - 3 if v >= 3 else v + 1, "")
+            # the history holds exactly the blobs of the replaced chains that kept versions use
+            fields = await store.redis.hkeys(store.history_key(meta.id))
+            blobs = sorted(f.decode() for f in fields if f[:2] in (b"s:", b"d:"))
+            needed = set()
+            for u in range(max(0, v - 2), v + 1):
+                base = u - len(chains[u].deltas)
+                if base < v - len(chains[v].deltas):  # not the current chain: archived
+                    needed |= {f"s:{base}"} | {f"d:{x}" for x in range(base + 1, u + 1)}
+            assert blobs == sorted(needed), v
+        at = await store.read_at(meta.id, None, "", transcript=True)
+        assert at.transcript == [b"seg%d" % v for v in range(1, 11)]
+        await store.close()
+
+    run(go())
+
+
+def test_the_transcript_is_bounded_and_says_so(redis_url):
+    async def go():
+        store = _store(redis_url, transcript_max_kb=1)
+        meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=100, transcript=[b"a" * 300])
+        for v in range(1, 6):
+            async with holding(store, meta.id) as w:
+                await w.commit(1, delta=b"d", segment=bytes([v]) * 300)
+        at = await store.read_at(meta.id, None, "", transcript=True)
+        assert at.trimmed and at.transcript == [bytes([v]) * 300 for v in (3, 4, 5)]
+        got = await store.read(meta.id)
+        assert got[0].history_bytes == 900
+        await store.close()
+
+    run(go())
