@@ -1,5 +1,9 @@
 """`GET /`: the playground, one static HTML page (no build step, nothing fetched from
-elsewhere) that drives the session API from a browser and streams with EventSource."""
+elsewhere) that shows what the caller's sessions hold (list, transcript, versions, state
+files) and streams generations, all through the public session API.
+
+It must never grow a route of its own for the page: whatever the page shows, any API
+client can read the same way."""
 
 from __future__ import annotations
 
