@@ -32,7 +32,10 @@ def test_shipped_checkpoint_is_small_safetensors_and_loads_by_name():
     directory = checkpoint.WEIGHTS_DIR / "shakespeare"
     assert "shakespeare" in model.shipped()
     files = {p.name: p.stat().st_size for p in directory.iterdir()}
-    assert set(files) == {"config.json", "model.safetensors", "tokenizer.json"}
+    # the weights and tokenizer, and the chat template with its turn stop (HF's files)
+    assert set(files) == {
+        "config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"
+    }  # fmt: skip
     assert sum(files.values()) <= MAX_BYTES
     lm = model.load("shakespeare", device="cpu")
     assert lm.family == "transformer-xl" and not lm.training

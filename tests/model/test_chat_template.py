@@ -1,0 +1,149 @@
+"""Chat templates: the play-script template's layout and role mapping, HF's files in a
+checkpoint, the sandbox, and the text-level half of the prefix property (the token-level
+half, through the server's defaults, is tests/app/test_chat_completions.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import model
+from model import checkpoint
+from model.chat_template import PLAY_SCRIPT, TURN_END, ChatTemplate, ChatTemplateError, play_script
+from model.tokenizer import ByteTokenizer
+from tests.conftest import TINY
+
+SCENE = [
+    {"role": "system", "content": "Enter Romeo and Juliet."},
+    {"role": "user", "content": "Good morrow, fair saint."},
+    {"role": "assistant", "content": "Good morrow, pilgrim."},
+    {"role": "user", "name": "Mercutio", "content": "A plague o' both your houses!"},
+]
+
+
+def test_play_script_renders_the_plays_layout_with_its_role_mapping():
+    t = play_script()
+    assert t.stop == (TURN_END,) == ("\n\n",)
+    assert t.render(SCENE) == (
+        "[Enter Romeo and Juliet.]\n\n"  # system (and developer): a stage direction
+        "Romeo.\nGood morrow, fair saint.\n\n"  # user: user_name, default Romeo
+        "Juliet.\nGood morrow, pilgrim.\n\n"  # assistant: assistant_name, default Juliet
+        "Mercutio.\nA plague o' both your houses!\n\n"  # a message's own name speaks it
+        "Juliet.\n"  # the generation prompt: the assistant's turn opens
+    )
+    renamed = t.render(SCENE[1:3], user_name="Nurse", assistant_name="Friar", add_generation_prompt=False)
+    assert renamed == "Nurse.\nGood morrow, fair saint.\n\nFriar.\nGood morrow, pilgrim.\n\n"
+    assert t.render([{"role": "developer", "content": "Exit."}]) == "[Exit.]\n\nJuliet.\n"
+
+
+def test_a_role_the_template_has_no_part_for_is_refused():
+    with pytest.raises(ChatTemplateError, match="no part for role tool"):
+        play_script().render([{"role": "tool", "content": "42"}])
+
+
+def test_a_template_runs_in_the_sandbox_never_as_python():
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+    with pytest.raises(ChatTemplateError, match="unsafe"):  # immutable: it cannot change the messages
+        ChatTemplate("{{ messages.append(1) }}").render([])
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        ChatTemplate("{{ cycler.__init__.__globals__ }}").render([])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_hf_style_templates_render_as_hf_renders_them():
+    """HF's variables (bos_token, eos_token, raise_exception) and its block trimming: a
+    ChatML-like template as checkpoints on the Hub write it."""
+    chatml = (
+        "{{ bos_token }}{% for message in messages %}\n"
+        "{% if message['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}\n"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    t = ChatTemplate(chatml)
+    # BOS is a token the session consumes when it is made, never text: bos_token is ""
+    assert (
+        t.render([{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(ChatTemplateError, match="bad role"):
+        t.render([{"role": "system", "content": "x"}])
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+_turns = st.lists(st.tuples(_text, _text), min_size=1, max_size=5)
+
+
+@given(turns=_turns, system=st.none() | _text)
+def test_each_turn_renders_what_the_last_one_consumed_then_the_new_turn(turns, system):
+    """A client that sends the whole conversation back renders, as bytes (the shipped
+    models' tokens), exactly what the previous turn's state consumed: the previous prompt,
+    the assistant's message and the turn stop that ended it, then the new messages."""
+    t, tok = play_script(), ByteTokenizer()
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    for user, reply in turns:
+        messages.append({"role": "user", "content": user})
+        prompt = tok.encode(t.render(messages))
+        consumed = prompt + tok.encode(reply + t.stop[0])  # the generation ended by the turn stop
+        messages.append({"role": "assistant", "content": reply})  # as the client keeps it: no stop
+        after = tok.encode(t.render([*messages, {"role": "user", "content": "next"}]))
+        assert after[: len(consumed)] == consumed and len(after) > len(consumed)
+
+
+def test_shipped_checkpoints_carry_the_play_script_template():
+    for name in ("shakespeare", "shakespeare-rlt"):
+        t = checkpoint.chat_template(name)
+        assert t is not None and t.source == PLAY_SCRIPT and t.stop == (TURN_END,)
+
+
+def test_recur_init_writes_no_template_unless_given_one(tmp_path):
+    model.init(tmp_path / "plain", seed=0, **TINY)
+    assert checkpoint.chat_template(tmp_path / "plain") is None
+    model.init(tmp_path / "chat", seed=0, chat_template=play_script(), **TINY)
+    assert checkpoint.chat_template(tmp_path / "chat") == play_script()
+    # the template is no part of the model: the same weights, the same fingerprint
+    plain = model.load(tmp_path / "plain", device="cpu")
+    assert plain.fingerprint == model.load(tmp_path / "chat", device="cpu").fingerprint
+
+
+def test_hf_tokenizer_config_forms_are_read(tmp_path):
+    model.init(tmp_path, seed=0, **TINY)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
+    t = checkpoint.chat_template(tmp_path)
+    assert t is not None and t.stop == () and t.render([{"role": "user", "content": "x"}]) == "x"
+    # several named templates: the default one; stop_strings may be one string
+    config.write_text(
+        json.dumps(
+            {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
+        )
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": "\n"}))
+    t = checkpoint.chat_template(tmp_path)
+    assert t is not None and t.source == "D" and t.stop == ("\n",)
+    # chat_template.jinja, HF's own file now, comes first
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert checkpoint.chat_template(tmp_path).source == "J"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "file, text, match",
+    [
+        ("chat_template.jinja", "{% if %}", "does not compile"),
+        ("tokenizer_config.json", "{not json", "not JSON"),
+        ("tokenizer_config.json", '{"chat_template": [{"name": "other", "template": "x"}]}', "default"),
+        ("generation_config.json", '{"stop_strings": [""]}', "stop_strings"),
+    ],
+)
+def test_a_broken_template_is_an_error_that_says_which_file(tmp_path, file, text, match):
+    model.init(tmp_path, seed=0, chat_template=play_script(), **TINY)
+    (tmp_path / file).write_text(text)
+    if file == "tokenizer_config.json":
+        (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(ChatTemplateError, match=match):
+        checkpoint.chat_template(tmp_path)
