@@ -304,6 +304,10 @@ class CompletionChoice(Response):
     index: int = 0
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    session: SessionRef | None = Field(
+        default=None,
+        description="the session this choice was generated in, after its commit (streamed: in its last chunk)",
+    )
 
 
 class CompletionUsage(Response):
@@ -365,10 +369,6 @@ class TokenizeResult(Response):
     tokens: list[int]
 
 
-    session: SessionRef | None = Field(
-        default=None,
-        description="the session this choice was generated in, after its commit (streamed: in its last chunk)",
-    )
 class Detokenize(Request):
     model: str | None = Field(None, description="the served model's name, if given")
     tokens: list[int] = Field(max_length=1 << 16)
