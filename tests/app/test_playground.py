@@ -276,7 +276,10 @@ def test_transcript_tints_each_sampled_token_by_its_logprob(browser, server, htt
         assert shown.get_attribute("data-kind") == seg["kind"]
         toks = shown.find_elements("css selector", ".tok")
         # one span per token, in order, whose texts make up the segment's text
-        assert [int(s.get_attribute("data-id")) for s in toks] == seg["ids"]
+        assert [int(s.get_attribute("data-id")) for s in toks] == seg["ids"], (
+            "no span per token: the page needs each id's own text, the segment's `texts` "
+            f"(it has {sorted(seg)}), unless the text splits into code points one per id"
+        )
         assert "".join(s.get_attribute("textContent") for s in toks) == seg["text"]
         for span, sampled, lp in zip(toks, seg["sampled"], seg["logprobs"], strict=True):
             title = span.get_attribute("title")
