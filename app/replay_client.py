@@ -127,6 +127,8 @@ def _input(args: argparse.Namespace) -> tuple[Any, str]:
 
 def summary(report: dict) -> str:
     """One line for a person: how far the ratios are from 1, and the worst token."""
+    if not report["n_actions"]:
+        return f"no sampled tokens to replay among {report['n_tokens']}"
     line = (
         f"replayed {report['n_actions']} sampled tokens of {report['n_tokens']} ({report['precision']}): "
         f"max |ratio - 1| {report['max_abs_ratio_minus_1']:.3g}, mean ratio {report['mean_ratio']:.6f}"

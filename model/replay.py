@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .family import LanguageModel
-from .sampling import SamplingParams, behaviour_logprobs
+from .sampling import Context, SamplingParams, behaviour_logprobs
 
 
 @dataclass
@@ -125,9 +125,15 @@ def _ids(lm: LanguageModel, value: object, what: str) -> list[int]:
     raise ValueError(f"rollout {what} must be a string or a list of token ids")
 
 
+ROLLOUT_FIELDS = ("prompt", "response", "behaviour_logprobs", "action_mask")
+
+
 def rollout_from_json(lm: LanguageModel, obj: dict) -> tuple[Rollout, SamplingParams]:
     """{"prompt": str|[int], "response": [int], "behaviour_logprobs": [float|null],
-    "action_mask"?: [bool], "temperature"?, "top_k"?, "top_p"?} -> (Rollout, SamplingParams)."""
+    "action_mask"?: [bool], and the sampling settings used ("temperature"?, "top_k"?,
+    "top_p"?, "min_p"?, "logit_bias"?, ...)} -> (Rollout, SamplingParams). A rollout does
+    not say which tokens were its request's own prompt, so the settings that depend on
+    them (penalties, min_tokens) need a transcript instead."""
     if not isinstance(obj, dict):
         raise ValueError("a rollout must be a JSON object")
     rollout = Rollout(
@@ -136,11 +142,9 @@ def rollout_from_json(lm: LanguageModel, obj: dict) -> tuple[Rollout, SamplingPa
         behaviour_logprobs=list(obj.get("behaviour_logprobs", [])),
         action_mask=[bool(a) for a in obj.get("action_mask", [])],
     )
-    params = SamplingParams(
-        temperature=float(obj.get("temperature", 1.0)),
-        top_k=int(obj.get("top_k", 0)),
-        top_p=float(obj.get("top_p", 1.0)),
-    )
+    params = sampling_params({k: v for k, v in obj.items() if k not in ROLLOUT_FIELDS})
+    if params.uses_context:
+        raise ValueError("penalties and min_tokens depend on the request's own prompt: replay its transcript")
     return rollout, params
 
 
@@ -196,16 +200,12 @@ def sampling_params(obj: Any) -> SamplingParams:
     distribution than the one sampled from."""
     if not isinstance(obj, dict):
         raise ValueError("a segment with sampled tokens needs its sampling parameters (an object)")
-    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(obj) - set(fields))
+    unknown = sorted(set(obj) - {f.name for f in dataclasses.fields(SamplingParams)})
     if unknown:
         raise ValueError(f"sampling field(s) {', '.join(unknown)} are unknown to this version of replay")
-    kw: dict[str, Any] = {
-        k: tuple(v) if isinstance(v, list) else v for k, v in obj.items()
-    }  # JSON made tuples lists
-    try:
-        return SamplingParams(**kw)
-    except TypeError as exc:
+    try:  # SamplingParams turns what JSON made of its tuples back into tuples
+        return SamplingParams(**obj)
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"bad sampling parameters: {exc}") from None
 
 
@@ -280,17 +280,31 @@ def replay_transcript(
     by_position = {a.position: a for a in acts}
     logp: list[float] = []
     for at, rows in teacher_forced(lm, rollout.ids, [a.position for a in acts]):
-        logp += _score(rollout, [by_position[p] for p in at], rows)
+        logp += _score(lm, rollout, [by_position[p] for p in at], rows)
     ratios = [math.exp(min(lp - a.behaviour_logprob, 700.0)) for lp, a in zip(logp, acts, strict=True)]
     return TranscriptReplay(acts, logp, ratios)
 
 
-def _score(rollout: TranscriptRollout, acts: list[Action], rows: torch.Tensor) -> list[float]:
+def _score(
+    lm: LanguageModel, rollout: TranscriptRollout, acts: list[Action], rows: torch.Tensor
+) -> list[float]:
     """Behaviour log-probs of `acts` from their logits rows, each under its own request's
-    sampling parameters."""
+    sampling parameters and what that request had seen (its prompt and its output so
+    far: penalties and min_tokens depend on them)."""
+    params = [a.params for a in acts]
+    context = None
+    if any(p.uses_context for p in params):
+        context = Context.of(
+            [rollout.request_prompt(a) if a.params.uses_history else [] for a in acts],
+            [rollout.request_output(a) if a.params.uses_context else [] for a in acts],
+            rows.shape[1],
+            eos_id=lm.tokenizer.eos_id if lm.tokenizer is not None else None,
+            device=rows.device,
+            history=any(p.uses_history for p in params),
+        )
     chosen = torch.tensor([a.id for a in acts], dtype=torch.long, device=rows.device)
     with torch.no_grad():
-        return behaviour_logprobs(rows, [a.params for a in acts], chosen).tolist()
+        return behaviour_logprobs(rows, params, chosen, context).tolist()
 
 
 def report(lm: LanguageModel, rollout: TranscriptRollout, result: TranscriptReplay, top: int = 10) -> dict:
@@ -305,7 +319,7 @@ def report(lm: LanguageModel, rollout: TranscriptRollout, result: TranscriptRepl
         "n_actions": len(result.actions),
         "precision": lm.precision,
         "max_abs_ratio_minus_1": max(dev, default=0.0),
-        "mean_ratio": sum(result.ratios) / len(dev) if dev else 1.0,
+        "mean_ratio": sum(result.ratios) / len(dev) if dev else None,
         "worst": [_token(result, i, token_text) for i in worst],
         "positions": [a.position for a in result.actions],
         "logprobs": [_finite(lp) for lp in result.logprobs],

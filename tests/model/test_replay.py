@@ -14,7 +14,7 @@ import torch
 import model
 from model.replay import Rollout, replay, replay_transcript, transcript_rollout
 from model.replay import report as replay_report
-from model.sampling import SamplingParams, make_generator, sample
+from model.sampling import Context, SamplingParams, make_generator, sample
 
 from .conftest import tiny_txl
 from .test_rlt import one_thread, tiny_rlt  # noqa: F401  (autouse: one intra-op thread)
@@ -173,6 +173,7 @@ def session_transcript(lm: model.LanguageModel, turns=TURNS) -> dict:
     state = lm.new_state(1)
     segments: list[dict] = []
     n = 0
+    V = lm.config.vocab_size
     for version, (kind, prompt, steps, params, seed) in enumerate(turns):
         seg = {"session_id": "s", "version": version, "kind": kind, "start": n, "ids": [], "sampled": [],
                "logprobs": [], "sampling": None, "seed": seed}  # fmt: skip
@@ -184,15 +185,26 @@ def session_transcript(lm: model.LanguageModel, turns=TURNS) -> dict:
         if steps:
             seg["sampling"] = dataclasses.asdict(params)
             gen = make_generator(seed)
+            # what the request has seen, kept up to date as an engine would
+            context = Context.of(
+                [seg["ids"]], [[]], V, eos_id=lm.tokenizer.eos_id, history=params.uses_history
+            )
             for _ in range(steps):
-                tok, lp = sample(lm.next_logits(state), [params], [gen])
+                tok, lp = sample(lm.next_logits(state), [params], [gen], context)
+                context.advance(tok)
                 _, state = lm(tok[None], state)
                 seg["ids"].append(int(tok[0]))
                 seg["sampled"].append(True)
                 seg["logprobs"].append(float(np.float32(lp[0])))
         n += len(seg["ids"])
         segments.append(seg)
-    return {"session_id": "s", "version": len(turns) - 1, "n_tokens": n, "complete": True, "segments": segments}
+    return {
+        "session_id": "s",
+        "version": len(turns) - 1,
+        "n_tokens": n,
+        "complete": True,
+        "segments": segments,
+    }
 
 
 def n_sampled(transcript: dict) -> int:
@@ -216,7 +228,60 @@ def test_a_transcript_replays_to_ratio_one_under_each_segments_settings(family):
     report = replay_report(lm, rollout, result, top=3)
     assert report["n_actions"] == 40 and report["max_abs_ratio_minus_1"] <= 1e-5
     assert report["mean_ratio"] == pytest.approx(1, abs=1e-5) and len(report["worst"]) == 3
-    assert set(report["worst"][0]) == {"position", "id", "text", "version", "logprob", "behaviour_logprob", "ratio"}
+    assert set(report["worst"][0]) == {
+        "position",
+        "id",
+        "text",
+        "version",
+        "logprob",
+        "behaviour_logprob",
+        "ratio",
+    }
+
+
+# the controls whose distribution depends on what the request has seen, and the others
+CONTROLS = [
+    ("generate", " thee", 16, SamplingParams(temperature=0.9, repetition_penalty=1.3, min_p=0.05), 11),
+    ("score", " and", 0, None, None),
+    (
+        "generate",
+        "",
+        14,
+        SamplingParams(temperature=1.1, presence_penalty=0.8, frequency_penalty=0.6, top_k=30),
+        12,
+    ),
+    (
+        "generate",
+        "!",
+        12,
+        SamplingParams(logit_bias=((101, 4.0), (32, -3.0)), min_tokens=6, stop_token_ids=(10, 33)),
+        13,
+    ),
+    (
+        "generate",
+        " O",
+        10,
+        SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.5),
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+def test_penalties_bias_and_min_tokens_replay_from_each_requests_own_prompt_and_output(family):
+    lm = families()[family]
+    transcript = session_transcript(lm, TURNS + CONTROLS)
+    rollout = transcript_rollout(transcript)
+    result = replay_transcript(lm, rollout)
+    assert len(result.ratios) == n_sampled(transcript) == 40 + 16 + 14 + 12 + 10
+    assert all(abs(r - 1) <= 1e-5 for r in result.ratios), result.ratios
+    # the controls do act: scored without them, their requests' actions move
+    plain = copy.deepcopy(transcript)
+    for seg in plain["segments"][len(TURNS) :]:
+        if seg["sampling"]:
+            seg["sampling"] = dataclasses.asdict(SamplingParams(temperature=seg["sampling"]["temperature"]))
+    moved = replay_transcript(lm, transcript_rollout(plain)).ratios[40:]
+    assert max(abs(r - 1) for r in moved) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
