@@ -135,5 +135,5 @@ def summary(report: dict) -> str:
     )
     if report["worst"]:
         w = report["worst"][0]
-        line += f"; worst: position {w['position']} id {w['id']} {w['text']!r} ratio {w['ratio']:.6g}"
+        line += f"; worst: position {w['position']} id {w['id']} {w['text']!r} ratio {w['ratio']:.9g}"
     return line
