@@ -4,8 +4,8 @@ continues, following Hugging Face's convention.
 A template is data in the checkpoint, never code: Jinja source rendered in Jinja's
 `ImmutableSandboxedEnvironment` (no attribute access to Python internals, no mutation of
 the messages, `range` bounded), with the variables HF's `apply_chat_template` passes:
-`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, plus any keyword
-arguments the caller adds, and HF's `raise_exception(message)` for a template to refuse
+`messages`, `add_generation_prompt`, `bos_token`, `eos_token` (both "": a session
+consumes BOS as a token), plus the caller's own variables, and HF's `raise_exception(message)` for a template to refuse
 a conversation. As HF does, blocks are trimmed (`trim_blocks`, `lstrip_blocks`).
 
 A template comes with its turn stop: the strings that end an assistant's turn (HF's
@@ -106,18 +106,23 @@ class ChatTemplate:
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
+        variables: Mapping[str, Any] | None = None,
         *,
         add_generation_prompt: bool = True,
-        **kwargs: Any,
     ) -> str:
         """The text of `messages` (each a mapping with at least "role" and "content"), and
-        with `add_generation_prompt` the opening of the assistant's next turn. `kwargs` are
-        the template's own variables (e.g. `user_name`)."""
-        variables = {"bos_token": "", "eos_token": "", **kwargs}
+        with `add_generation_prompt` the opening of the assistant's next turn. `variables`
+        are the template's own (e.g. the play-script's `user_name`); they cannot replace
+        the messages or the generation prompt's flag."""
+        context = {
+            "bos_token": "",  # BOS is a token a session consumes when it is made, never text
+            "eos_token": "",
+            **(variables or {}),
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._compiled.render(
-                variables, messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt
-            )
+            return self._compiled.render(context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:  # the sandbox's SecurityError included

@@ -16,7 +16,7 @@ from app import sessions as sessions_service
 from app.config import Settings
 from app.store import SessionStore
 
-from . import completions, errors, health, metrics, playground, sessions, tokens, usage
+from . import completions, errors, health, metrics, openapi, playground, sessions, tokens, usage
 from .body_limit import BodyLimit
 from .deps import admit, authenticate, bind_session
 from .middleware import RequestContext
@@ -83,13 +83,18 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
         by_path={"/v1/sessions/import": int(settings.max_import_mb * 2**20)},
     )
     app.add_middleware(RequestContext)
-    app.include_router(health.router)
-    app.include_router(metrics.router)
-    app.include_router(playground.router)
     # every /v1 route authenticates (when keys are set) and logs with its session id
     v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]
-    app.include_router(sessions.router, dependencies=v1)
-    app.include_router(completions.router, dependencies=v1)
-    app.include_router(usage.router, dependencies=v1)
-    app.include_router(tokens.router, dependencies=v1)
+    routers = [
+        (health.router, []),
+        (metrics.router, []),
+        (playground.router, []),
+        (sessions.router, v1),
+        (completions.router, v1),
+        (usage.router, v1),
+        (tokens.router, v1),
+    ]
+    for router, dependencies in routers:
+        app.include_router(router, dependencies=dependencies)
+    openapi.install(app, routers)
     return app

@@ -20,16 +20,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Request, Response
 from sse_starlette import EventSourceResponse
 
 from app.config import Settings
 from app.engine import TokenEvent
 
 from . import openai_framing as oai
-from .deps import EngineDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params, served_model
+from .deps import (
+    EngineDep,
+    OwnerDep,
+    SessionIdHeader,
+    SessionsDep,
+    SettingsDep,
+    prompt_ids,
+    sampling_params,
+    served_model,
+)
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     Completion,
@@ -37,9 +46,11 @@ from .schemas import (
     CompletionLogprobs,
     CompletionResult,
     CompletionUsage,
+    ErrorBody,
     ModelCard,
     ModelList,
 )
+from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("recur.openai")
@@ -77,20 +88,18 @@ def _logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
     response_model_exclude_none=False,
     summary="OpenAI-compatible text completion, in a new or a continued session",
     responses={
-        200: {
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
-            "description": "stream=true: `data: {completion chunk}` events, then `data: [DONE]`",
-        },
+        200: stream_response(
+            "stream=true: `data: {completion chunk}` events (or `data: {error}`), then `data: [DONE]`",
+            data_events(CompletionResult, ErrorBody),
+        ),
         **responses(
             ErrorType.invalid_request,
-            ErrorType.unauthorized,
             ErrorType.model_not_found,
             ErrorType.session_not_found,
             ErrorType.session_busy,
             ErrorType.model_mismatch,
             ErrorType.prompt_too_long,
             ErrorType.queue_full,
-            ErrorType.quota_exceeded,
             ErrorType.storage_full,
             ErrorType.redis_unavailable,
         ),
@@ -103,9 +112,7 @@ async def create_completion(
     sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
-    x_session_id: Annotated[
-        str | None, Header(alias="X-Session-Id", description="the session to continue (or body session_id)")
-    ] = None,
+    x_session_id: SessionIdHeader = None,
 ) -> CompletionResult | EventSourceResponse:
     started = time.perf_counter()
     engine = sessions.engine

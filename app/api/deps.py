@@ -19,7 +19,11 @@ from model.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType
 
-_ETAG_RE = re.compile(r'\s*(?:W/)?"?(\d{1,18})"?\s*')
+# If-Match: `*`, or one session version as its ETag ("3"), weak ETag (W/"3") or bare (3).
+# The OpenAPI document carries this pattern, and the server checks the same one.
+IF_MATCH = r'^(\*|[0-9]{1,18}|(W/)?"[0-9]{1,18}")$'
+# X-Session-Id: a session id as app.store.new_session_id makes them (128 bits, hex)
+SESSION_ID = r"^[0-9a-f]{32}$"
 
 
 def get_settings(request: Request) -> Settings:
@@ -79,18 +83,21 @@ def if_match(
         str | None,
         Header(
             alias="If-Match",
-            description='make the request conditional on the session version, e.g. `"3"` (the ETag); `*` = any',
+            description='make the request conditional on the session version: its ETag `"3"`, `W/"3"`, '
+            "`3`, or `*` (any); a stale version gets 412",
+            json_schema_extra={"pattern": IF_MATCH},
         ),
     ] = None,
 ) -> int | None:
-    if value is None or value.strip() == "*":
+    if value is None:
         return None
-    m = _ETAG_RE.fullmatch(value)
-    if not m:
+    if not re.fullmatch(IF_MATCH, value):
         raise ApiError(
-            ErrorType.invalid_request, f'If-Match must be a session version such as "3", not {value!r}'
+            ErrorType.invalid_request,
+            f'If-Match must be a session version such as "3" (or W/"3", 3, *), not {logs.clip(value, 40)!r}',
         )
-    return int(m.group(1))
+    digits = value.removeprefix("W/").strip('"')
+    return None if digits == "*" else int(digits)
 
 
 def check_key(keys: list[bytes], presented: str | None) -> str | None:
@@ -150,4 +157,12 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionsDep = Annotated[Sessions, Depends(get_sessions)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 IfMatchDep = Annotated[int | None, Depends(if_match)]
+SessionIdHeader = Annotated[
+    str | None,
+    Header(
+        alias="X-Session-Id",
+        pattern=SESSION_ID,
+        description="the session to continue (or the body's session_id); absent: a new session",
+    ),
+]
 OwnerDep = Annotated[str, Depends(authenticate)]

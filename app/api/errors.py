@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from app import logs
 from app.engine import EmptyContext, EngineError, QueueFull
@@ -133,14 +134,53 @@ def response(etype: ErrorType, message: str, headers: Mapping[str, str] | None =
     return JSONResponse(body(etype, message), status_code=STATUS[etype], headers=headers)
 
 
-def responses(*types: ErrorType) -> dict:
-    """OpenAPI `responses=` entries documenting the error body for these types (and 500)."""
-    out: dict[int, dict] = {}
-    for t in (*types, ErrorType.internal_error):
-        status = STATUS[t]
-        entry = out.setdefault(status, {"model": ErrorBody, "description": ""})
-        entry["description"] = ", ".join(filter(None, [entry["description"], t.value]))
+# the error types whose responses carry Retry-After (RETRY_AFTER's, and error_headers's)
+_RETRIES = {*RETRY_AFTER, ErrorType.session_busy, ErrorType.quota_exceeded}
+_ERROR_BODY = f"#/components/schemas/{ErrorBody.__name__}"
+
+
+def responses(*types: ErrorType) -> dict[int | str, dict]:
+    """OpenAPI `responses=` entries for the error types a route raises itself. (What every
+    route can answer, from the framework and the dependencies around it, app/api/openapi.py
+    adds to each operation.)"""
+    out: dict[int | str, dict] = {}
+    document(out, types)
     return out
+
+
+def document(responses: dict, types: Iterable[ErrorType]) -> None:
+    """Add `types` to an operation's OpenAPI responses, merged with those already there: per
+    status, the error body with its `type` narrowed to the types that status carries here.
+    An entry not written by this function (FastAPI's own 422) is replaced."""
+    by_status: dict[str, set[str]] = {}
+    for t in types:
+        if t is not ErrorType.client_disconnected:  # never reaches a client
+            by_status.setdefault(str(STATUS[t]), set()).add(t.value)
+    for status, names in by_status.items():
+        old = responses.pop(int(status), None) or responses.pop(status, None) or {}
+        names |= set(documented_types(old))
+        responses[status] = _entry(sorted(names))
+
+
+def documented_types(entry: dict) -> list[str]:
+    """The error types an entry written by `document` lists ([] for any other entry)."""
+    schema = entry.get("content", {}).get("application/json", {}).get("schema", {})
+    if schema.get("$ref") != _ERROR_BODY:
+        return []
+    return list(schema["properties"]["error"]["properties"]["type"]["enum"])
+
+
+def _entry(names: list[str]) -> dict:
+    schema = {"$ref": _ERROR_BODY, "properties": {"error": {"properties": {"type": {"enum": names}}}}}
+    entry: dict = {"description": ", ".join(names), "content": {"application/json": {"schema": schema}}}
+    if any(ErrorType(n) in _RETRIES for n in names):
+        entry["headers"] = {
+            "Retry-After": {
+                "description": "seconds to wait before retrying (quota, queue, busy session, storage, not ready)",
+                "schema": {"type": "string", "pattern": "^[0-9]+$"},
+            }
+        }
+    return entry
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -151,6 +191,18 @@ def _validation_message(exc: RequestValidationError) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)
+
+
+def documented_methods(request: Request) -> list[str]:
+    """The methods the OpenAPI document lists for the request's path (the most specific
+    template that matches it), for a 405's `Allow`: Starlette's own names only the methods of
+    the first route that matched the path. None for a path the document does not list."""
+    paths = request.app.openapi()["paths"]
+    matching = [t for t in paths if compile_path(t)[0].match(request.url.path)]
+    if not matching:
+        return []
+    template = min(matching, key=lambda t: t.count("{"))
+    return sorted(m.upper() for m in paths[template])
 
 
 def install(app: FastAPI) -> None:
@@ -179,6 +231,10 @@ def install(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400:  # FastAPI's "error parsing the body" (e.g. not UTF-8): 422, as bad JSON
+            return response(
+                ErrorType.invalid_request, f"invalid request: the body is not valid JSON ({exc.detail})"
+            )
         etype = {
             404: ErrorType.not_found,
             405: ErrorType.method_not_allowed,
@@ -191,7 +247,10 @@ def install(app: FastAPI) -> None:
                 headers=exc.headers,
             )
         path = logs.clip(request.url.path, 120)
-        return response(etype, f"{request.method} {path}: {exc.detail}", headers=exc.headers)
+        headers = dict(exc.headers or {})
+        if etype is ErrorType.method_not_allowed and (methods := documented_methods(request)):
+            headers["Allow"] = ", ".join(methods)
+        return response(etype, f"{request.method} {path}: {exc.detail}", headers=headers)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -8,24 +8,50 @@ max_tokens cap) are checked by the routers, which know them.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .error_types import ErrorType
 
 # A request may ask for more tokens than the server's max_tokens setting (it is capped),
 # but not for an absurd number: past this ceiling the body is invalid (422).
 MAX_TOKENS_CEILING = 2**20
+# Seeds stay within the integers JSON represents exactly everywhere (I-JSON, RFC 7493):
+# past 2**53 a client, or a schema validator, that reads numbers as doubles rounds them
+SEED_LIMIT = 2**53
+
+# A bound that depends on the served model or the settings is marked `x-limit` in the JSON
+# schema (the setting's name, or `vocab`): app/api/openapi.py writes the served value into
+# the OpenAPI document as its `maximum`; the routers enforce it (422).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-limit": "vocab"})]
 
 Prompt = Annotated[
-    str | list[int],
+    str | list[TokenId],
     Field(description="text, or token ids of the served model's vocabulary"),
 ]
 
 
+def _integral_floats(value: Any) -> Any:
+    """`value` with every float that has no fractional part made an int, in dicts and lists."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats(v) for v in value]
+    return value
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: Any) -> Any:
+        # JSON has one number type, and JSON Schema's `integer` is any number without a
+        # fractional part, 1938.0 too; strict mode would refuse it where an int is expected
+        return _integral_floats(data)
 
 
 class Response(BaseModel):
@@ -46,13 +72,17 @@ class ErrorBody(Response):
 class CreateSession(Request):
     prompt: Prompt = ""
     ttl_seconds: int | None = Field(
-        None, ge=1, description="idle seconds before the session expires (sliding)"
+        None,
+        ge=1,
+        description="idle seconds before the session expires (sliding)",
+        json_schema_extra={"x-limit": "max_session_ttl"},
     )
     keep_versions: int | None = Field(
         None,
         ge=1,
         description="how many versions stay readable (fork or roll back to them), the current one included; "
         "default: the server's history_versions, at most its max_history_versions",
+        json_schema_extra={"x-limit": "max_history_versions"},
     )
 
 
@@ -137,7 +167,7 @@ class Generate(Request):
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="makes sampling reproducible")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="makes sampling reproducible")
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list,
         max_length=16,
@@ -162,7 +192,7 @@ class GenerateQuery(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list, max_length=16
     )
@@ -224,7 +254,7 @@ class Completion(Request):
     has but recur cannot honour are accepted only at their neutral values."""
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         "",
         description="text, token ids, or an array of either: a batch, one choice per prompt (`index` "
         "in order), each in a new session; at most the server's max_batch_size prompts",
@@ -246,7 +276,7 @@ class Completion(Request):
         None, ge=0, le=5, description="any value returns the sampled tokens' log-probs; top_logprobs is null"
     )
     echo: bool = Field(False, description="only false")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     user: str | None = Field(None, max_length=256, description="logged, not used")
     frequency_penalty: float | None = Field(None, description="only 0")
     presence_penalty: float | None = Field(None, description="only 0")
@@ -371,7 +401,7 @@ class TokenizeResult(Response):
 
 class Detokenize(Request):
     model: str | None = Field(None, description="the served model's name, if given")
-    tokens: list[int] = Field(max_length=1 << 16)
+    tokens: list[TokenId] = Field(max_length=1 << 16)
 
 
 class DetokenizeResult(Response):

@@ -25,6 +25,7 @@ from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sa
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     CreateSession,
+    ErrorBody,
     ForkAt,
     Generate,
     GenerateDone,
@@ -45,17 +46,12 @@ from .schemas import (
     VersionInfo,
     VersionList,
 )
-from .sse import guarded, respond, sse_json, until_disconnect
+from .sse import guarded, named_events, respond, sse_json, stream_response, until_disconnect
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
-_SESSION_ERRORS = (
-    ErrorType.session_not_found,
-    ErrorType.redis_unavailable,
-    ErrorType.invalid_request,
-    ErrorType.unauthorized,
-    ErrorType.quota_exceeded,
-)
+# (the errors of the dependencies, auth and quotas among them, app/api/openapi.py adds)
+_SESSION_ERRORS = (ErrorType.session_not_found, ErrorType.redis_unavailable, ErrorType.invalid_request)
 _WRITE_ERRORS = (
     *_SESSION_ERRORS,
     ErrorType.session_busy,
@@ -105,13 +101,7 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(
-        *_MODEL_ERRORS,
-        ErrorType.invalid_request,
-        ErrorType.redis_unavailable,
-        ErrorType.unauthorized,
-        ErrorType.quota_exceeded,
-    ),
+    responses=responses(*_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable),
 )
 async def create_session(
     response: Response,
@@ -136,18 +126,18 @@ async def create_session(
     "",
     response_model=SessionList,
     summary="List the caller's own sessions, a page at a time",
-    responses=responses(ErrorType.redis_unavailable, ErrorType.unauthorized, ErrorType.quota_exceeded),
+    responses=responses(ErrorType.redis_unavailable, ErrorType.invalid_request),
 )
 async def list_sessions(
     sessions: SessionsDep,
     owner: OwnerDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="about how many sessions per page")] = 50,
+    # a Redis cursor indexes a hash table's slots: far below 10**19, so 19 digits always fit
+    # in the unsigned 64 bits Redis takes, and the schema's pattern is the whole check
     cursor: Annotated[
-        str, Query(pattern=r"^\d{1,20}$", description="`next_cursor` of the page before")
+        str, Query(pattern=r"^[0-9]{1,19}$", description="`next_cursor` of the page before")
     ] = "0",
 ) -> SessionList:
-    if int(cursor) >= 2**64:  # Redis's cursors are unsigned 64-bit numbers
-        raise ApiError(ErrorType.invalid_request, "cursor: not a cursor this server gave out")
     metas, after = await sessions.listing(owner, int(cursor), limit)
     return SessionList(sessions=[_info(m) for m in metas], next_cursor=str(after) if after else None)
 
@@ -168,8 +158,6 @@ async def list_sessions(
         ErrorType.invalid_request,
         ErrorType.body_too_large,
         ErrorType.redis_unavailable,
-        ErrorType.unauthorized,
-        ErrorType.quota_exceeded,
         ErrorType.storage_full,
         ErrorType.queue_full,
     ),
@@ -196,7 +184,11 @@ async def import_session(
     responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
         **responses(
-            *_SESSION_ERRORS, ErrorType.version_mismatch, ErrorType.model_mismatch, ErrorType.queue_full
+            *_SESSION_ERRORS,
+            ErrorType.version_mismatch,
+            ErrorType.version_gone,
+            ErrorType.model_mismatch,
+            ErrorType.queue_full,
         ),
     },
 )
@@ -367,17 +359,17 @@ async def score(
     return ScoreResult(tokens=tokens, total_logprob=total, session=_ref(meta))
 
 
-_SSE_DOC = {
-    "content": {
-        "text/event-stream": {
-            "schema": {"type": "string"},
-            "example": 'event: token\ndata: {"index": 0, "id": 84, "text": "T"}\n\n'
-            'event: done\ndata: {"text": "T", "finish_reason": "length", ...}\n\n',
-        }
-    },
-    "description": "stream=true: `token` events, then `done` (or `error`). "
-    "stream=false: one JSON object (GenerateResult).",
-}
+# `token` events (id: version.index), then `done` (id: version); `error` if it fails mid-stream
+_EVENTS = named_events(
+    {
+        "token": (GeneratedToken, r"^[0-9]+\.[0-9]+$"),
+        "done": (GenerateDone, r"^[0-9]+$"),
+        "error": (ErrorBody, None),
+    }
+)
+_SSE_DOC = stream_response(
+    "stream=true: `token` events, then `done` (or `error`); stream=false: one JSON object", _EVENTS
+)
 
 
 @router.post(
@@ -422,7 +414,7 @@ async def generate(
     "/{session_id}/generate",
     summary="The streaming generate for EventSource: parameters in the query string",
     responses={
-        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "as POST"},
+        200: stream_response("`token` events, then `done` (or `error`), as POST with stream=true", _EVENTS),
         **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
     },
 )

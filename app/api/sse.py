@@ -1,4 +1,5 @@
-"""Server-Sent Events framing shared by the session routes and the OpenAI routes."""
+"""Server-Sent Events framing shared by the session routes and the OpenAI routes, and its
+description in the OpenAPI document (each event's name, data model and id)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from fastapi import Request
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
@@ -54,3 +56,45 @@ def respond(
 ) -> EventSourceResponse:
     """The streaming response; the run is closed when it ends, however it ends."""
     return EventSourceResponse(frames, headers=headers, background=BackgroundTask(run.close), ping=15)
+
+
+# -- the OpenAPI description of the streams ----------------------------------------------------
+# OpenAPI 3.2's way to describe Server-Sent Events, which FastAPI and schemathesis read in a
+# 3.1 document too: `itemSchema` is the schema of one event, an object of the SSE fields
+# (`event`, `data`, `id`), and `data` holds JSON of a model (contentMediaType/contentSchema).
+
+
+def json_of(*models: type[BaseModel]) -> dict:
+    """An SSE `data` field that holds the JSON of one of `models`."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    return {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": refs[0] if len(refs) == 1 else {"anyOf": refs},
+    }
+
+
+def named_events(events: dict[str, tuple[type[BaseModel], str | None]]) -> dict:
+    """`itemSchema` of a stream of named events: each name -> (the model its data is the
+    JSON of, the pattern of its `id`, or None where the id is not promised)."""
+    branches = []
+    for name, (model, id_pattern) in events.items():
+        fields: dict = {"event": {"const": name}, "data": json_of(model)}
+        if id_pattern is not None:
+            fields["id"] = {"type": "string", "pattern": id_pattern}
+        branches.append({"type": "object", "required": ["event", "data"], "properties": fields})
+    return {"oneOf": branches}
+
+
+def data_events(*models: type[BaseModel], last: str | None = "[DONE]") -> dict:
+    """`itemSchema` of a stream of unnamed events (OpenAI's): each `data` the JSON of one of
+    `models`, and the stream's `last` data a bare string."""
+    data = json_of(*models)
+    if last is not None:
+        data = {"anyOf": [{"const": last}, data]}
+    return {"type": "object", "required": ["data"], "properties": {"event": {"const": "message"}, "data": data}}
+
+
+def stream_response(description: str, item_schema: dict) -> dict:
+    """A `responses=` entry's `text/event-stream` content."""
+    return {"description": description, "content": {"text/event-stream": {"itemSchema": item_schema}}}

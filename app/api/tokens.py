@@ -11,9 +11,7 @@ from .schemas import Detokenize, DetokenizeResult, Tokenize, TokenizeResult
 
 router = APIRouter(tags=["tokens"])
 
-_ERRORS = responses(
-    ErrorType.invalid_request, ErrorType.model_not_found, ErrorType.unauthorized, ErrorType.quota_exceeded
-)
+_ERRORS = responses(ErrorType.invalid_request, ErrorType.model_not_found)
 
 
 @router.post("/tokenize", response_model=TokenizeResult, summary="A text's token ids", responses=_ERRORS)

@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1", tags=["quotas"])
     "/usage",
     response_model=TenantUsage,
     summary="What the caller's key holds, and its limits",
-    responses=responses(ErrorType.unauthorized, ErrorType.redis_unavailable, ErrorType.quota_exceeded),
+    responses=responses(ErrorType.redis_unavailable),
 )
 async def usage(sessions: SessionsDep, owner: OwnerDep) -> TenantUsage:
     held = await sessions.usage(owner)

@@ -34,7 +34,8 @@ def test_play_script_renders_the_plays_layout_with_its_role_mapping():
         "Mercutio.\nA plague o' both your houses!\n\n"  # a message's own name speaks it
         "Juliet.\n"  # the generation prompt: the assistant's turn opens
     )
-    renamed = t.render(SCENE[1:3], user_name="Nurse", assistant_name="Friar", add_generation_prompt=False)
+    names = {"user_name": "Nurse", "assistant_name": "Friar", "messages": [], "add_generation_prompt": True}
+    renamed = t.render(SCENE[1:3], names, add_generation_prompt=False)  # the last two are not its to change
     assert renamed == "Nurse.\nGood morrow, fair saint.\n\nFriar.\nGood morrow, pilgrim.\n\n"
     assert t.render([{"role": "developer", "content": "Exit."}]) == "[Exit.]\n\nJuliet.\n"
 

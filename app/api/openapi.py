@@ -1,0 +1,235 @@
+"""The OpenAPI document (`/openapi.json`), made to tell the truth: FastAPI's document of the
+routes, plus what FastAPI cannot see in a route's signature.
+
+- **Errors.** A route declares the error types it raises itself (`errors.responses`); this
+  module adds what the layers around it answer: 500 on every route, 422 on a route with
+  parameters or a body, 413 on one with a body, and the errors of each dependency the
+  route runs (`RAISED_BY`: 401 behind `authenticate`, 412 with `If-Match`, ...). Every
+  error status is the one error body, its `type` narrowed to the types that status carries
+  on that route (errors.document).
+- **Auth.** With API keys set, the routes behind `authenticate` require a bearer key (or
+  `access_token` in the query, for EventSource); an open server declares no security.
+- **Served limits.** A schema field marked `x-limit` (schemas.py) gets the served value as
+  its `maximum`: the vocabulary for token ids, a setting for the others.
+- **Links** from each response that names a session to every operation on a session, so
+  that a stateful client (schemathesis's stateful phase) can follow create -> generate ->
+  fork -> delete.
+
+It only describes: the behaviour it documents lives in errors.py, deps.py and the routers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.dependencies.models import Dependant
+from fastapi.openapi.utils import get_openapi
+from fastapi.params import Depends
+from fastapi.routing import APIRoute, APIRouter
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from app.config import Settings
+
+from . import deps, errors, schemas
+from .error_types import ErrorType
+
+# what each dependency can answer, whatever the route that runs it
+RAISED_BY: dict[Callable[..., Any], tuple[ErrorType, ...]] = {
+    deps.authenticate: (ErrorType.unauthorized,),
+    deps.admit: (ErrorType.quota_exceeded, ErrorType.redis_unavailable),
+    deps.get_sessions: (ErrorType.not_ready,),
+    deps.if_match: (ErrorType.invalid_request, ErrorType.version_mismatch),
+}
+_COMPONENT = "#/components/schemas/"
+_SECURITY_SCHEMES = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "an API key: `Authorization: Bearer KEY`"},
+    "access_token": {
+        "type": "apiKey",
+        "in": "query",
+        "name": "access_token",
+        "description": "the API key in the query string, for EventSource (which cannot send headers)",
+    },
+}
+
+Routers = Sequence[tuple[APIRouter, Sequence[Depends]]]
+
+
+def install(app: FastAPI, routers: Routers) -> None:
+    """Serve the document built here. `routers`: each router with the dependencies it was
+    included with. Built once the model is loaded (the vocabulary is a served limit)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title,
+            version=app.version,
+            openapi_version=app.openapi_version,
+            summary=app.summary,
+            description=app.description,
+            routes=app.routes,
+        )
+        sessions = app.state.sessions
+        vocab = sessions.engine.vocab_size if sessions is not None else None
+        build(doc, routers, app.state.settings, vocab, keys=bool(app.state.api_keys))
+        if vocab is not None:  # before the model is loaded, the token ids have no bound yet
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, keys: bool) -> None:
+    """Complete FastAPI's document `doc` in place."""
+    for route, included in _routes(routers):
+        calls = [d.dependency for d in included] + list(_calls(route.dependant))
+        for method in route.methods:
+            op = doc["paths"][route.path_format][method.lower()]
+            _document_errors(op, calls, keys)
+            for parameter in op.get("parameters", []):
+                _never_null(parameter)
+            for response in op["responses"].values():
+                _no_empty_json(response)
+            if keys and deps.authenticate in calls:
+                op["security"] = [{name: []} for name in _SECURITY_SCHEMES]
+    components = doc.setdefault("components", {})
+    if keys:
+        components["securitySchemes"] = _SECURITY_SCHEMES
+    _add_missing_components(doc)
+    for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body, never sent here
+        components.get("schemas", {}).pop(unused, None)
+    _write_limits(doc, settings, vocab)
+    _add_links(doc)
+
+
+def _routes(routers: Routers) -> Iterator[tuple[APIRoute, Sequence[Depends]]]:
+    for router, included in routers:
+        for route in router.routes:
+            if isinstance(route, APIRoute) and route.include_in_schema:
+                yield route, included
+
+
+def _calls(dependant: Dependant) -> Iterator[Callable[..., Any]]:
+    """Every dependency a route runs, however deep."""
+    for sub in dependant.dependencies:
+        if sub.call is not None:
+            yield sub.call
+        yield from _calls(sub)
+
+
+def _document_errors(op: dict, calls: list[Callable[..., Any]], keys: bool) -> None:
+    types = [ErrorType.internal_error]
+    if op.get("parameters") or "requestBody" in op:
+        types.append(ErrorType.invalid_request)
+    if "requestBody" in op:
+        types.append(ErrorType.body_too_large)  # app/api/body_limit.py
+    for call in calls:
+        types += RAISED_BY.get(call, ())
+    if not keys:  # an open server never asks for a key
+        types = [t for t in types if t is not ErrorType.unauthorized]
+    errors.document(op["responses"], types)
+
+
+def _never_null(parameter: dict) -> None:
+    """An optional query or header parameter is absent or a value, never null: FastAPI's
+    `anyOf: [X, null]` for `X | None` becomes X (else a client sends the text `null`)."""
+    schema = parameter["schema"]
+    branches = schema.get("anyOf", [])
+    kept = [b for b in branches if b.get("type") != "null"]
+    if len(kept) == 1 and len(branches) == 2:
+        del schema["anyOf"]
+        schema.update(kept[0])
+
+
+def _no_empty_json(response: dict) -> None:
+    """Drop the `application/json: {schema: {}}` FastAPI writes for a route without a
+    response model, when the response documents its real media type (an event stream)."""
+    content = response.get("content", {})
+    if len(content) > 1 and content.get("application/json") == {"schema": {}}:
+        del content["application/json"]
+
+
+def _add_missing_components(doc: dict) -> None:
+    """Put into components every model of schemas.py that the document refers to and
+    FastAPI left out (those only in `responses=` declarations: the error body, SSE data)."""
+    components = doc["components"].setdefault("schemas", {})
+    missing: list[type[BaseModel]] = []
+    while names := {n for n in _refs(doc) if n not in components} - {m.__name__ for m in missing}:
+        missing += [getattr(schemas, name) for name in sorted(names)]
+        _, defs = models_json_schema(
+            [(m, "serialization") for m in missing], ref_template=_COMPONENT + "{model}"
+        )
+        for name, schema in defs.get("$defs", {}).items():
+            components.setdefault(name, schema)
+
+
+def _refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(_COMPONENT):
+            yield ref.removeprefix(_COMPONENT)
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def _write_limits(node: Any, settings: Settings, vocab: int | None) -> None:
+    """Each `x-limit` marker becomes the served value's `maximum` (and goes)."""
+    if isinstance(node, dict):
+        limit = node.pop("x-limit", None)
+        if limit == "vocab":
+            if vocab is not None:
+                node["maximum"] = vocab - 1
+        elif limit is not None:
+            node["maximum"] = getattr(settings, limit)
+        for value in node.values():
+            _write_limits(value, settings, vocab)
+    elif isinstance(node, list):
+        for value in node:
+            _write_limits(value, settings, vocab)
+
+
+def _add_links(doc: dict) -> None:
+    """Links from every response that names a session (a new one: 201 with `id`; a
+    completion's: `session_id`) to every operation on `/v1/sessions/{session_id}...`."""
+    targets = [
+        (op["operationId"], op)
+        for path, ops in doc["paths"].items()
+        if "{session_id}" in path
+        for op in ops.values()
+    ]
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            for status, response in op["responses"].items():
+                where = _session_field(doc, status, response)
+                if where is None:
+                    continue
+                response["links"] = {
+                    target_id: _link(target_id, target, where, etag=status == "201")
+                    for target_id, target in targets
+                }
+
+
+def _session_field(doc: dict, status: str, response: dict) -> str | None:
+    """The JSON pointer of the session id a success response names, if it names one."""
+    if not status.startswith("2"):
+        return None
+    ref = response.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref", "")
+    props = doc["components"]["schemas"].get(ref.removeprefix(_COMPONENT), {}).get("properties", {})
+    if status == "201" and {"id", "version"} <= set(props):
+        return "/id"
+    if "session_id" in props and "choices" in props:  # an OpenAI completion
+        return "/session_id"
+    return None
+
+
+def _link(target_id: str, target: dict, where: str, etag: bool) -> dict:
+    parameters = {"path.session_id": f"$response.body#{where}"}
+    if etag and any(p["name"] == "If-Match" for p in target.get("parameters", [])):
+        parameters["header.If-Match"] = "$response.header.ETag"
+    return {"operationId": target_id, "parameters": parameters}

@@ -1,0 +1,171 @@
+"""The OpenAPI document tells the truth: schemathesis, with every check it has, against a
+live server with an API key and a real Redis, must find nothing.
+
+Every check means: responses match their documented schemas (SSE events too, each against
+its event's model), every status and error type a route answers is documented for it,
+schema-valid requests are accepted and invalid ones refused, documented headers come
+back, `OPTIONS` and other undocumented methods get 405 with the path's methods in
+`Allow`, a key is enforced wherever the document says one is needed, and the stateful
+phase follows the document's links (create -> generate / score / fork / delete ...),
+checking that a created session is there and a deleted one is gone.
+
+Beside it, the behaviours the document promises that are easiest to break, pinned one by
+one: 405's `Allow`, 422 for a body that is not JSON, integers written as 1938.0,
+If-Match's forms.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import model
+from app.api.deps import IF_MATCH
+from tests.conftest import TINY, ServerProcess
+
+KEY = "contract-test-key"
+SEED = 7
+EXAMPLES = 40  # per operation and phase: about a minute in all on two cores
+# statuses a schema-valid request may get besides schemathesis's defaults (2xx, 3xx, 401,
+# 403, 404, 409, 429, 5xx): 412 when If-Match names another version than the session's,
+# which is the session's state, not the request's shape
+POSITIVE_ALSO = ["412"]
+
+CONFIG = f"""
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}]
+
+# an import's body is a state blob: whether bytes are one (safetensors, checksum, the served
+# model's fingerprint) is more than any schema can say, so 422 invalid_state is expected
+[[operations]]
+include-path = "/v1/sessions/import"
+checks.positive_data_acceptance.expected-statuses = [
+    "2xx", "3xx", "401", "403", "404", "409", "422", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}
+]
+"""
+
+
+@pytest.fixture(scope="module")
+def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A tiny model with the shipped chat template (so the chat route can answer 200), a
+    key, and a small generation cap so fuzzed requests stay cheap."""
+    path = tmp_path_factory.mktemp("contract-model") / "tiny"
+    model.init(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
+    srv = ServerProcess(
+        path,
+        tmp_path_factory.mktemp("contract"),
+        redis_url,
+        cpu_threads=1,
+        max_tokens=8,
+        max_prompt_tokens=300,
+        api_keys=KEY,
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def http(contract_server: ServerProcess) -> Iterator[httpx.Client]:
+    with contract_server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProcess, tmp_path: Path):
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(CONFIG)
+    st = Path(sys.executable).with_name("st")
+    cmd = [
+        str(st), "--config-file", str(config), "--no-color",
+        "run", f"{contract_server.url}/openapi.json",
+        "--checks", "all",
+        "--phases", "examples,coverage,fuzzing,stateful",
+        "--max-examples", str(EXAMPLES),
+        "--seed", str(SEED),
+        "--workers", "1",
+        "--header", f"Authorization: Bearer {KEY}",
+        "--request-timeout", "30",
+        "--output-truncate", "false",
+        "--report", "junit", "--report-dir", str(tmp_path / "report"),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-30000:] + "\n--- server log ---\n" + contract_server.log_tail()
+    # it ran the stateful phase too, following the document's links
+    assert re.search(r"Scenarios:\s+[1-9]", out), out[-5000:]
+
+
+def test_every_other_method_gets_405_with_the_methods_of_the_path(http: httpx.Client):
+    paths = http.get("/openapi.json").json()["paths"]
+    sid = http.post("/v1/sessions").json()["id"]
+    for template, ops in paths.items():
+        url = template.replace("{session_id}", sid)
+        # methods some route serves at this URL (GET /v1/sessions/import is a session's GET)
+        served = {
+            m.upper()
+            for other, other_ops in paths.items()
+            if re.fullmatch(re.sub(r"\{[^}]+\}", "[^/]+", other), url)
+            for m in other_ops
+        }
+        for method in sorted({"OPTIONS", "PUT", "PATCH", "DELETE", "POST", "GET"} - served):
+            r = http.request(method, url)
+            assert r.status_code == 405, (method, url, r.status_code, r.text)
+            assert r.headers["allow"] == ", ".join(sorted(m.upper() for m in ops)), (method, url)
+            assert r.json()["error"]["type"] == "method_not_allowed"
+    # a literal path's own methods, not those of the template it also matches
+    assert http.options("/v1/sessions/import").headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe{", b"{not json", b"\x00", b""])
+def test_a_body_that_is_not_json_is_422(http: httpx.Client, body: bytes):
+    r = http.post("/v1/sessions/x/score", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, (body, r.status_code, r.text)
+    assert r.json()["error"]["type"] == "invalid_request"
+
+
+def test_integers_may_be_written_with_a_zero_fraction(http: httpx.Client):
+    """JSON Schema's `integer` is any number without a fractional part: 1938.0 is one."""
+    r = http.post("/v1/sessions", json={"ttl_seconds": 1938.0, "prompt": [65.0, 66]})
+    assert r.status_code == 201, r.text
+    assert r.json()["n_tokens"] == 3  # BOS, then the two ids
+    sid = r.json()["id"]
+    r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2.0, "seed": 3.0, "stream": False})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for bad in ({"ttl_seconds": 1938.5}, {"prompt": [65.5]}, {"ttl_seconds": True}, {"ttl_seconds": "1938"}):
+        r = http.post("/v1/sessions", json=bad)
+        assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", (bad, r.text)
+
+
+def test_if_match_takes_exactly_the_forms_its_pattern_documents(http: httpx.Client):
+    spec = http.get("/openapi.json").json()
+    params = spec["paths"]["/v1/sessions/{session_id}/fork"]["post"]["parameters"]
+    (doc,) = [p for p in params if p["name"] == "If-Match"]
+    assert doc["schema"] == {**doc["schema"], "type": "string", "pattern": IF_MATCH}
+    sid = http.post("/v1/sessions").json()["id"]
+    for good in ['"0"', 'W/"0"', "0", "*", "000"]:
+        assert re.fullmatch(IF_MATCH, good)
+        r = http.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": good})
+        assert r.status_code == 201, (good, r.text)
+    for bad in ["null", "", '"0', "W/0", "0x", "-1", '"1" "2"', "1" * 19]:
+        assert not re.fullmatch(IF_MATCH, bad)
+        r = http.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": bad})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", (bad, r.text)
+    r = http.post(f"/v1/sessions/{sid}/fork", headers={"If-Match": '"7"'})
+    assert r.status_code == 412 and r.json()["error"]["type"] == "version_mismatch"
+
+
+def test_the_document_declares_the_key_only_where_one_is_asked(http: httpx.Client, contract_server):
+    spec = http.get("/openapi.json").json()
+    assert set(spec["components"]["securitySchemes"]) == {"bearer", "access_token"}
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            secured = "security" in op
+            r = httpx.request(method.upper(), contract_server.url + path.replace("{session_id}", "0" * 32))
+            assert (r.status_code == 401) == secured, (method, path, r.status_code)
+            assert ("401" in op["responses"]) == secured, (method, path)
