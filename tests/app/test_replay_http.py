@@ -17,7 +17,7 @@ import torch
 
 import model
 from app.cli import main
-from app.replay_client import fetch_transcript
+from app.replay_client import fetch_transcript, server_precision
 from model.checkpoint import resolve
 from model.replay import replay_transcript, transcript_rollout
 from tests.app.test_disconnect import raw_events, settled
@@ -40,7 +40,15 @@ TURNS: list[dict] = [
     {"prompt": "", "max_tokens": 40, "temperature": 1.2, "top_p": 0.9, "seed": 2},
     {"prompt": " no", "max_tokens": 20, "temperature": 1.0, "seed": 5},  # undone by the rollback
     {"rollback": 4},
-    {"prompt": ",", "max_tokens": 100, "temperature": 1.0, "top_k": 5, "top_p": 0.7, "seed": 3, "stop": ["!"]},
+    {
+        "prompt": ",",
+        "max_tokens": 100,
+        "temperature": 1.0,
+        "top_k": 5,
+        "top_p": 0.7,
+        "seed": 3,
+        "stop": ["!"],
+    },
     {"prompt": " and", "max_tokens": 100, "temperature": 0.7, "seed": 6},
     {"keep": 4, "temperature": 0.9, "top_p": 0.95, "seed": 4},
 ]
@@ -119,6 +127,7 @@ def test_recur_replay_fetches_the_session_and_replays_in_the_servers_precision(s
     name, srv = served
     sid, n_sampled = session[0], sum(session[1].values())
     args = ["replay", name, "--url", srv.url, "--session", sid, "--api-key", KEY]
+    assert server_precision(srv.url, KEY) == "fp32"
     assert main([*args, "--precision", "auto"]) == 0
     out = capsys.readouterr()
     report = json.loads(out.out)
@@ -163,6 +172,29 @@ def test_changed_weights_move_the_ratios(served, session, tmp_path: Path, capsys
     )
     report = json.loads(capsys.readouterr().out)
     assert report["n_actions"] == sum(session[1].values()) and report["max_abs_ratio_minus_1"] > 1e-3
+
+
+def test_auto_precision_follows_a_bf16_server(redis_url, tmp_path: Path, capsys):
+    """A server in bf16 (autocast, on the CPU here) says so on GET /v1/models; replay in fp32
+    sees its rounding, and `--precision auto` replays in bf16."""
+    name = "shakespeare-rlt"
+    srv = ServerProcess(resolve(name), tmp_path, redis_url, **{**SETTINGS, "precision": "bf16"}).start()
+    try:
+        assert server_precision(srv.url, KEY) == "bf16"
+        with srv.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+            sid = ok(c.post("/v1/sessions", json={"prompt": "ROMEO:"}), 201)["id"]
+            n = sum(drive(c, sid, [{"max_tokens": 60, "temperature": 1.0, "seed": 7}]).values())
+        args = ["replay", name, "--url", srv.url, "--session", sid, "--api-key", KEY]
+        reports = {}
+        for precision in ("fp32", "auto"):
+            assert main([*args, "--precision", precision]) == 0
+            reports[precision] = json.loads(capsys.readouterr().out)
+    finally:
+        srv.stop()
+    assert reports["auto"]["precision"] == "bf16" and reports["auto"]["n_actions"] == n
+    fp32 = reports["fp32"]
+    assert fp32["precision"] == "fp32" and fp32["max_abs_ratio_minus_1"] > 1e-4  # bf16's rounding
+    assert abs(fp32["mean_ratio"] - 1) < 0.05  # noise around 1, not another policy
 
 
 def test_replay_says_what_went_wrong_with_the_server(served, session):
