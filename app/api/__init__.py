@@ -16,7 +16,18 @@ from app import sessions as sessions_service
 from app.config import Settings
 from app.store import SessionStore
 
-from . import completions, errors, health, metrics, openapi, playground, sessions, tokens, usage
+from . import (
+    chat_completions,
+    completions,
+    errors,
+    health,
+    metrics,
+    openapi,
+    playground,
+    sessions,
+    tokens,
+    usage,
+)
 from .body_limit import BodyLimit
 from .deps import admit, authenticate, bind_session
 from .middleware import RequestContext
@@ -44,6 +55,8 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
                 model.load, settings.model, device=settings.device, precision=settings.precision
             )
         )
+        # the checkpoint's chat template, checked now: a broken one fails the start, not a chat
+        app.state.chat_template = await asyncio.to_thread(model.checkpoint.chat_template, settings.model)
         engine = sessions_service.build_engine(settings, loaded, model_name(settings.model))
         engine.start()
         sessions = sessions_service.build(settings, store, engine)
@@ -75,6 +88,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = None
+    app.state.chat_template = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
     app.add_middleware(
@@ -91,6 +105,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
         (playground.router, []),
         (sessions.router, v1),
         (completions.router, v1),
+        (chat_completions.router, v1),
         (usage.router, v1),
         (tokens.router, v1),
     ]

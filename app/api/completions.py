@@ -17,7 +17,6 @@ openai SDK raises as its usual exceptions; mid-stream, an error is a data chunk
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,6 @@ from .deps import (
     SessionsDep,
     SettingsDep,
     prompt_ids,
-    sampling_params,
     served_model,
 )
 from .errors import ApiError, ErrorType, responses
@@ -53,7 +51,6 @@ from .schemas import (
 from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-log = logging.getLogger("recur.openai")
 
 _STARTED = time.time()
 
@@ -119,24 +116,20 @@ async def create_completion(
     served_model(body.model, engine)
     sid = oai.session_asked(body.session_id, x_session_id)
     prompts = [prompt_ids(engine, settings.max_prompt_tokens, p) for p in _prompts(body.prompt, settings)]
-    params = sampling_params(
-        1.0 if body.temperature is None else body.temperature, body.top_k or 0, body.top_p or 1.0
-    )
+    generation = oai.generation(body, settings, body.max_tokens)
+    stop = oai.stop_strings(body.stop)
     choices = await oai.start(
         sessions,
         settings,
         owner,
         sid,
         prompts,
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop=stop,
         keep_stop=True,
-        params=params,
-        seed=body.seed,
-        max_tokens=min(body.max_tokens or settings.max_tokens, settings.max_tokens),
+        user=body.user,
         started=started,
+        **generation,
     )
-    if body.user is not None:  # OpenAI's end-user id: recorded for the operator, never used
-        log.info("completion for user %r", body.user, extra={"openai_user": body.user})
     framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), body.logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -15,6 +15,7 @@ class ErrorType(str, enum.Enum):
     invalid_request = "invalid_request"
     unauthorized = "unauthorized"
     model_not_found = "model_not_found"
+    no_chat_template = "no_chat_template"
     not_found = "not_found"
     method_not_allowed = "method_not_allowed"
     session_not_found = "session_not_found"

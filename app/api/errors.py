@@ -32,6 +32,7 @@ from app.store import (
     VersionMismatch,
 )
 from model import StateError
+from model.chat_template import ChatTemplateError
 
 from .error_types import ErrorType
 from .schemas import ErrorBody
@@ -43,6 +44,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
     ErrorType.unauthorized: 401,
     ErrorType.model_not_found: 404,
+    ErrorType.no_chat_template: 400,  # the request is fine; the served checkpoint cannot chat
     ErrorType.not_found: 404,
     ErrorType.method_not_allowed: 405,
     ErrorType.session_not_found: 404,
@@ -79,6 +81,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (StateRejected, ErrorType.invalid_state),
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
+    (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation
     (QueueFull, ErrorType.queue_full),
     (EngineError, ErrorType.internal_error),
 ]

@@ -11,6 +11,7 @@ the parsed body and the framed bytes is here, once. It never builds an error bod
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -26,12 +27,30 @@ from app.config import Settings
 from app.engine import FinishReason, TokenEvent
 from app.sessions import Run, Sessions
 
+from .deps import sampling_params
 from .errors import ApiError, ErrorType
-from .schemas import CompletionUsage, SessionRef
+from .schemas import CompletionUsage, OpenAIBody, SessionRef
 from .sse import guarded, respond, sse_json, until_disconnect
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+log = logging.getLogger("recur.openai")
+
+
+def generation(body: OpenAIBody, settings: Settings, max_tokens: int | None) -> dict[str, Any]:
+    """The sampling and limits of a body, as `Sessions.generate` takes them."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    return {
+        "params": sampling_params(temperature, body.top_k or 0, body.top_p or 1.0),
+        "seed": body.seed,
+        "max_tokens": min(max_tokens or settings.max_tokens, settings.max_tokens),
+    }
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def session_asked(body_sid: str | None, header_sid: str | None) -> str | None:
@@ -134,10 +153,12 @@ async def start(
     *,
     stop: list[str],
     keep_stop: bool = False,
+    user: str | None = None,
     **generate: Any,
 ) -> Choices:
     """One generation per prompt, choice i for prompt i: in session `sid`, or each in a new
-    session. All start, or none does (those started are closed)."""
+    session. All start, or none does (those started are closed). `user` is OpenAI's
+    end-user id: logged for the operator (with the session), never used."""
     if sid is not None and len(prompts) != 1:
         raise ApiError(
             ErrorType.invalid_request,
@@ -155,6 +176,8 @@ async def start(
         raise failed
     # the runs started in tasks of their own: the request's log context learns the session here
     logs.session_id.set(choices.items[0].run.writer.meta.id)
+    if user is not None:
+        log.info("completion for user %r", user, extra={"openai_user": user})
     return choices
 
 

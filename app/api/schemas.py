@@ -10,7 +10,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .error_types import ErrorType
 
@@ -249,46 +257,36 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-class Completion(Request):
-    """OpenAI's `POST /v1/completions` body, plus `session_id` (and `top_k`). Fields OpenAI
-    has but recur cannot honour are accepted only at their neutral values."""
+class OpenAIBody(Request):
+    """What the bodies of both OpenAI routes take: the model, sampling, stop strings,
+    streaming and recur's `session_id` (and `top_k`). Fields OpenAI has but recur cannot
+    honour are accepted only at their neutral values."""
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        "",
-        description="text, token ids, or an array of either: a batch, one choice per prompt (`index` "
-        "in order), each in a new session; at most the server's max_batch_size prompts",
-    )
-    max_tokens: int | None = Field(
-        16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
-    )
     temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="recur extension; 0 = off")
     n: int | None = Field(None, description="only 1: a session has one continuation")
-    best_of: int | None = Field(None, description="only 1")
     stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
-        None, max_length=16, description="generation ends after the token that completes one (kept in text)"
+        None,
+        max_length=16,
+        description="generation ends after the token that completes one; /v1/completions keeps it in `text`, "
+        "chat leaves it out of the message (the session's state has consumed it either way)",
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(
-        None, ge=0, le=5, description="any value returns the sampled tokens' log-probs; top_logprobs is null"
-    )
-    echo: bool = Field(False, description="only false")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     user: str | None = Field(None, max_length=256, description="logged, not used")
     frequency_penalty: float | None = Field(None, description="only 0")
     presence_penalty: float | None = Field(None, description="only 0")
     logit_bias: dict[str, float] | None = Field(None, description="only empty")
-    suffix: str | None = Field(None, description="only null")
     session_id: str | None = Field(
         None, description="continue this session (or send X-Session-Id); absent: a new session is created"
     )
 
-    @field_validator("n", "best_of")
+    @field_validator("n")
     @classmethod
-    def _one(cls, v: int | None) -> int | None:
+    def _one_choice(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError("only 1 is supported: a recurrent session has one continuation")
         return v
@@ -305,6 +303,32 @@ class Completion(Request):
     def _empty(cls, v: dict | None) -> dict | None:
         if v:
             raise ValueError("logit_bias is not supported; send {} or leave it out")
+        return v
+
+
+class Completion(OpenAIBody):
+    """OpenAI's `POST /v1/completions` body (and what `OpenAIBody` adds)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        "",
+        description="text, token ids, or an array of either: a batch, one choice per prompt (`index` "
+        "in order), each in a new session; at most the server's max_batch_size prompts",
+    )
+    max_tokens: int | None = Field(
+        16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
+    )
+    best_of: int | None = Field(None, description="only 1")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="any value returns the sampled tokens' log-probs; top_logprobs is null"
+    )
+    echo: bool = Field(False, description="only false")
+    suffix: str | None = Field(None, description="only null")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only 1 is supported: a recurrent session has one continuation")
         return v
 
     @field_validator("echo")
@@ -346,20 +370,131 @@ class CompletionUsage(Response):
     total_tokens: int
 
 
-class CompletionResult(Response):
+class OpenAIResult(Response):
+    """What every body and chunk of both OpenAI routes carries."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: CompletionUsage | None
+    system_fingerprint: str = Field(description="the served model's fingerprint")
     session_id: str = Field(
         description="the session generated in (also the X-Session-Id header); with several choices, the first's"
     )
     session: SessionRef | None = Field(
         None, description="the (first choice's) session after the commit (streamed: in its last chunk)"
     )
+
+
+class CompletionResult(OpenAIResult):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None
+
+
+# -- OpenAI-compatible chat completions -----------------------------------------------------
+class ChatTextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    """One message of a conversation as OpenAI's clients send it: text only (no tools,
+    images or audio)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatTextPart] = Field(description="text, or text parts (joined by newlines, as vLLM does)")
+    name: str | None = Field(
+        None, min_length=1, max_length=64, description="the speaker (the play-script template's name for them)"
+    )
+
+
+class ChatCompletion(OpenAIBody):
+    """OpenAI's `POST /v1/chat/completions` body (and what `OpenAIBody` adds). By default
+    generation stops at the chat template's turn stop, left out of the message."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="the conversation; continuing a session, only the new messages"
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_CEILING, description="OpenAI's newer name for max_tokens; wins over it"
+    )
+    logprobs: bool = Field(False, description="the sampled tokens' log-probs, in choices[].logprobs.content")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0: no alternatives are reported")
+    chat_template_kwargs: dict[str, str | int | float | bool] | None = Field(
+        None,
+        description="vLLM's: variables for the chat template, e.g. the play-script's user_name and assistant_name",
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_alternatives(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("top_logprobs is not supported; send 0 or leave it out")
+        return v
+
+
+class ChatTopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's text as UTF-8")
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(Response):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatReply(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Response):
+    index: int = 0
+    message: ChatReply
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+    session: SessionRef | None = Field(
+        default=None, description="the session this choice was generated in, after its commit"
+    )
+
+
+class ChatCompletionResult(OpenAIResult):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # as OpenAI's: the role in the first delta only, no content in the last (`{}`)
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(Response):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    session: SessionRef | None = Field(
+        default=None, description="the choice's session after its commit (in its last chunk)"
+    )
+
+
+class ChatCompletionChunk(OpenAIResult):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = Field(None, description="in the last chunk, with stream_options.include_usage")
 
 
 class ModelCard(Response):

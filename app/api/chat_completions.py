@@ -1,0 +1,172 @@
+"""OpenAI-compatible chat: `POST /v1/chat/completions`.
+
+The messages become text through the served checkpoint's chat template (data in the
+checkpoint, rendered in Jinja's sandbox: model/chat_template.py); a checkpoint without one
+answers 400 `no_chat_template`, and its `/v1/completions` still works. The text then runs
+as a completion does (openai_framing.py): `session_id` or `X-Session-Id` continues a
+session, and then only the new messages are sent; without one, a new session is made.
+
+Generation stops at the template's turn stop (as well as at the body's `stop`), and a stop
+string is left out of the message, OpenAI's way, though the session's state has consumed
+it. A template that renders every assistant message followed by exactly its turn stop
+(the shipped play-script one does) so renders, for a client that resends the whole
+conversation, the tokens the previous turn's state consumed followed by the new ones
+(README "Chat templates").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from sse_starlette import EventSourceResponse
+
+from app.engine import TokenEvent
+from model.chat_template import ChatTemplate
+
+from . import openai_framing as oai
+from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids, served_model
+from .errors import ApiError, ErrorType, responses
+from .schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionResult,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatReply,
+    ChatTokenLogprob,
+    CompletionUsage,
+    ErrorBody,
+)
+from .sse import data_events, stream_response
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def chat_template(request: Request) -> ChatTemplate:
+    """The served checkpoint's chat template (read at startup), or 400."""
+    template: ChatTemplate | None = request.app.state.chat_template
+    if template is None:
+        raise ApiError(
+            ErrorType.no_chat_template,
+            "the served model has no chat template, so it cannot chat: use /v1/completions, or serve a "
+            "checkpoint with one (chat_template.jinja, or tokenizer_config.json's chat_template)",
+        )
+    return template
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletionResult,
+    summary="OpenAI-compatible chat completion, in a new or a continued session",
+    responses={
+        200: stream_response(
+            "stream=true: `data: {chat.completion.chunk}` events (or `data: {error}`), then `data: [DONE]`",
+            data_events(ChatCompletionChunk, ErrorBody),
+        ),
+        **responses(
+            ErrorType.no_chat_template,
+            ErrorType.invalid_request,
+            ErrorType.model_not_found,
+            ErrorType.session_not_found,
+            ErrorType.session_busy,
+            ErrorType.model_mismatch,
+            ErrorType.prompt_too_long,
+            ErrorType.queue_full,
+            ErrorType.storage_full,
+            ErrorType.redis_unavailable,
+        ),
+    },
+)
+async def create_chat_completion(
+    body: ChatCompletion,
+    request: Request,
+    response: Response,
+    template: Annotated[ChatTemplate, Depends(chat_template)],
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    x_session_id: SessionIdHeader = None,
+) -> ChatCompletionResult | EventSourceResponse:
+    started = time.perf_counter()
+    engine = sessions.engine
+    served_model(body.model, engine)
+    sid = oai.session_asked(body.session_id, x_session_id)
+    text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
+    ids = prompt_ids(engine, settings.max_prompt_tokens, text)
+    generation = oai.generation(body, settings, body.max_completion_tokens or body.max_tokens)
+    # the turn stop always ends the assistant's turn, as an end-of-turn token would
+    stop = list(dict.fromkeys([*template.stop, *oai.stop_strings(body.stop)]))
+    choices = await oai.start(
+        sessions, settings, owner, sid, [ids], stop=stop, user=body.user, started=started, **generation
+    )
+    framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), body.logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return oai.stream(choices, framer, include_usage)
+    await oai.complete(choices, request)
+    response.headers.update(oai.session_header(choices))
+    entries = [
+        ChatChoice(
+            index=c.index,
+            message=ChatReply(content=c.text.whole(c.run.text)),
+            logprobs=_logprobs(c.run.tokens) if body.logprobs else None,
+            finish_reason=c.finish_reason,
+            session=c.ref(),
+        )
+        for c in choices.items
+    ]
+    return ChatCompletionResult(
+        **framer.head, choices=entries, usage=choices.usage(), session=entries[0].session
+    )
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it (HF's): role and content text, and the name if any."""
+    content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+    out = {"role": m.role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _logprobs(events: list[TokenEvent]) -> ChatLogprobs:
+    """The sampled tokens' log-probs (every token the state consumed, a stop string's too)."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(token=ev.text, logprob=ev.logprob, bytes=list(ev.text.encode())) for ev in events
+        ]
+    )
+
+
+@dataclass
+class _Chunks:
+    """The stream's shapes: `chat.completion.chunk`s, one choice each."""
+
+    head: dict[str, Any]
+    logprobs: bool
+
+    def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> ChatCompletionChunk:
+        first = next((e for e in entries if isinstance(e, ChatChunkChoice) and e.index == 0), None)
+        return ChatCompletionChunk(
+            **self.head, choices=entries, usage=usage, session=first.session if first else None
+        )
+
+    def opening(self, choice: oai.Choice) -> ChatChunkChoice:
+        return ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))
+
+    def token(self, choice: oai.Choice, event: TokenEvent | None, text: str) -> ChatChunkChoice | None:
+        lp = _logprobs([event]) if self.logprobs and event is not None else None
+        if not text and lp is None:  # held back (a stop string may be starting): nothing to say yet
+            return None
+        return ChatChunkChoice(index=choice.index, delta=ChatDelta(content=text), logprobs=lp)
+
+    def closing(self, choice: oai.Choice) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=choice.index, delta=ChatDelta(), finish_reason=choice.finish_reason, session=choice.ref()
+        )
