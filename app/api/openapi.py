@@ -85,8 +85,8 @@ def install(app: FastAPI, routers: Routers) -> None:
 def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, keys: bool) -> None:
     """Complete FastAPI's document `doc` in place."""
     for route, included in _routes(routers):
-        calls = [d.dependency for d in included] + list(_calls(route.dependant))
-        for method in route.methods:
+        calls = [d.dependency for d in included if d.dependency] + list(_calls(route.dependant))
+        for method in route.methods or ():
             op = doc["paths"][route.path_format][method.lower()]
             _document_errors(op, calls, keys)
             for parameter in op.get("parameters", []):
