@@ -1,21 +1,23 @@
 """The OpenAPI document tells the truth: schemathesis, with every check it has, against a
-live server with an API key and a real Redis, must find nothing.
+live server with two tenants' API keys and a real Redis, must find nothing.
 
 Every check means: responses match their documented schemas (SSE events too, each against
 its event's model), every status and error type a route answers is documented for it,
 schema-valid requests are accepted and invalid ones refused, documented headers come
 back, `OPTIONS` and other undocumented methods get 405 with the path's methods in
-`Allow`, a key is enforced wherever the document says one is needed, and the stateful
-phase follows the document's links (create -> generate / score / fork / delete ...),
-checking that a created session is there and a deleted one is gone.
+`Allow`, a key is enforced wherever the document says one is needed, one tenant never
+reads what another created, and the stateful phase follows the document's links (create
+-> generate / score / fork / delete ...), checking that a created session is there and a
+deleted one is gone.
 
 Beside it, the behaviours the document promises that are easiest to break, pinned one by
-one: 405's `Allow`, 422 for a body that is not JSON, integers written as 1938.0,
-If-Match's forms.
+one: each SSE stream against its events, 405's `Allow`, 422 for a body that is not JSON,
+integers written as 1938.0, If-Match's forms, the key declared exactly where one is asked.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,7 +34,9 @@ import model
 from app.api.deps import IF_MATCH
 from tests.conftest import TINY, ServerProcess
 
-KEY = "contract-test-key"
+# two tenants: the stateful phase checks that neither reads what the other created
+KEYS = {"alice": "contract-key-alice", "bob": "contract-key-bob"}
+KEY = KEYS["alice"]
 SEED = 7
 EXAMPLES = 60  # per operation and phase, as the issue's run: under a minute on two cores
 # statuses a schema-valid request may get besides schemathesis's defaults (2xx, 3xx, 401,
@@ -42,6 +46,10 @@ EXAMPLES = 60  # per operation and phase, as the issue's run: under a minute on 
 POSITIVE_ALSO = ["412", "413"]
 
 CONFIG = f"""
+[auth.wfc]
+path = "wfc-auth.json"
+peers = {json.dumps(list(KEYS))}
+
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}]
 
@@ -68,7 +76,7 @@ def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
         cpu_threads=1,
         max_tokens=8,
         max_prompt_tokens=300,
-        api_keys=KEY,
+        api_keys=",".join(KEYS.values()),
     )
     srv.start()
     yield srv
@@ -84,6 +92,12 @@ def http(contract_server: ServerProcess) -> Iterator[httpx.Client]:
 def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProcess, tmp_path: Path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
+    # Web Fuzzing Commons' auth file: each tenant's key as a fixed header
+    users = [
+        {"name": name, "fixedHeaders": [{"name": "Authorization", "value": f"Bearer {key}"}]}
+        for name, key in KEYS.items()
+    ]
+    (tmp_path / "wfc-auth.json").write_text(json.dumps({"schemaVersion": "0.2.0", "auth": users}))
     st = Path(sys.executable).with_name("st")
     cmd = [
         str(st), "--config-file", str(config), "--no-color",
@@ -93,7 +107,6 @@ def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProc
         "--max-examples", str(EXAMPLES),
         "--seed", str(SEED),
         "--workers", "1",
-        "--header", f"Authorization: Bearer {KEY}",
         "--request-timeout", "30",
         "--output-truncate", "false",
         "--report", "junit", "--report-dir", str(tmp_path / "report"),
