@@ -179,19 +179,37 @@ def _refs(node: Any) -> Iterator[str]:
 
 
 def _write_limits(node: Any, settings: Settings, vocab: int | None) -> None:
-    """Each `x-limit` marker becomes the served value's `maximum` (and goes)."""
+    """Each `x-limit` marker becomes the served value's bound (and goes): the `maximum` of a
+    number, the `pattern` of a string that holds one (a JSON object's key: logit_bias)."""
     if isinstance(node, dict):
         limit = node.pop("x-limit", None)
-        if limit == "vocab":
-            if vocab is not None:
-                node["maximum"] = vocab - 1
-        elif limit is not None:
-            node["maximum"] = getattr(settings, limit)
+        bound = (vocab - 1 if vocab is not None else None) if limit == "vocab" else None
+        if limit is not None and limit != "vocab":
+            bound = getattr(settings, limit)
+        if bound is not None and node.get("type") == "string":
+            node["pattern"] = f"^({range_pattern(bound)})$"
+        elif bound is not None:
+            node["maximum"] = bound
         for value in node.values():
             _write_limits(value, settings, vocab)
     elif isinstance(node, list):
         for value in node:
             _write_limits(value, settings, vocab)
+
+
+def range_pattern(maximum: int) -> str:
+    """A regular expression for the decimal numbers 0..maximum, written without leading
+    zeros: the shorter ones, then per digit of `maximum` the numbers that share its digits
+    so far and are lower at that one, then `maximum` itself."""
+    top = str(maximum)
+    parts = ["0"] if maximum > 0 else []
+    parts += ["[1-9]" + "[0-9]" * (n - 1) for n in range(1, len(top))]
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) - 1 >= low:
+            parts.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + "[0-9]" * (len(top) - i - 1))
+    parts.append(top)
+    return "|".join(parts)
 
 
 def _add_links(doc: dict) -> None:

@@ -27,11 +27,14 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+from hypothesis import given
+from hypothesis import strategies as st
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 import model
 from app.api.deps import IF_MATCH
+from app.api.openapi import range_pattern
 from tests.conftest import TINY, ServerProcess
 
 # two tenants: the stateful phase checks that neither reads what the other created
@@ -244,3 +247,12 @@ def test_the_document_declares_the_key_only_where_one_is_asked(http: httpx.Clien
             r = httpx.request(method.upper(), contract_server.url + path.replace("{session_id}", "0" * 32))
             assert (r.status_code == 401) == secured, (method, path, r.status_code)
             assert ("401" in op["responses"]) == secured, (method, path)
+
+
+@given(maximum=st.integers(0, 10**7), data=st.data())
+def test_a_range_pattern_matches_exactly_the_numbers_up_to_its_maximum(maximum: int, data):
+    """The pattern a string-held bound gets (logit_bias's keys: token ids of the vocabulary)."""
+    pattern = re.compile(f"^({range_pattern(maximum)})$")
+    n = data.draw(st.integers(0, 2 * maximum + 10))
+    assert bool(pattern.match(str(n))) == (n <= maximum)
+    assert not pattern.match("0" + str(n)) and not pattern.match(f"-{n}") and not pattern.match(f"{n} ")
