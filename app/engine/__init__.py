@@ -4,10 +4,12 @@ HTTP response or speaks to Redis."""
 
 from .engine import Engine
 from .requests import (
+    Alternatives,
     EmptyContext,
     EngineError,
     Finished,
     FinishReason,
+    Logprobs,
     QueueFull,
     Request,
     Stored,
@@ -15,11 +17,13 @@ from .requests import (
 )
 
 __all__ = [
+    "Alternatives",
     "EmptyContext",
     "Engine",
     "EngineError",
     "Finished",
     "FinishReason",
+    "Logprobs",
     "QueueFull",
     "Request",
     "Stored",

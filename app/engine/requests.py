@@ -51,12 +51,17 @@ class Stored:
     n_tokens: int
 
 
+Alternatives = tuple[tuple[int, float], ...]  # (token id, log-prob), most probable first
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     index: int
     id: int
-    text: str
-    logprob: float
+    text: str  # its text as the session's state consumed it (a stop token's included)
+    logprob: float  # behaviour log-prob (model.sampling)
+    top: Alternatives = ()  # the request's `top_logprobs` most probable tokens, same distribution
+    stop_text: str = ""  # ending the generation by its id (EOS, a stop_token_id): its own text, `text`'s end
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class Finished:
     state: State  # the new state, owning its memory (`State.compact`)
     encoded: Encoded | None  # as the request's `persist` asked; None when it asked for none
     loaded: State | None  # the starting state, when the engine loaded it from bytes
+    prompt_top: list[Alternatives] = field(default_factory=list)  # per prompt token, with top_logprobs
 
     @property
     def n_tokens(self) -> int:
@@ -81,11 +87,22 @@ class Failed:
     error: BaseException
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """What a generation reports besides each sampled token's behaviour log-prob: `top`
+    most probable alternatives per token (under the distribution it was drawn from), and
+    with `prompt` the prompt tokens' log-probs (the model's own, with `top` alternatives)."""
+
+    top: int = 0
+    prompt: bool = False
+
+
 @dataclass
 class Request:
     """Consume `prompt` into `start` (None: a fresh state), then sample up to `max_tokens`
-    tokens, stopping early at EOS or a `stop` string; encode the new state as `persist`
-    asks (None: nothing to write)."""
+    tokens, stopping early at EOS (unless `params.ignore_eos`), one of
+    `params.stop_token_ids` or a `stop` string (neither before `params.min_tokens`);
+    encode the new state as `persist` asks (None: nothing to write)."""
 
     start: State | Stored | None
     prompt: list[int]
@@ -95,6 +112,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     prompt_logprobs: bool = False
     persist: Persist | None = None
+    top_logprobs: int = 0  # alternatives per sampled token (and prompt token, with prompt_logprobs)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Finished | None = None

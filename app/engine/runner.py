@@ -3,7 +3,12 @@
 It loads a request's starting state, consumes prompt chunks (`LanguageModel.prefill`,
 the same step `LanguageModel.consume` takes), and runs the decode step: one forward pass
 for every decoding row together, sampling with per-row parameters, detokenising and
-stop matching, in the style of gpt-fast's `decode_one_token`. A finished row's state is
+stop matching, in the style of gpt-fast's `decode_one_token`. Rows with different
+sampling controls share the step: the sampler (`model.sampling.draw`) applies each
+row's own, and what the penalties and min_tokens need of each row's request (a
+`model.sampling.Context`) is kept on the batch, built when the batch's membership
+changes and advanced in place each step. A step reads the device back once: the
+sampled ids, their log-probs and any alternatives together. A finished row's state is
 split out of the batch and encoded as its request asks (`model.state.encode`).
 
 The rows' states are kept stacked between decode steps (`lm.stack_states`) and split
@@ -22,13 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from model import LanguageModel, State, StateError
-from model.sampling import make_generator, sample
+from model.sampling import Context, Draw, make_generator
+from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
 from model.tokenizer import StreamDecoder, Tokenizer
 
-from .requests import EmptyContext, Finished, FinishReason, Outbox, Request, Stored, TokenEvent
+from .requests import Alternatives, EmptyContext, Finished, FinishReason, Outbox, Request, Stored, TokenEvent
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
@@ -44,6 +51,7 @@ class Row:
     decoder: StreamDecoder
     pending: list[int]  # prompt tokens not yet consumed
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top: list[Alternatives] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -74,6 +82,7 @@ class Runner:
         self._decode = decode  # the one-token forward (possibly compiled)
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
         self._members: list[Row] = []
+        self._context: Context | None = None  # what _members' samplers need of their requests
         self.counters = Counters()
 
     # -- admission ---------------------------------------------------------------------------
@@ -110,27 +119,65 @@ class Runner:
         """Consume the next `size` prompt tokens of every row, as one batch."""
         chunk = torch.tensor([r.pending[:size] for r in rows], dtype=torch.long, device=self.lm.device)
         want = any(r.req.prompt_logprobs for r in rows)
-        if len(rows) == 1:
-            lps, state = self.lm.prefill(chunk, rows[0].state, logprobs=want)
-            states = [state]
+        top = max((r.req.top_logprobs for r in rows if r.req.prompt_logprobs), default=0)
+        state = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
+        lps: torch.Tensor | None
+        tops: list[list[list[tuple[int, float]]]] = []
+        if top:
+            lps, tops, state = self._prefill_top(chunk, state, top)
         else:
-            lps, batch = self.lm.prefill(chunk, self.lm.stack_states([r.state for r in rows]), logprobs=want)
-            states = self.lm.split_state(batch)
+            lps, state = self.lm.prefill(chunk, state, logprobs=want)
+        states = [state] if len(rows) == 1 else self.lm.split_state(state)
         for i, (r, st) in enumerate(zip(rows, states, strict=True)):
             r.state = st
             r.pending = r.pending[size:]
             if r.req.prompt_logprobs and lps is not None:
                 r.prompt_logprobs += [None if math.isnan(x) else x for x in lps[i].tolist()]
+                if r.req.top_logprobs:
+                    r.prompt_top += [_alternatives(a, r.req.top_logprobs) for a in tops[i]]
         self.counters.prefill_tokens += size * len(rows)
+
+    def _prefill_top(
+        self, chunk: torch.Tensor, state: State, top: int
+    ) -> tuple[torch.Tensor, list[list[list[tuple[int, float]]]], State]:
+        """`LanguageModel.prefill` with logprobs, written out to keep each position's whole
+        distribution for its `top` most probable tokens (only for a request that asks for
+        the prompt's alternatives: the usual prefill keeps only the tokens' own)."""
+        had_context = state.n_tokens > 0  # read before the forward, which may grow it in place
+        first = self.lm.next_logits(state)  # (B, V): predicts the chunk's first token
+        logits, state = self.lm(chunk, state)  # (B, T, V): position i predicts token i + 1
+        lp = F.log_softmax(torch.cat([first[:, None], logits[:, :-1]], 1).float(), -1)  # (B, T, V)
+        own = lp.gather(2, chunk[..., None])[..., 0]
+        own[:, 0] = torch.where(had_context, own[:, 0], torch.full_like(own[:, 0], float("nan")))
+        values, ids = lp.topk(min(top, lp.shape[-1]), -1)  # (B, T, k)
+        pairs = torch.stack([ids.double(), values.double()], -1).tolist()  # (B, T, k, 2)
+        for b in range(len(pairs)):
+            if not bool(had_context[b]):
+                pairs[b][0] = []  # no context, no distribution
+        return own, pairs, state
 
     # -- decode ------------------------------------------------------------------------------
     def decode(self, rows: list[Row]) -> None:
         """One token for every row: sample from each row's state, then consume the samples."""
         batch = self._rebatch(rows)
         logits = self.lm.next_logits(batch)  # (B, V)
-        ids, logprobs = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
-        for r, tid, lp in zip(rows, ids.tolist(), logprobs.tolist(), strict=True):
-            self._on_token(r, tid, lp)
+        params = [r.req.params for r in rows]
+        if self._context is None and any(p.uses_context for p in params):
+            self._context = Context.of(
+                [r.req.prompt for r in rows],
+                [r.ids for r in rows],
+                logits.shape[-1],
+                eos_id=self.tokenizer.eos_id,
+                device=logits.device,
+                history=any(p.uses_history for p in params),
+            )
+        top = max(r.req.top_logprobs for r in rows)
+        d = draw_tokens(logits, params, [r.generator for r in rows], self._context, top)
+        ids = d.ids
+        if self._context is not None:
+            self._context.advance(ids)
+        for r, (tid, lp, alternatives) in zip(rows, _to_host(d), strict=True):
+            self._on_token(r, tid, lp, alternatives[: r.req.top_logprobs])
         # the tokens go out now, so the event loop streams them while the forward below
         # runs (its kernels release the GIL), rather than after it
         self.outbox.flush()
@@ -155,17 +202,26 @@ class Runner:
         if self._batch is not None:
             for r, st in zip(self._members, self.lm.split_state(self._batch), strict=True):
                 r.state = st
-        self._batch, self._members = None, []
+        self._batch, self._members, self._context = None, [], None
 
-    def _on_token(self, r: Row, tid: int, logprob: float) -> None:
+    def _on_token(self, r: Row, tid: int, logprob: float, top: Alternatives) -> None:
         r.ids.append(tid)
-        text = r.decoder.feed(tid)
+        p = r.req.params
+        # min_tokens keeps EOS and stop ids from being drawn; stop strings wait for it here
+        eos = tid == self.tokenizer.eos_id and not p.ignore_eos
+        stop_token = eos or tid in p.stop_token_ids
+        stop_text = ""
+        if stop_token:  # its own text apart from what the tokens before it left undecoded
+            text = r.decoder.flush()
+            stop_text = r.decoder.feed(tid) + r.decoder.flush()
+            text += stop_text
+        else:
+            text = r.decoder.feed(tid)
         start = max(0, len(r.text) - max((len(s) for s in r.req.stop), default=0) + 1)
         r.text += text
-        eos = self.tokenizer.eos_id
-        if eos is not None and tid == eos:
-            r.finish_reason = "eos"
-        elif any(s in r.text[start:] for s in r.req.stop):
+        if stop_token:
+            r.finish_reason = "eos" if eos else "stop"
+        elif len(r.ids) >= p.min_tokens and any(s in r.text[start:] for s in r.req.stop):
             r.finish_reason = "stop"
         elif len(r.ids) >= r.req.max_tokens:
             r.finish_reason = "length"
@@ -174,7 +230,7 @@ class Runner:
             tail = r.decoder.flush()
             text += tail
             r.text += tail
-        self.outbox.put(r.req, TokenEvent(len(r.ids) - 1, tid, text, logprob))
+        self.outbox.put(r.req, TokenEvent(len(r.ids) - 1, tid, text, logprob, top, stop_text))
 
     # -- the end -----------------------------------------------------------------------------
     def finish(self, r: Row) -> Finished:
@@ -190,7 +246,14 @@ class Runner:
             state = self._as_stored(state, r.req.persist.dtype)
             self.counters.encode_seconds += time.perf_counter() - t0
         return Finished(
-            r.text, r.finish_reason or "length", r.ids, r.prompt_logprobs, state, encoded, r.loaded
+            r.text,
+            r.finish_reason or "length",
+            r.ids,
+            r.prompt_logprobs,
+            state,
+            encoded,
+            r.loaded,
+            r.prompt_top,
         )
 
     def _as_stored(self, state: State, dtype: str) -> State:
@@ -208,4 +271,24 @@ class Runner:
 
     def reset(self) -> None:
         """Forget the batch (after a failed step, whose rows have all left)."""
-        self._batch, self._members = None, []
+        self._batch, self._members, self._context = None, [], None
+
+
+def _to_host(d: Draw) -> list[tuple[int, float, Alternatives]]:
+    """Each row's (token id, behaviour log-prob, alternatives), read back in one transfer
+    (float64 holds token ids and float32 log-probs exactly). Alternatives the row could
+    not have drawn (-inf) are left out."""
+    parts = [d.ids[:, None].double(), d.logprobs[:, None].double()]
+    if d.top_ids is not None and d.top_logprobs is not None:
+        parts += [d.top_ids.double(), d.top_logprobs.double()]
+    rows = torch.cat(parts, 1).tolist()
+    k = (len(rows[0]) - 2) // 2 if rows else 0
+    return [
+        (int(row[0]), row[1], _alternatives(list(zip(row[2 : 2 + k], row[2 + k :], strict=True)), k))
+        for row in rows
+    ]
+
+
+def _alternatives(pairs: list, k: int) -> Alternatives:
+    """(id, log-prob) pairs as read back, the first `k` with a finite log-prob."""
+    return tuple((int(t), lp) for t, lp in pairs[:k] if lp != float("-inf"))
