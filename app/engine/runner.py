@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 import torch.nn.functional as F
@@ -278,14 +279,18 @@ def _to_host(d: Draw) -> list[tuple[int, float, Alternatives]]:
     """Each row's (token id, behaviour log-prob, alternatives), read back in one transfer
     (float64 holds token ids and float32 log-probs exactly). Alternatives the row could
     not have drawn (-inf) are left out."""
-    parts = [d.ids[:, None].double(), d.logprobs[:, None].double()]
+    parts = [d.ids[None].double(), d.logprobs[None].double()]  # (1, B) each
     if d.top_ids is not None and d.top_logprobs is not None:
-        parts += [d.top_ids.double(), d.top_logprobs.double()]
-    rows = torch.cat(parts, 1).tolist()
-    k = (len(rows[0]) - 2) // 2 if rows else 0
+        parts += [d.top_ids.T.double(), d.top_logprobs.T.double()]  # (k, B) each
+    cols = torch.cat(parts).tolist()
+    ids = [int(i) for i in cols[0]]
+    k = (len(cols) - 2) // 2
+    if not k:
+        return list(zip(ids, cols[1], repeat(())))
+    top_ids, top_lps = zip(*cols[2 : 2 + k], strict=True), zip(*cols[2 + k :], strict=True)
     return [
-        (int(row[0]), row[1], _alternatives(list(zip(row[2 : 2 + k], row[2 + k :], strict=True)), k))
-        for row in rows
+        (i, lp, _alternatives(list(zip(t, v, strict=True)), k))
+        for i, lp, t, v in zip(ids, cols[1], top_ids, top_lps, strict=True)
     ]
 
 
