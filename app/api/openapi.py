@@ -178,20 +178,21 @@ def _refs(node: Any) -> Iterator[str]:
             yield from _refs(value)
 
 
-def _write_limits(node: Any, settings: Settings, vocab: int | None) -> None:
+def _write_limits(node: Any, settings: Settings, vocab: int | None, key: bool = False) -> None:
     """Each `x-limit` marker becomes the served value's bound (and goes): the `maximum` of a
-    number, the `pattern` of a string that holds one (a JSON object's key: logit_bias)."""
+    number, the `pattern` of a string that holds one (`key`: a JSON object's keys, as
+    logit_bias's token ids are)."""
     if isinstance(node, dict):
         limit = node.pop("x-limit", None)
         bound = (vocab - 1 if vocab is not None else None) if limit == "vocab" else None
         if limit is not None and limit != "vocab":
             bound = getattr(settings, limit)
-        if bound is not None and node.get("type") == "string":
+        if bound is not None and (key or node.get("type") == "string"):
             node["pattern"] = f"^({range_pattern(bound)})$"
         elif bound is not None:
             node["maximum"] = bound
-        for value in node.values():
-            _write_limits(value, settings, vocab)
+        for name, value in node.items():
+            _write_limits(value, settings, vocab, key=name == "propertyNames")
     elif isinstance(node, list):
         for value in node:
             _write_limits(value, settings, vocab)
