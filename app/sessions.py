@@ -48,7 +48,7 @@ from typing import NamedTuple, TypeVar
 
 from app import logs, metrics
 from app.config import Limits, Settings
-from app.engine import Engine, EngineError, Finished, FinishReason, Request, Stored, TokenEvent
+from app.engine import Engine, EngineError, Finished, FinishReason, Logprobs, Request, Stored, TokenEvent
 from app.store import (
     AtVersion,
     QuotaExceeded,
@@ -429,13 +429,17 @@ class Sessions:
         owner: str,
         started: float | None = None,
         keep_on_disconnect: bool = False,
+        logprobs: Logprobs | None = None,
     ) -> Run:
         """Take the lock, find the starting state and start generating; the caller owns the
-        `Run` (stream or complete it, and always close it)."""
+        `Run` (stream or complete it, and always close it). `logprobs` asks for alternatives
+        and the prompt's log-probs (`Run.result`)."""
         started = time.perf_counter() if started is None else started
         writer, start = await self._begin(session_id, expected, owner)
         try:
+            extra = logprobs or Logprobs()
             req = Request(start, ids, params, seed, max_tokens, stop, persist=self.persist_for(writer.meta))
+            req.prompt_logprobs, req.top_logprobs = extra.prompt, extra.top
             self.engine.submit(req)
         except BaseException:
             await writer.release()

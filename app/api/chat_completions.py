@@ -99,11 +99,20 @@ async def create_chat_completion(
     sid = oai.session_asked(body.session_id, x_session_id)
     text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
     ids = prompt_ids(engine, settings.max_prompt_tokens, text)
-    generation = oai.generation(body, settings, body.max_completion_tokens or body.max_tokens)
+    generation = oai.generation(body, settings, body.max_completion_tokens or body.max_tokens, engine)
     # the turn stop always ends the assistant's turn, as an end-of-turn token would
     stop = list(dict.fromkeys([*template.stop, *oai.stop_strings(body.stop)]))
     choices = await oai.start(
-        sessions, settings, owner, sid, [ids], stop=stop, user=body.user, started=started, **generation
+        sessions,
+        settings,
+        owner,
+        sid,
+        [ids],
+        stop=stop,
+        keep_stop=body.include_stop_str_in_output,
+        user=body.user,
+        started=started,
+        **generation,
     )
     framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), body.logprobs)
     if body.stream:
@@ -114,7 +123,7 @@ async def create_chat_completion(
     entries = [
         ChatChoice(
             index=c.index,
-            message=ChatReply(content=c.text.whole(c.run.text)),
+            message=ChatReply(content=c.text.whole(c.run.tokens)),
             logprobs=_logprobs(c.run.tokens) if body.logprobs else None,
             finish_reason=c.finish_reason,
             session=c.ref(),

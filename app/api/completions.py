@@ -8,24 +8,31 @@ exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/se
 `prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
 (and one new session) per prompt. What the OpenAI routes share is in openai_framing.py.
 
-Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1, a stop string is
-kept in `text` (the state has consumed it), and `logprobs` are the sampled tokens' own
-(no `top_logprobs`). Errors keep recur's body, `{"error": {"type", "message"}}`, which the
-openai SDK raises as its usual exceptions; mid-stream, an error is a data chunk
-`{"error": ...}`, which the SDK raises too.
+Stop strings and stop tokens are left out of `text` (OpenAI's semantics; vLLM's
+`include_stop_str_in_output` keeps them), though the session's state has consumed them.
+`logprobs: k` gives each sampled token's behaviour log-prob (model/sampling.py) and its k
+most probable alternatives under the same distribution; `echo` puts the prompt's text
+(and, not streamed, its tokens' log-probs: the model's own) first.
+
+Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1. Errors keep
+recur's body, `{"error": {"type", "message"}}`, which the openai SDK raises as its usual
+exceptions; mid-stream, an error is a data chunk `{"error": ...}`, which the SDK raises
+too.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from sse_starlette import EventSourceResponse
 
 from app.config import Settings
-from app.engine import TokenEvent
+from app.engine import Alternatives, Engine, Logprobs, TokenEvent
 
 from . import openai_framing as oai
 from .deps import (
@@ -69,14 +76,37 @@ async def list_models(engine: EngineDep) -> ModelList:
     return ModelList(data=[card])
 
 
-def _logprobs(events: list[TokenEvent], offset: int) -> CompletionLogprobs:
-    offsets = []
-    for ev in events:
-        offsets.append(offset)
-        offset += len(ev.text)
-    return CompletionLogprobs(
-        tokens=[ev.text for ev in events], token_logprobs=[ev.logprob for ev in events], text_offset=offsets
-    )
+Scored = tuple[str, float | None, Alternatives]  # a token's text, log-prob and alternatives
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    """OpenAI's `logprobs` object of a run of tokens, with `top` alternatives each (by
+    their text; where two share a text, the more probable one's)."""
+
+    token_text: Callable[[int], str]
+    top: int
+
+    def of(self, tokens: Sequence[Scored], offset: int) -> CompletionLogprobs:
+        lengths = [len(text) for text, _, _ in tokens]
+        return CompletionLogprobs(
+            tokens=[text for text, _, _ in tokens],
+            token_logprobs=[lp for _, lp, _ in tokens],
+            top_logprobs=[None if lp is None else self._by_text(alts) for _, lp, alts in tokens]
+            if self.top
+            else None,
+            text_offset=list(accumulate(lengths[:-1], initial=offset)) if tokens else [],
+        )
+
+    def _by_text(self, alternatives: Alternatives) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i, lp in alternatives:
+            out.setdefault(self.token_text(i), lp)
+        return out
+
+
+def _sampled(events: Sequence[TokenEvent]) -> list[Scored]:
+    return [(ev.text, ev.logprob, ev.top) for ev in events]
 
 
 @router.post(
@@ -116,37 +146,40 @@ async def create_completion(
     served_model(body.model, engine)
     sid = oai.session_asked(body.session_id, x_session_id)
     prompts = [prompt_ids(engine, settings.max_prompt_tokens, p) for p in _prompts(body.prompt, settings)]
-    generation = oai.generation(body, settings, body.max_tokens)
-    stop = oai.stop_strings(body.stop)
+    if body.echo and body.logprobs is not None and body.stream:
+        raise ApiError(ErrorType.invalid_request, "echo with logprobs is not streamed: send stream: false")
     choices = await oai.start(
         sessions,
         settings,
         owner,
         sid,
         prompts,
-        stop=stop,
-        keep_stop=True,
+        stop=oai.stop_strings(body.stop),
+        keep_stop=body.include_stop_str_in_output,
         user=body.user,
         started=started,
-        **generation,
+        logprobs=Logprobs(top=body.logprobs or 0, prompt=body.echo and body.logprobs is not None),
+        **oai.generation(body, settings, body.max_tokens, engine),
     )
-    framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), body.logprobs is not None)
+    lp = None if body.logprobs is None else _Logprobs(engine.tokenizer.token_text, body.logprobs)
+    echoed = [_prompt_texts(engine, ids) if body.echo else [] for ids in prompts]
+    framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), lp, echoed)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return oai.stream(choices, framer, include_usage)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
-    entries = [
-        CompletionChoice(
-            index=c.index,
-            text=c.text.whole(c.run.text),
-            logprobs=_logprobs(c.run.tokens, 0) if framer.logprobs else None,
-            finish_reason=c.finish_reason,
-            session=c.ref(),
-        )
-        for c in choices.items
-    ]
+    entries = [framer.whole(c) for c in choices.items]
     return CompletionResult(**framer.head, choices=entries, usage=choices.usage(), session=entries[0].session)
+
+
+def _prompt_texts(engine: Engine, ids: list[int]) -> list[str]:
+    """Each prompt token's text as a stream decodes it (so they add up to the prompt's text)."""
+    decoder = engine.tokenizer.stream_decoder()
+    texts = [decoder.feed(i) for i in ids]
+    if texts:
+        texts[-1] += decoder.flush()
+    return texts
 
 
 def _prompts(
@@ -168,13 +201,27 @@ def _prompts(
 
 @dataclass
 class _Chunks:
-    """The stream's shapes: `text_completion` chunks, one choice each."""
+    """The response's shapes: `text_completion` chunks, one choice each, or whole choices."""
 
     head: dict[str, Any]
-    logprobs: bool
+    logprobs: _Logprobs | None
+    echoed: list[list[str]]  # per choice, its prompt tokens' texts when echoed
 
     def __post_init__(self) -> None:
         self.offsets: dict[int, int] = {}  # each choice's text_offset so far
+
+    def whole(self, choice: oai.Choice) -> CompletionChoice:
+        """A choice not streamed: the echoed prompt (with its log-probs), then its text."""
+        echoed, res = self.echoed[choice.index], choice.run.result
+        prompt_top = res.prompt_top or [()] * len(echoed)
+        scored = list(zip(echoed, res.prompt_logprobs, prompt_top, strict=True)) if echoed else []
+        return CompletionChoice(
+            index=choice.index,
+            text="".join(echoed) + choice.text.whole(choice.run.tokens),
+            logprobs=self.logprobs.of([*scored, *_sampled(choice.run.tokens)], 0) if self.logprobs else None,
+            finish_reason=choice.finish_reason,
+            session=choice.ref(),
+        )
 
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> CompletionResult:
         first = next((e for e in entries if isinstance(e, CompletionChoice) and e.index == 0), None)
@@ -182,14 +229,16 @@ class _Chunks:
             **self.head, choices=entries, usage=usage, session=first.session if first else None
         )
 
-    def opening(self, choice: oai.Choice) -> None:
-        return None
+    def opening(self, choice: oai.Choice) -> CompletionChoice | None:
+        echoed = "".join(self.echoed[choice.index])  # (echo with logprobs is not streamed)
+        self.offsets[choice.index] = len(echoed)
+        return CompletionChoice(index=choice.index, text=echoed, finish_reason=None) if echoed else None
 
     def token(self, choice: oai.Choice, event: TokenEvent | None, text: str) -> CompletionChoice:
         lp = None
         if self.logprobs and event is not None:
             offset = self.offsets.get(choice.index, 0)
-            lp = _logprobs([event], offset)
+            lp = self.logprobs.of(_sampled([event]), offset)
             self.offsets[choice.index] = offset + len(event.text)
         return CompletionChoice(index=choice.index, text=text, logprobs=lp, finish_reason=None)
 

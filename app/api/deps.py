@@ -18,6 +18,7 @@ from app.store import owner_of
 from model.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType
+from .schemas import SamplingFields
 
 # If-Match: `*`, or one session version as its ETag ("3"), weak ETag (W/"3") or bare (3).
 # The OpenAPI document carries this pattern, and the server checks the same one.
@@ -71,11 +72,43 @@ def served_model(asked: str | None, engine: Engine) -> None:
         )
 
 
-def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> SamplingParams:
+    """A body's sampling controls as the sampler takes them (null: the control's neutral
+    value), or 422 naming the field: a token id outside the vocabulary, min_tokens past
+    `max_tokens` (the request's, as capped by the server)."""
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    for field, ids in (("logit_bias", list(bias)), ("stop_token_ids", body.stop_token_ids or [])):
+        bad = next((i for i in ids if not 0 <= i < engine.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                ErrorType.invalid_request,
+                f"{field}: token id {bad} is outside the model's vocabulary [0, {engine.vocab_size})",
+            )
+    if (body.min_tokens or 0) > max_tokens:
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+        )
     try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    except ValueError as exc:
+        return SamplingParams(
+            temperature=_or(body.temperature, 1.0),
+            top_k=body.top_k or 0,
+            top_p=_or(body.top_p, 1.0),
+            min_p=_or(body.min_p, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            logit_bias=tuple(bias.items()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens or 0,
+        )
+    except ValueError as exc:  # the schema's bounds make this rare; SamplingParams names the field
         raise ApiError(ErrorType.invalid_request, str(exc)) from None
+
+
+def _or(value: float | None, neutral: float) -> float:
+    return neutral if value is None else value
 
 
 def if_match(

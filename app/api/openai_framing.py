@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app import logs
 from app.config import Settings
-from app.engine import FinishReason, TokenEvent
+from app.engine import Engine, FinishReason, TokenEvent
 from app.sessions import Run, Sessions
 
 from .deps import sampling_params
@@ -38,15 +38,12 @@ FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": 
 
 log = logging.getLogger("recur.openai")
 
-
-def generation(body: OpenAIBody, settings: Settings, max_tokens: int | None) -> dict[str, Any]:
+def generation(
+    body: OpenAIBody, settings: Settings, max_tokens: int | None, engine: Engine
+) -> dict[str, Any]:
     """The sampling and limits of a body, as `Sessions.generate` takes them."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    return {
-        "params": sampling_params(temperature, body.top_k or 0, body.top_p or 1.0),
-        "seed": body.seed,
-        "max_tokens": min(max_tokens or settings.max_tokens, settings.max_tokens),
-    }
+    capped = min(settings.max_tokens if max_tokens is None else max_tokens, settings.max_tokens)
+    return {"params": sampling_params(body, engine, capped), "seed": body.seed, "max_tokens": capped}
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -66,39 +63,48 @@ def session_asked(body_sid: str | None, header_sid: str | None) -> str | None:
 
 
 class StopText:
-    """The text of one generation as an OpenAI route returns it: cut before the first stop
-    string that ended it (OpenAI's semantics; the session's state has still consumed it),
-    unless `keep` (vLLM's include_stop_str_in_output). While streaming, text that may be
-    the start of a stop string is held back until the next tokens tell."""
+    """The text of one generation as an OpenAI route returns it: cut before the stop string
+    that ended it, and without the stop token (EOS or a stop_token_id) that ended it
+    (OpenAI's and vLLM's semantics; the session's state has still consumed them), unless
+    `keep` (vLLM's include_stop_str_in_output). While streaming, text that may be the start
+    of a stop string is held back until the next tokens tell.
 
-    def __init__(self, stop: Sequence[str], keep: bool = False):
+    A stop string ends a generation where the engine found it: completed by a token, once
+    `min_tokens` tokens are out (app/engine/runner.py), so earlier occurrences stay."""
+
+    def __init__(self, stop: Sequence[str], keep: bool = False, min_tokens: int = 0):
         self.stop = [] if keep else [s for s in stop if s]
+        self.keep = keep
+        self.min_tokens = min_tokens
         self.text = ""
         self.sent = 0
+        self.tokens = 0
+        self.cut: int | None = None
 
-    def feed(self, text: str) -> str:
-        """Add a token's text; returns what may go out now."""
-        self.text += text
-        cut = self._cut()
-        end = cut if cut is not None else len(self.text) - self._held()
+    def feed(self, ev: TokenEvent) -> str:
+        """Add a token; returns the text that may go out now."""
+        if self.cut is not None:
+            return ""
+        self.tokens += 1
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += ev.text if self.keep else ev.text[: len(ev.text) - len(ev.stop_text)]
+        if self.tokens >= self.min_tokens:  # the window the engine searched for this token
+            found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            self.cut = min(found) if found else None
+        end = self.cut if self.cut is not None else len(self.text) - self._held()
         return self._release(max(end, self.sent))
 
     def finish(self) -> str:
         """The rest, once the generation has ended: held-back text that was no stop."""
-        cut = self._cut()
-        return self._release(len(self.text) if cut is None else cut)
+        return self._release(len(self.text) if self.cut is None else self.cut)
 
-    def whole(self, text: str) -> str:
+    def whole(self, events: Sequence[TokenEvent]) -> str:
         """A generation's whole returned text, not streamed."""
-        return self.feed(text) + self.finish()
+        return "".join(self.feed(ev) for ev in events) + self.finish()
 
     def _release(self, end: int) -> str:
         out, self.sent = self.text[self.sent : end], max(end, self.sent)
         return out
-
-    def _cut(self) -> int | None:
-        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        return min(found) if found else None
 
     def _held(self) -> int:
         """The longest end of the text that is the start of a stop string."""
@@ -169,7 +175,8 @@ async def start(
         return_exceptions=True,
     )
     runs = [r for r in started if isinstance(r, Run)]
-    choices = Choices([Choice(i, run, StopText(stop, keep_stop)) for i, run in enumerate(runs)])
+    min_tokens = generate["params"].min_tokens
+    choices = Choices([Choice(i, run, StopText(stop, keep_stop, min_tokens)) for i, run in enumerate(runs)])
     failed = next((r for r in started if isinstance(r, BaseException)), None)
     if failed is not None:
         await choices.close()
@@ -247,7 +254,7 @@ async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> Asyn
             yield f
     async for c, ev in _merged(choices):
         if ev is not None:
-            f = frame(framer.token(c, ev, c.text.feed(ev.text)))
+            f = frame(framer.token(c, ev, c.text.feed(ev)))
         else:  # committed: what was held back, then the finish reason and the session
             rest = c.text.finish()
             if rest and (f := frame(framer.token(c, None, rest))) is not None:

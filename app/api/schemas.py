@@ -166,12 +166,61 @@ class SessionList(Response):
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null when there is none")
 
 
+# -- sampling -------------------------------------------------------------------------------
+# OpenAI's logit_bias: a JSON object from token ids (its keys are strings) to -100..100
+# (its keys are token ids of the vocabulary: a served bound, as `TokenId` is)
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$", json_schema_extra={"x-limit": "vocab"})]
+LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]]
+
+
+class SamplingFields(Request):
+    """The sampling controls of every route that generates (the session generate route and
+    both OpenAI routes), by vLLM's and OpenAI's names; `deps.sampling_params` maps them to
+    `model.sampling.SamplingParams`, whose docstring defines each exactly. null (or absent)
+    is a control's neutral value. Bounds that depend on the model or the request (token ids
+    in the vocabulary, min_tokens within max_tokens) are checked there (422)."""
+
+    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1, description="1 = off")
+    top_k: int | None = Field(None, ge=0, description="0 = off")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="drop tokens less probable than min_p times the most probable; 0 = off"
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        description="vLLM/HF: the logit of a token in the request's prompt or output so far is divided by it "
+        "(multiplied, if negative); 1 = off",
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="OpenAI: subtracted from the logit of a token in the request's output"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="OpenAI: times the token's count in the request's output, subtracted"
+    )
+    logit_bias: LogitBias | None = Field(
+        None, max_length=1024, description="OpenAI: token id -> bias added to its logit"
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=64, description="vLLM: generation ends after any of these (finish_reason stop)"
+    )
+    ignore_eos: bool = Field(False, description="vLLM: EOS does not end the generation")
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOKENS_CEILING,
+        description="vLLM: EOS and stop_token_ids cannot be sampled, nor stop strings end it, before this "
+        "many tokens; at most max_tokens",
+    )
+
+
 # -- generate -------------------------------------------------------------------------------
-class Generate(Request):
+class Generate(SamplingFields):
     prompt: Prompt = ""
     max_tokens: int = Field(
         64, ge=1, le=MAX_TOKENS_CEILING, description="capped by the server's max_tokens setting"
     )
+    # the session route's own defaults, as before the other controls came (null is refused)
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
@@ -183,6 +232,13 @@ class Generate(Request):
     )
     stream: bool = True
     logprobs: bool = False
+    top_logprobs: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="with logprobs: each token also lists this many most probable tokens, under the "
+        "distribution it was drawn from",
+    )
     on_disconnect: Literal["discard", "commit"] = Field(
         "discard",
         description="a streamed generation whose client hangs up: `discard` commits nothing; `commit` "
@@ -211,11 +267,21 @@ class GenerateQuery(BaseModel):
     )
 
 
+class TopLogprob(Response):
+    id: int
+    text: str
+    logprob: float
+
+
 class GeneratedToken(Response):
     index: int
     id: int
     text: str
     logprob: float | None = Field(None, description="behaviour log-prob, when logprobs=true")
+    top_logprobs: list[TopLogprob] | None = Field(
+        default=None,
+        description="with top_logprobs: the most probable tokens it could draw, most probable first",
+    )
 
 
 class Usage(Response):
@@ -257,29 +323,26 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-class OpenAIBody(Request):
+class OpenAIBody(SamplingFields):
     """What the bodies of both OpenAI routes take: the model, sampling, stop strings,
     streaming and recur's `session_id` (and `top_k`). Fields OpenAI has but recur cannot
     honour are accepted only at their neutral values."""
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="recur extension; 0 = off")
     n: int | None = Field(None, description="only 1: a session has one continuation")
     stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         None,
         max_length=16,
-        description="generation ends after the token that completes one; /v1/completions keeps it in `text`, "
-        "chat leaves it out of the message (the session's state has consumed it either way)",
+        description="generation ends after the token that completes one; it is left out of the returned text "
+        "unless include_stop_str_in_output (the session's state has consumed it either way)",
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     user: str | None = Field(None, max_length=256, description="logged, not used")
-    frequency_penalty: float | None = Field(None, description="only 0")
-    presence_penalty: float | None = Field(None, description="only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty")
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM: keep the stop string (or stop token) that ended the generation in the text"
+    )
     session_id: str | None = Field(
         None, description="continue this session (or send X-Session-Id); absent: a new session is created"
     )
@@ -289,20 +352,6 @@ class OpenAIBody(Request):
     def _one_choice(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError("only 1 is supported: a recurrent session has one continuation")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _zero(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _empty(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported; send {} or leave it out")
         return v
 
 
@@ -315,13 +364,24 @@ class Completion(OpenAIBody):
         "in order), each in a new session; at most the server's max_batch_size prompts",
     )
     max_tokens: int | None = Field(
-        16, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
+        16,
+        ge=0,
+        le=MAX_TOKENS_CEILING,
+        description="null: the server's max_tokens setting; 0: none (with echo and logprobs: score the prompt)",
     )
     best_of: int | None = Field(None, description="only 1")
     logprobs: int | None = Field(
-        None, ge=0, le=5, description="any value returns the sampled tokens' log-probs; top_logprobs is null"
+        None,
+        ge=0,
+        le=20,
+        description="the sampled tokens' log-probs (behaviour log-probs), each with this many most probable "
+        "alternatives in top_logprobs",
     )
-    echo: bool = Field(False, description="only false")
+    echo: bool = Field(
+        False,
+        description="the prompt's text first, and with logprobs its tokens' log-probs (the model's own; null "
+        "for a token with nothing before it)",
+    )
     suffix: str | None = Field(None, description="only null")
 
     @field_validator("best_of")
@@ -329,13 +389,6 @@ class Completion(OpenAIBody):
     def _one(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError("only 1 is supported: a recurrent session has one continuation")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
         return v
 
     @field_validator("suffix")
@@ -348,8 +401,12 @@ class Completion(OpenAIBody):
 
 class CompletionLogprobs(Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: None = None
+    token_logprobs: list[float | None] = Field(description="null: an echoed token with nothing before it")
+    top_logprobs: list[dict[str, float] | None] | None = Field(
+        default=None,
+        description="with logprobs > 0: per token, its most probable alternatives by text (most probable "
+        "first; null where token_logprobs is)",
+    )
     text_offset: list[int]
 
 

@@ -12,12 +12,15 @@ bodies (see errors.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from app.engine import Logprobs, TokenEvent
 from app.sessions import Run
 from app.store import SessionMeta
 
@@ -40,6 +43,7 @@ from .schemas import (
     SessionInfo,
     SessionList,
     SessionRef,
+    TopLogprob,
     Transcript,
     TranscriptSegment,
     Usage,
@@ -388,26 +392,28 @@ async def generate(
     expected: IfMatchDep,
     owner: OwnerDep,
 ) -> GenerateResult | EventSourceResponse:
-    ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
+    engine = sessions.engine
+    ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(ErrorType.invalid_request, "top_logprobs needs logprobs: true")
+    max_tokens = min(body.max_tokens, settings.max_tokens)
     run = await sessions.generate(
         session_id,
         ids,
-        params=sampling_params(body.temperature, body.top_k, body.top_p),
+        params=sampling_params(body, engine, max_tokens),
         seed=body.seed,
-        max_tokens=min(body.max_tokens, settings.max_tokens),
+        max_tokens=max_tokens,
         stop=list(body.stop),
         expected=expected,
         owner=owner,
         keep_on_disconnect=body.stream and body.on_disconnect == "commit",
+        logprobs=Logprobs(top=body.top_logprobs),
     )
+    token = _Token(engine.tokenizer.token_text, body.logprobs)
     if body.stream:
-        return respond(run, guarded(run, _events(run, body.logprobs), error_event="error"))
+        return respond(run, guarded(run, _events(run, token), error_event="error"))
     meta = await run.complete(until_disconnect(request))
-    tokens = [
-        GeneratedToken(index=e.index, id=e.id, text=e.text, logprob=e.logprob if body.logprobs else None)
-        for e in run.tokens
-    ]
-    return GenerateResult(**_done(run, meta).model_dump(), tokens=tokens)
+    return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 
 
 @router.get(
@@ -442,14 +448,26 @@ def _done(run: Run, meta: SessionMeta) -> GenerateDone:
     )
 
 
-async def _events(run: Run, logprobs: bool):
+@dataclass(frozen=True)
+class _Token:
+    """A sampled token as the route shows it: with its log-prob and alternatives if asked."""
+
+    token_text: Callable[[int], str]
+    logprobs: bool
+
+    def __call__(self, ev: TokenEvent) -> GeneratedToken:
+        if not self.logprobs:
+            return GeneratedToken(index=ev.index, id=ev.id, text=ev.text, logprob=None)
+        top = [TopLogprob(id=i, text=self.token_text(i), logprob=lp) for i, lp in ev.top] if ev.top else None
+        return GeneratedToken(index=ev.index, id=ev.id, text=ev.text, logprob=ev.logprob, top_logprobs=top)
+
+
+async def _events(run: Run, token: _Token):
     """`token` events as they are sampled, then `done` once the new state is committed; each
     with an `id:` (version.index, then the version), so a client that lost the connection
     knows exactly which tokens it received."""
     async for ev in run.stream():
-        data = {"index": ev.index, "id": ev.id, "text": ev.text}
-        if logprobs:
-            data["logprob"] = ev.logprob
+        data = token(ev).model_dump(mode="json", exclude_none=True)
         # the id names the version these tokens commit as, and the token's index in it
         yield ServerSentEvent(data=sse_json(data), event="token", id=f"{run.version}.{ev.index}")
     assert run.meta is not None

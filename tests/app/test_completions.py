@@ -224,8 +224,8 @@ def test_errors_surface_as_sdk_exceptions(oa, http):
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="tiny", prompt="x", extra_body={"session_id": "0" * 32})
     assert e.value.type == "session_not_found"
-    with pytest.raises(openai.UnprocessableEntityError):
-        oa.completions.create(model="tiny", prompt="x", presence_penalty=1.0)
+    with pytest.raises(openai.UnprocessableEntityError, match="presence_penalty"):
+        oa.completions.create(model="tiny", prompt="x", presence_penalty=2.5)  # OpenAI's range: -2..2
     # the house error body, unchanged
     r = http.post("/v1/completions", json={"prompt": "x", "n": 3})
     assert r.status_code == 422 and set(r.json()["error"]) == {"type", "message"}
