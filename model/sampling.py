@@ -210,21 +210,21 @@ def adjusted_logits(
         assert context is not None
         if context.seen is None or context.counts is None:
             raise ValueError("penalties need the Context's history (Context.of(..., history=True))")
-        r = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        r = _on(dev, [p.repetition_penalty for p in params])[:, None]
         x = torch.where(context.seen, torch.where(x > 0, x / r, x * r), x)  # step 1
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        freq = _on(dev, [p.frequency_penalty for p in params])[:, None]
+        pres = _on(dev, [p.presence_penalty for p in params])[:, None]
         x = x - freq * context.counts - pres * (context.counts > 0).float()  # step 2
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
     if bias:  # step 3
         _check_ids("logit_bias", [t for _, t, _ in bias], V)
         rows, cols, vals = zip(*bias, strict=True)
-        x = x.index_put(_index(rows, cols, dev), torch.tensor(vals, device=dev), accumulate=True)
+        x = x.index_put(_index(rows, cols, dev), _on(dev, list(vals)), accumulate=True)
     banned = _banned(params, context) if any(p.min_tokens for p in params) else []
     if banned:  # step 4
         _check_ids("stop_token_ids", [t for _, t in banned], V)
         rows, cols = zip(*banned, strict=True)
-        x = x.index_put(_index(rows, cols, dev), torch.tensor(float("-inf"), device=dev))
+        x = x.index_put(_index(rows, cols, dev), x.new_full((), float("-inf")))
     return x
 
 
@@ -240,7 +240,19 @@ def _banned(params: Sequence[SamplingParams], context: Context | None) -> list[t
 
 
 def _index(rows: Sequence[int], cols: Sequence[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev)
+    return _on(dev, list(rows), torch.long), _on(dev, list(cols), torch.long)
+
+
+def _on(
+    dev: torch.device, values: Sequence[float] | torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per-row values (built on the host) on `dev`. A plain copy to a CUDA device waits for
+    the work queued on it, a host sync per tensor; from pinned memory, without blocking,
+    it is queued after that work instead, and a step keeps its one sync (the read-back)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype or torch.float32)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def _check_ids(what: str, ids: Sequence[int], V: int) -> None:
@@ -265,22 +277,20 @@ def transform(
     sorted_adjusted, order = adjusted.sort(-1, descending=True)  # (B, V)
     sorted_logits = sorted_adjusted
     if any(p.temperature not in (0, 1) for p in params):  # step 5 (greedy rows: as at 1)
-        temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        temp = _on(dev, [p.temperature or 1.0 for p in params])
         sorted_logits = sorted_adjusted / temp[:, None]
     drop = None  # (B, V) bool, once a step drops anything
     if any(p.min_p > 0 for p in params):  # step 6: p < min_p * p_max <=> logit < max + log(min_p)
-        log_min_p = torch.tensor(
-            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=dev
-        )
+        log_min_p = _on(dev, [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
         drop = sorted_logits < (sorted_logits[:, :1] + log_min_p[:, None])
     if any(p.top_k for p in params):  # step 7
         rank = torch.arange(V, device=dev)[None]
-        top_k = rank >= torch.tensor([p.top_k or V for p in params], device=dev)[:, None]
+        top_k = rank >= _on(dev, [p.top_k or V for p in params], torch.long)[:, None]
         drop = top_k if drop is None else drop | top_k
     if any(p.top_p < 1 for p in params):
         kept = sorted_logits if drop is None else sorted_logits.masked_fill(drop, float("-inf"))
         probs = F.softmax(kept, -1)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_p = _on(dev, [p.top_p for p in params])
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass = (probs.cumsum(-1) - probs) >= top_p[:, None]
         drop = mass if drop is None else drop | mass
@@ -298,7 +308,7 @@ def behaviour_logprobs(
     had seen (`Context.of(prompts, outputs, vocab_size, eos_id=...)`); it is needed only
     when a row uses a penalty or min_tokens."""
     logp_sorted, order, sorted_adjusted = transform(logits, params, context)
-    greedy = torch.tensor([p.temperature == 0 for p in params], device=logp_sorted.device)[:, None]
+    greedy = _on(logp_sorted.device, [p.temperature == 0 for p in params], torch.bool)[:, None]
     reported = torch.where(greedy, F.log_softmax(sorted_adjusted, -1), logp_sorted)
     logp = torch.empty_like(reported).scatter_(1, order, reported)  # back to vocabulary order
     return logp.gather(1, ids[:, None])[:, 0]
@@ -329,9 +339,9 @@ def draw(
     B, V = logits.shape
     logp, order, sorted_adjusted = transform(logits, params, context)
     dev = logp.device
-    greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+    greedy = _on(dev, [p.temperature == 0 for p in params], torch.bool)
     # inverse-CDF draw with one uniform per row from that row's own generator
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(dev)
+    u = _on(dev, torch.stack([torch.rand((), generator=g) for g in generators]))
     cdf = logp.exp().cumsum(-1)
     # kept tokens form a prefix of the sorted order, so the draw can never land past it
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0].clamp(max=V - 1)
