@@ -31,8 +31,9 @@ SETTINGS = {
     "max_tokens": 200,
     "max_prompt_tokens": 400,
 }
-# every request a different sampler: greedy, temperature, top-k, top-p, both, a stop string;
-# seeded, so the tokens (and how close fp32 comes to ratio 1) are the same on every run
+# every request a different sampler: greedy, temperature, top-k, top-p, both, a stop string,
+# penalties, min_p, logit_bias, min_tokens with stop ids; seeded, so the tokens (and how
+# close fp32 comes to ratio 1) are the same on every run
 TURNS: list[dict] = [
     {"prompt": "\n", "max_tokens": 60, "temperature": 0},
     {"prompt": " O", "max_tokens": 40, "temperature": 0.8, "top_k": 20, "seed": 1},
@@ -50,7 +51,33 @@ TURNS: list[dict] = [
         "stop": ["!"],
     },
     {"prompt": " and", "max_tokens": 100, "temperature": 0.7, "seed": 6},
-    {"keep": 4, "temperature": 0.9, "top_p": 0.95, "seed": 4},
+    # the controls whose distribution depends on the request's own prompt and output
+    {
+        "prompt": " thee",
+        "max_tokens": 60,
+        "temperature": 0.9,
+        "repetition_penalty": 1.3,
+        "min_p": 0.05,
+        "seed": 11,
+    },
+    {
+        "max_tokens": 50,
+        "temperature": 1.1,
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.6,
+        "top_k": 30,
+        "seed": 12,
+    },
+    {
+        "prompt": "!",
+        "max_tokens": 40,
+        "logit_bias": {"101": 4.0, "32": -3.0},
+        "min_tokens": 10,
+        "stop_token_ids": [10, 33],
+        "seed": 13,
+    },
+    {"prompt": " O", "max_tokens": 30, "temperature": 0, "repetition_penalty": 1.8, "frequency_penalty": 0.5},
+    {"keep": 4, "temperature": 0.9, "top_p": 0.95, "presence_penalty": 0.5, "seed": 4},
 ]
 
 
@@ -117,6 +144,11 @@ def test_a_session_replays_over_http_to_ratio_one(served, session):
     lm = model.load(name, device="cpu", precision="fp32")
     assert len(rollout.ids) == transcript["n_tokens"] > 2 * lm.segment_len  # chunks cross boundaries
     assert {s["kind"] for s in transcript["segments"]} >= {"create", "generate", "score", "rollback", "keep"}
+    used = [s["sampling"] for s in transcript["segments"] if s["sampling"]]
+    assert {(u["repetition_penalty"], u["min_tokens"], len(u["logit_bias"])) for u in used} >= {
+        (1.3, 0, 0),
+        (1.0, 10, 2),
+    }
     result = replay_transcript(lm, rollout)
     assert len(result.ratios) == n_sampled > 150
     worst = max(abs(r - 1) for r in result.ratios)
