@@ -17,13 +17,14 @@ conversation, the tokens the previous turn's state consumed followed by the new 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse
 
-from app.engine import TokenEvent
+from app.engine import Logprobs, TokenEvent
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
@@ -40,6 +41,7 @@ from .schemas import (
     ChatMessage,
     ChatReply,
     ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionUsage,
     ErrorBody,
 )
@@ -69,18 +71,7 @@ def chat_template(request: Request) -> ChatTemplate:
             "stream=true: `data: {chat.completion.chunk}` events (or `data: {error}`), then `data: [DONE]`",
             data_events(ChatCompletionChunk, ErrorBody),
         ),
-        **responses(
-            ErrorType.no_chat_template,
-            ErrorType.invalid_request,
-            ErrorType.model_not_found,
-            ErrorType.session_not_found,
-            ErrorType.session_busy,
-            ErrorType.model_mismatch,
-            ErrorType.prompt_too_long,
-            ErrorType.queue_full,
-            ErrorType.storage_full,
-            ErrorType.redis_unavailable,
-        ),
+        **responses(ErrorType.no_chat_template, *oai.ERRORS),
     },
 )
 async def create_chat_completion(
@@ -110,11 +101,13 @@ async def create_chat_completion(
         [ids],
         stop=stop,
         keep_stop=body.include_stop_str_in_output,
+        logprobs=Logprobs(top=body.top_logprobs or 0) if body.logprobs else None,
         user=body.user,
         started=started,
         **generation,
     )
-    framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), body.logprobs)
+    token_text = engine.tokenizer.token_text if body.logprobs else None
+    framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return oai.stream(choices, framer, include_usage)
@@ -124,7 +117,7 @@ async def create_chat_completion(
         ChatChoice(
             index=c.index,
             message=ChatReply(content=c.text.whole(c.run.tokens)),
-            logprobs=_logprobs(c.run.tokens) if body.logprobs else None,
+            logprobs=_logprobs(c.run.tokens, framer.logprobs) if framer.logprobs else None,
             finish_reason=c.finish_reason,
             session=c.ref(),
         )
@@ -144,11 +137,20 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _logprobs(events: list[TokenEvent]) -> ChatLogprobs:
-    """The sampled tokens' log-probs (every token the state consumed, a stop string's too)."""
+def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) -> ChatLogprobs:
+    """The sampled tokens' log-probs (every token the state consumed, a stop string's too),
+    each with its alternatives (as many as `top_logprobs` asked) under the same distribution."""
+
+    def entry(text: str, logprob: float) -> ChatTopLogprob:
+        return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
     return ChatLogprobs(
         content=[
-            ChatTokenLogprob(token=ev.text, logprob=ev.logprob, bytes=list(ev.text.encode())) for ev in events
+            ChatTokenLogprob(
+                **entry(ev.text, ev.logprob).model_dump(),
+                top_logprobs=[entry(token_text(i), lp) for i, lp in ev.top],
+            )
+            for ev in events
         ]
     )
 
@@ -158,7 +160,7 @@ class _Chunks:
     """The stream's shapes: `chat.completion.chunk`s, one choice each."""
 
     head: dict[str, Any]
-    logprobs: bool
+    logprobs: Callable[[int], str] | None  # with logprobs: the text of a token id
 
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> ChatCompletionChunk:
         first = next((e for e in entries if isinstance(e, ChatChunkChoice) and e.index == 0), None)
@@ -170,7 +172,7 @@ class _Chunks:
         return ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))
 
     def token(self, choice: oai.Choice, event: TokenEvent | None, text: str) -> ChatChunkChoice | None:
-        lp = _logprobs([event]) if self.logprobs and event is not None else None
+        lp = _logprobs([event], self.logprobs) if self.logprobs and event is not None else None
         if not text and lp is None:  # held back (a stop string may be starting): nothing to say yet
             return None
         return ChatChunkChoice(index=choice.index, delta=ChatDelta(content=text), logprobs=lp)

@@ -119,17 +119,7 @@ def _sampled(events: Sequence[TokenEvent]) -> list[Scored]:
             "stream=true: `data: {completion chunk}` events (or `data: {error}`), then `data: [DONE]`",
             data_events(CompletionResult, ErrorBody),
         ),
-        **responses(
-            ErrorType.invalid_request,
-            ErrorType.model_not_found,
-            ErrorType.session_not_found,
-            ErrorType.session_busy,
-            ErrorType.model_mismatch,
-            ErrorType.prompt_too_long,
-            ErrorType.queue_full,
-            ErrorType.storage_full,
-            ErrorType.redis_unavailable,
-        ),
+        **responses(*oai.ERRORS),
     },
 )
 async def create_completion(

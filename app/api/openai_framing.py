@@ -38,6 +38,20 @@ FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": 
 
 log = logging.getLogger("recur.openai")
 
+# the error types both OpenAI routes answer themselves (for their OpenAPI `responses`)
+ERRORS = (
+    ErrorType.invalid_request,
+    ErrorType.model_not_found,
+    ErrorType.session_not_found,
+    ErrorType.session_busy,
+    ErrorType.model_mismatch,
+    ErrorType.prompt_too_long,
+    ErrorType.queue_full,
+    ErrorType.storage_full,
+    ErrorType.redis_unavailable,
+)
+
+
 def generation(
     body: OpenAIBody, settings: Settings, max_tokens: int | None, engine: Engine
 ) -> dict[str, Any]:

@@ -479,18 +479,23 @@ class ChatCompletion(OpenAIBody):
         None, ge=1, le=MAX_TOKENS_CEILING, description="OpenAI's newer name for max_tokens; wins over it"
     )
     logprobs: bool = Field(False, description="the sampled tokens' log-probs, in choices[].logprobs.content")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="only 0: no alternatives are reported")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="with logprobs: each token's most probable alternatives, this many, under the distribution "
+        "it was drawn from",
+    )
     chat_template_kwargs: dict[str, str | int | float | bool] | None = Field(
         None,
         description="vLLM's: variables for the chat template, e.g. the play-script's user_name and assistant_name",
     )
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_alternatives(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("top_logprobs is not supported; send 0 or leave it out")
-        return v
+    @model_validator(mode="after")
+    def _alternatives_need_logprobs(self) -> ChatCompletion:
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 class ChatTopLogprob(Response):

@@ -144,6 +144,9 @@ def test_streamed_chunks_role_content_finish_usage_done(oa, http, shipped):
     assert last.choices[0].finish_reason == "stop" and last.choices[0].delta.content is None
     assert last.session["n_tokens"] == whole.session["n_tokens"]  # type: ignore[attr-defined]
     assert usage.choices == [] and usage.usage == whole.usage
+    # vLLM's include_stop_str_in_output keeps the turn stop, streamed or not
+    kept = oa.chat.completions.create(**body, extra_body={"include_stop_str_in_output": True})  # type: ignore[call-overload]
+    assert kept.choices[0].message.content == whole.choices[0].message.content + "\n\n"
 
     # on the wire: data-only events; the last delta is {}; then [DONE]
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -185,7 +188,8 @@ def test_bad_chat_requests_get_the_error_body(oa, http, shipped):
         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": SCENE, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"messages": SCENE, "top_logprobs": 3, "logprobs": True},
+        {"messages": SCENE, "top_logprobs": 3},  # alternatives need logprobs: true (OpenAI's rule)
+        {"messages": SCENE, "top_logprobs": 21, "logprobs": True},
     ):
         r = http.post("/v1/chat/completions", json=bad)
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", (bad, r.text)

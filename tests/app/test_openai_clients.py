@@ -41,15 +41,18 @@ def http(server) -> Iterator[httpx.Client]:
 
 # -- the openai SDK -------------------------------------------------------------------------
 def test_sdk_completions_streamed_or_not_with_logprobs_and_stop(oa):
-    c = oa.completions.create(model=MODEL, prompt="Romeo.\n", max_tokens=60, seed=4, logprobs=0, stop=["\n"])
+    body = {"model": MODEL, "prompt": "Romeo.\n", "max_tokens": 60, "seed": 4, "stop": ["\n"]}
+    c = oa.completions.create(**body, logprobs=2)  # type: ignore[call-overload]
     (choice,) = c.choices
-    assert choice.finish_reason == "stop" and choice.text.endswith("\n")  # /v1/completions keeps the stop
-    assert choice.logprobs is not None and "".join(choice.logprobs.tokens) == choice.text
-    assert len(choice.logprobs.token_logprobs) == c.usage.completion_tokens
-    stream = oa.completions.create(
-        model=MODEL, prompt="Romeo.\n", max_tokens=60, seed=4, stop=["\n"], stream=True
-    )
+    assert choice.finish_reason == "stop" and "\n" not in choice.text  # the stop is left out, OpenAI's way
+    lp = choice.logprobs  # every sampled token's, the stop's too: the session consumed it
+    assert lp is not None and "".join(lp.tokens) == choice.text + "\n"
+    assert len(lp.token_logprobs) == c.usage.completion_tokens
+    assert lp.top_logprobs is not None and all(len(alts) <= 2 for alts in lp.top_logprobs)
+    stream = oa.completions.create(**body, stream=True)  # type: ignore[call-overload]
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == choice.text
+    kept = oa.completions.create(**body, extra_body={"include_stop_str_in_output": True})  # type: ignore[call-overload]
+    assert kept.choices[0].text == choice.text + "\n"
 
 
 def test_sdk_chat_streamed_or_not_with_logprobs_and_stop(oa):
@@ -63,9 +66,18 @@ def test_sdk_chat_streamed_or_not_with_logprobs_and_stop(oa):
     assert [t.top_logprobs for t in choice.logprobs.content] == [[]] * c.usage.completion_tokens
     stream = oa.chat.completions.create(model=MODEL, messages=messages, seed=3, stop=["e"], stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == choice.message.content
-    # top_logprobs alternatives are not reported (yet): refused, not silently empty
-    with pytest.raises(openai.UnprocessableEntityError, match="top_logprobs"):
-        oa.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2)
+    # top_logprobs: the most probable alternatives, most probable first; greedy, the first is the token
+    g = oa.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    tokens = g.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert tokens is not None and len(tokens) == 8
+    for t in tokens:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5
+        assert [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True
+        )
 
 
 def test_sdk_continues_a_session_by_header_or_body(oa, http):
