@@ -167,6 +167,15 @@ class SessionList(Response):
 
 
 # -- sampling -------------------------------------------------------------------------------
+# OpenAI's rule, in the JSON schema too (the validators enforce it): top_logprobs above 0
+# needs logprobs: true
+ALTERNATIVES_NEED_LOGPROBS: dict[str, Any] = {
+    "if": {
+        "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
+        "required": ["top_logprobs"],
+    },
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
 # OpenAI's logit_bias: a JSON object from token ids (its keys are strings) to -100..100
 # (its keys are token ids of the vocabulary: a served bound, as `TokenId` is)
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$", json_schema_extra={"x-limit": "vocab"})]
@@ -216,6 +225,8 @@ class SamplingFields(Request):
 
 # -- generate -------------------------------------------------------------------------------
 class Generate(SamplingFields):
+    model_config = ConfigDict(json_schema_extra=ALTERNATIVES_NEED_LOGPROBS)
+
     prompt: Prompt = ""
     max_tokens: int = Field(
         64, ge=1, le=MAX_TOKENS_CEILING, description="capped by the server's max_tokens setting"
@@ -329,7 +340,9 @@ class OpenAIBody(SamplingFields):
     honour are accepted only at their neutral values."""
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    n: int | None = Field(None, description="only 1: a session has one continuation")
+    n: int | None = Field(
+        None, description="only 1: a session has one continuation", json_schema_extra={"enum": [1, None]}
+    )
     stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         None,
         max_length=16,
@@ -369,7 +382,7 @@ class Completion(OpenAIBody):
         le=MAX_TOKENS_CEILING,
         description="null: the server's max_tokens setting; 0: none (with echo and logprobs: score the prompt)",
     )
-    best_of: int | None = Field(None, description="only 1")
+    best_of: int | None = Field(None, description="only 1", json_schema_extra={"enum": [1, None]})
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -382,7 +395,7 @@ class Completion(OpenAIBody):
         description="the prompt's text first, and with logprobs its tokens' log-probs (the model's own; null "
         "for a token with nothing before it)",
     )
-    suffix: str | None = Field(None, description="only null")
+    suffix: str | None = Field(None, description="only null", json_schema_extra={"maxLength": 0})
 
     @field_validator("best_of")
     @classmethod
@@ -468,6 +481,8 @@ class ChatMessage(Request):
 class ChatCompletion(OpenAIBody):
     """OpenAI's `POST /v1/chat/completions` body (and what `OpenAIBody` adds). By default
     generation stops at the chat template's turn stop, left out of the message."""
+
+    model_config = ConfigDict(json_schema_extra=ALTERNATIVES_NEED_LOGPROBS)
 
     messages: list[ChatMessage] = Field(
         min_length=1, description="the conversation; continuing a session, only the new messages"
