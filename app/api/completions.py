@@ -204,7 +204,9 @@ class _Chunks:
         """A choice not streamed: the echoed prompt (with its log-probs), then its text."""
         echoed, res = self.echoed[choice.index], choice.run.result
         prompt_top = res.prompt_top or [()] * len(echoed)
-        scored = list(zip(echoed, res.prompt_logprobs, prompt_top, strict=True)) if echoed else []
+        scored = []
+        if echoed and self.logprobs:  # the prompt's log-probs exist only when logprobs asked for them
+            scored = list(zip(echoed, res.prompt_logprobs, prompt_top, strict=True))
         return CompletionChoice(
             index=choice.index,
             text="".join(echoed) + choice.text.whole(choice.run.tokens),

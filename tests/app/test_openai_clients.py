@@ -53,6 +53,8 @@ def test_sdk_completions_streamed_or_not_with_logprobs_and_stop(oa):
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == choice.text
     kept = oa.completions.create(**body, extra_body={"include_stop_str_in_output": True})  # type: ignore[call-overload]
     assert kept.choices[0].text == choice.text + "\n"
+    # echo puts the prompt first, with or without log-probs
+    assert oa.completions.create(**body, echo=True).choices[0].text == "Romeo.\n" + choice.text  # type: ignore[call-overload]
 
 
 def test_sdk_chat_streamed_or_not_with_logprobs_and_stop(oa):
