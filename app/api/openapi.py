@@ -8,7 +8,8 @@ routes, plus what FastAPI cannot see in a route's signature.
   error status is the one error body, its `type` narrowed to the types that status carries
   on that route (errors.document).
 - **Auth.** With API keys set, the routes behind `authenticate` require a bearer key (or
-  `access_token` in the query, for EventSource); an open server declares no security.
+  `access_token` in the query, for EventSource), and so does `/metrics` with
+  `metrics_access=api_key` (off, it is left out); an open server declares no security.
 - **Served limits.** A schema field marked `x-limit` (schemas.py) gets the served value as
   its `maximum`: the vocabulary for token ids, a setting for the others.
 - **Links** from each response that names a session to every operation on a session, so
@@ -95,6 +96,9 @@ def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, ke
                 _no_empty_json(response)
             if keys and deps.authenticate in calls:
                 op["security"] = [{name: []} for name in _SECURITY_SCHEMES]
+    if settings.metrics_access == "off":  # GET /metrics answers 404, as if it were not there
+        doc["paths"].pop("/metrics", None)
+    _metrics_access(doc["paths"].get("/metrics", {}).get("get"), settings, keys)
     components = doc.setdefault("components", {})
     if keys:
         components["securitySchemes"] = _SECURITY_SCHEMES
@@ -103,6 +107,14 @@ def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, ke
         components.get("schemas", {}).pop(unused, None)
     _write_limits(doc, settings, vocab)
     _add_links(doc)
+
+
+def _metrics_access(op: dict | None, settings: Settings, keys: bool) -> None:
+    """`GET /metrics` checks its access itself, by a setting (app/api/metrics.py): with
+    api_key it asks for a key when the server has keys."""
+    if op is not None and settings.metrics_access == "api_key" and keys:
+        errors.document(op["responses"], [ErrorType.unauthorized])
+        op["security"] = [{name: []} for name in _SECURITY_SCHEMES]
 
 
 def _routes(routers: Routers) -> Iterator[tuple[APIRoute, Sequence[Depends]]]:

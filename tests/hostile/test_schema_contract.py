@@ -68,8 +68,9 @@ checks.positive_data_acceptance.expected-statuses = [
 
 @pytest.fixture(scope="module")
 def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A tiny model with the shipped chat template (so the chat route can answer 200), a
-    key, and a small generation cap so fuzzed requests stay cheap."""
+    """A tiny model with the shipped chat template (so the chat route can answer 200), two
+    keys (/metrics asks for one too), and a small generation cap so fuzzed requests stay
+    cheap."""
     path = tmp_path_factory.mktemp("contract-model") / "tiny"
     model.init(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
     srv = ServerProcess(
@@ -80,6 +81,7 @@ def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
         max_tokens=8,
         max_prompt_tokens=300,
         api_keys=",".join(KEYS.values()),
+        metrics_access="api_key",
     )
     srv.start()
     yield srv
