@@ -225,8 +225,6 @@ class SamplingFields(Request):
 
 # -- generate -------------------------------------------------------------------------------
 class Generate(SamplingFields):
-    model_config = ConfigDict(json_schema_extra=ALTERNATIVES_NEED_LOGPROBS)
-
     prompt: Prompt = ""
     max_tokens: int = Field(
         64, ge=1, le=MAX_TOKENS_CEILING, description="capped by the server's max_tokens setting"
