@@ -16,12 +16,12 @@ behaviour log-prob that RL replay needs. Both run these steps, in this order:
 4. **min_tokens**: while the request has sampled fewer than `min_tokens` tokens, its
    `stop_token_ids` and EOS (unless `ignore_eos`) get -inf: they cannot be drawn.
    Steps 1-4 give the *adjusted logits*.
-5. **temperature** t divides the adjusted logits; t = 0 is greedy: the argmax of the
-   adjusted logits.
+5. **temperature** t divides the adjusted logits; t < 1e-5 (0, say) is greedy: the argmax
+   of the adjusted logits (vLLM's threshold: dividing by less would overflow float32).
 6. **min_p**: tokens less probable than min_p times the most probable one are dropped.
 7. **top_k** keeps the k most probable tokens, then **top_p** keeps the smallest set of
-   the most probable ones whose mass (renormalised after 6 and 7's top_k) reaches top_p;
-   the most probable token always stays.
+   the most probable ones whose mass (renormalised after 6 and 7's top_k) reaches top_p.
+   Steps 6 and 7 always keep the most probable token.
 
 "The request's prompt" is the tokens the request itself sent, not the context a session
 consumed before it; "its output" is what it has sampled so far. A batch passes what each
@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond, a divided logit can overflow float32
 
 
 def _pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -77,7 +79,7 @@ class SamplingParams:
     may be given as a mapping {id: bias} (string ids too, as JSON objects have them).
     """
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -98,7 +100,11 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "a finite number > 0"),
+            (
+                "repetition_penalty",
+                REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+                "in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE),
+            ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("min_tokens", self.min_tokens >= 0, ">= 0"),
@@ -111,6 +117,10 @@ class SamplingParams:
         ):
             if not ok:  # NaN fails every comparison, so it lands here too
                 raise ValueError(f"{name} must be {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_history(self) -> bool:
@@ -276,8 +286,8 @@ def transform(
     dev = adjusted.device
     sorted_adjusted, order = adjusted.sort(-1, descending=True)  # (B, V)
     sorted_logits = sorted_adjusted
-    if any(p.temperature not in (0, 1) for p in params):  # step 5 (greedy rows: as at 1)
-        temp = _on(dev, [p.temperature or 1.0 for p in params])
+    if any(p.temperature != 1 and not p.greedy for p in params):  # step 5 (greedy rows: as at 1)
+        temp = _on(dev, [1.0 if p.greedy else p.temperature for p in params])
         sorted_logits = sorted_adjusted / temp[:, None]
     drop = None  # (B, V) bool, once a step drops anything
     if any(p.min_p > 0 for p in params):  # step 6: p < min_p * p_max <=> logit < max + log(min_p)
@@ -293,6 +303,7 @@ def transform(
         top_p = _on(dev, [p.top_p for p in params])
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        mass[:, 0] = False  # (a top_p that float32 rounds to 0 would drop it too)
         drop = mass if drop is None else drop | mass
     if drop is None:
         return F.log_softmax(sorted_logits, -1), order, sorted_adjusted
@@ -308,7 +319,7 @@ def behaviour_logprobs(
     had seen (`Context.of(prompts, outputs, vocab_size, eos_id=...)`); it is needed only
     when a row uses a penalty or min_tokens."""
     logp_sorted, order, sorted_adjusted = transform(logits, params, context)
-    greedy = _on(logp_sorted.device, [p.temperature == 0 for p in params], torch.bool)[:, None]
+    greedy = _on(logp_sorted.device, [p.greedy for p in params], torch.bool)[:, None]
     reported = torch.where(greedy, F.log_softmax(sorted_adjusted, -1), logp_sorted)
     logp = torch.empty_like(reported).scatter_(1, order, reported)  # back to vocabulary order
     return logp.gather(1, ids[:, None])[:, 0]
@@ -339,14 +350,14 @@ def draw(
     B, V = logits.shape
     logp, order, sorted_adjusted = transform(logits, params, context)
     dev = logp.device
-    greedy = _on(dev, [p.temperature == 0 for p in params], torch.bool)
+    greedy = _on(dev, [p.greedy for p in params], torch.bool)
     # inverse-CDF draw with one uniform per row from that row's own generator
     u = _on(dev, torch.stack([torch.rand((), generator=g) for g in generators]))
     cdf = logp.exp().cumsum(-1)
     # kept tokens form a prefix of the sorted order, so the draw can never land past it
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0].clamp(max=V - 1)
     pick = torch.where(greedy, torch.zeros_like(pick), pick)
-    if any(p.temperature == 0 for p in params):
+    if any(p.greedy for p in params):
         logp = torch.where(greedy[:, None], F.log_softmax(sorted_adjusted, -1), logp)
     out = Draw(order.gather(1, pick[:, None])[:, 0], logp.gather(1, pick[:, None])[:, 0])
     if top:

@@ -74,8 +74,9 @@ def served_model(asked: str | None, engine: Engine) -> None:
 
 def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> SamplingParams:
     """A body's sampling controls as the sampler takes them (null: the control's neutral
-    value), or 422 naming the field: a token id outside the vocabulary, min_tokens past
-    `max_tokens` (the request's, as capped by the server)."""
+    value), or 422 naming the field for a token id outside the vocabulary. A min_tokens
+    past `max_tokens` (the request's, as capped by the server) is `max_tokens`: the same
+    generation, and no schema can say that one field bounds another."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     for field, ids in (("logit_bias", list(bias)), ("stop_token_ids", body.stop_token_ids or [])):
         bad = next((i for i in ids if not 0 <= i < engine.vocab_size), None)
@@ -84,11 +85,6 @@ def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> Sa
                 ErrorType.invalid_request,
                 f"{field}: token id {bad} is outside the model's vocabulary [0, {engine.vocab_size})",
             )
-    if (body.min_tokens or 0) > max_tokens:
-        raise ApiError(
-            ErrorType.invalid_request,
-            f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
-        )
     try:
         return SamplingParams(
             temperature=_or(body.temperature, 1.0),
@@ -101,7 +97,7 @@ def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> Sa
             logit_bias=tuple(bias.items()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens or 0,
+            min_tokens=min(body.min_tokens or 0, max_tokens),
         )
     except ValueError as exc:  # the schema's bounds make this rare; SamplingParams names the field
         raise ApiError(ErrorType.invalid_request, str(exc)) from None

@@ -197,7 +197,8 @@ class SamplingFields(Request):
     )
     repetition_penalty: float | None = Field(
         None,
-        gt=0,
+        ge=0.01,
+        le=100,
         description="vLLM/HF: the logit of a token in the request's prompt or output so far is divided by it "
         "(multiplied, if negative); 1 = off",
     )
@@ -219,7 +220,7 @@ class SamplingFields(Request):
         ge=0,
         le=MAX_TOKENS_CEILING,
         description="vLLM: EOS and stop_token_ids cannot be sampled, nor stop strings end it, before this "
-        "many tokens; at most max_tokens",
+        "many tokens (past max_tokens: until max_tokens)",
     )
 
 
@@ -245,8 +246,8 @@ class Generate(SamplingFields):
         0,
         ge=0,
         le=20,
-        description="with logprobs: each token also lists this many most probable tokens, under the "
-        "distribution it was drawn from",
+        description="each token also lists this many most probable tokens, under the distribution it was "
+        "drawn from (and its logprob: implies logprobs)",
     )
     on_disconnect: Literal["discard", "commit"] = Field(
         "discard",
@@ -496,19 +497,13 @@ class ChatCompletion(OpenAIBody):
         None,
         ge=0,
         le=20,
-        description="with logprobs: each token's most probable alternatives, this many, under the distribution "
-        "it was drawn from",
+        description="each token's most probable alternatives, this many, under the distribution it was drawn "
+        "from (and its logprob: implies logprobs)",
     )
     chat_template_kwargs: dict[str, str | int | float | bool] | None = Field(
         None,
         description="vLLM's: variables for the chat template, e.g. the play-script's user_name and assistant_name",
     )
-
-    @model_validator(mode="after")
-    def _alternatives_need_logprobs(self) -> ChatCompletion:
-        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
 
 
 class ChatTopLogprob(Response):

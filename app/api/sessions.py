@@ -394,8 +394,6 @@ async def generate(
 ) -> GenerateResult | EventSourceResponse:
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    if body.top_logprobs and not body.logprobs:
-        raise ApiError(ErrorType.invalid_request, "top_logprobs needs logprobs: true")
     max_tokens = min(body.max_tokens, settings.max_tokens)
     run = await sessions.generate(
         session_id,
@@ -409,7 +407,7 @@ async def generate(
         keep_on_disconnect=body.stream and body.on_disconnect == "commit",
         logprobs=Logprobs(top=body.top_logprobs),
     )
-    token = _Token(engine.tokenizer.token_text, body.logprobs)
+    token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
         return respond(run, guarded(run, _events(run, token), error_event="error"))
     meta = await run.complete(until_disconnect(request))

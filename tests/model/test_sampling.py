@@ -67,6 +67,22 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_one():
     assert seen == {0, 1, 2}
 
 
+def test_extreme_values_stay_numbers():
+    """A temperature below 1e-5 is greedy (dividing by it would overflow float32); a top_p
+    that float32 rounds to 0 keeps the most probable token."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(8)) * 20
+    for p in (SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-6, top_p=5e-324)):
+        ids, lp = sample(logits, [p] * 2, [make_generator(0)] * 2)
+        assert torch.equal(ids, logits.argmax(-1)) and torch.isfinite(lp).all()
+    ids, lp = sample(logits, [SamplingParams(top_p=5e-324, min_p=5e-324)] * 2, [make_generator(0)] * 2)
+    assert torch.equal(ids, logits.argmax(-1)) and torch.equal(lp, torch.zeros(2))
+    ctx = Context.of([[int(logits[0].argmax())]], [[]], 30)
+    ids, lp = sample(
+        logits[:1], [SamplingParams(repetition_penalty=0.01, temperature=1e-5)], [make_generator(0)], ctx
+    )
+    assert torch.isfinite(lp).all()
+
+
 def test_mixed_parameters_in_one_batch_match_running_alone():
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(4))
     params = [
@@ -245,6 +261,7 @@ def test_params_round_trip_through_json():
     [
         dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0.0),
         dict(top_p=1.5), dict(top_k=-1), dict(min_p=-0.1), dict(min_p=1.5), dict(repetition_penalty=0.0),
+        dict(repetition_penalty=5e-324), dict(repetition_penalty=101.0),
         dict(repetition_penalty=float("nan")), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
         dict(logit_bias={1: 101.0}), dict(logit_bias={"x": 1.0}), dict(logit_bias=[(1, 1.0), (1, 2.0)]),
         dict(stop_token_ids=(-1,)), dict(min_tokens=-1),
