@@ -91,6 +91,7 @@ async def create_chat_completion(
     text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
     ids = prompt_ids(engine, settings.max_prompt_tokens, text)
     generation = oai.generation(body, settings, body.max_completion_tokens or body.max_tokens, engine)
+    logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own
     # the turn stop always ends the assistant's turn, as an end-of-turn token would
     stop = list(dict.fromkeys([*template.stop, *oai.stop_strings(body.stop)]))
     choices = await oai.start(
@@ -101,12 +102,12 @@ async def create_chat_completion(
         [ids],
         stop=stop,
         keep_stop=body.include_stop_str_in_output,
-        logprobs=Logprobs(top=body.top_logprobs or 0) if body.logprobs else None,
+        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else None,
         user=body.user,
         started=started,
         **generation,
     )
-    token_text = engine.tokenizer.token_text if body.logprobs else None
+    token_text = engine.tokenizer.token_text if logprobs else None
     framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

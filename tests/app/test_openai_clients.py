@@ -68,9 +68,10 @@ def test_sdk_chat_streamed_or_not_with_logprobs_and_stop(oa):
     assert [t.top_logprobs for t in choice.logprobs.content] == [[]] * c.usage.completion_tokens
     stream = oa.chat.completions.create(model=MODEL, messages=messages, seed=3, stop=["e"], stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == choice.message.content
-    # top_logprobs: the most probable alternatives, most probable first; greedy, the first is the token
+    # top_logprobs (which implies logprobs): the most probable alternatives, most probable first;
+    # greedy, the first is the token
     g = oa.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, top_logprobs=3
     )
     tokens = g.choices[0].logprobs.content  # type: ignore[union-attr]
     assert tokens is not None and len(tokens) == 8
