@@ -167,15 +167,6 @@ class SessionList(Response):
 
 
 # -- sampling -------------------------------------------------------------------------------
-# OpenAI's rule, in the JSON schema too (the validators enforce it): top_logprobs above 0
-# needs logprobs: true
-ALTERNATIVES_NEED_LOGPROBS: dict[str, Any] = {
-    "if": {
-        "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
-        "required": ["top_logprobs"],
-    },
-    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-}
 # OpenAI's logit_bias: a JSON object from token ids (its keys are strings) to -100..100
 # (its keys are token ids of the vocabulary: a served bound, as `TokenId` is)
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$", json_schema_extra={"x-limit": "vocab"})]
@@ -480,8 +471,6 @@ class ChatMessage(Request):
 class ChatCompletion(OpenAIBody):
     """OpenAI's `POST /v1/chat/completions` body (and what `OpenAIBody` adds). By default
     generation stops at the chat template's turn stop, left out of the message."""
-
-    model_config = ConfigDict(json_schema_extra=ALTERNATIVES_NEED_LOGPROBS)
 
     messages: list[ChatMessage] = Field(
         min_length=1, description="the conversation; continuing a session, only the new messages"
