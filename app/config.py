@@ -35,6 +35,17 @@ class Settings(BaseSettings):
     key_prefix: str = Field("recur:", description="prefix of every Redis key this service writes")
     session_ttl: int = Field(86400, ge=1, description="seconds a session lives after its last use (sliding)")
     max_session_ttl: int = Field(30 * 86400, ge=1, description="largest ttl_seconds a client may ask for")
+    prefix_reuse: bool = Field(
+        True,
+        description="index every committed state by its tokens, so that an OpenAI request without a session "
+        "forks the longest committed prefix of its own tokens (its key's only) and prefills just the rest",
+    )
+    stateless_session_ttl: int = Field(
+        900,
+        ge=1,
+        description="seconds (sliding) that a session made only to serve a request without a session lives: "
+        "long enough for the next turn of a chat to find it, short enough to leave no orphans",
+    )
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")

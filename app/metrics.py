@@ -9,7 +9,7 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 * app/api/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
 * app/sessions.py        TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
                          GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED,
-                         HOT_CACHE_HITS, HOT_CACHE_MISSES
+                         HOT_CACHE_HITS, HOT_CACHE_MISSES, PREFIX_REUSE_* (prefix reuse)
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
 * app/sessions.py        TENANT_*, QUOTA_REFUSALS (quotas)
 * the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
@@ -95,6 +95,15 @@ STATE_BYTES_READ = Counter("recur_state_bytes_read", "State bytes read from Redi
 STATE_BYTES_WRITTEN = Counter("recur_state_bytes_written", "State bytes written to Redis")
 HOT_CACHE_HITS = Counter("recur_hot_cache_hits", "Session states served from the in-memory hot cache")
 HOT_CACHE_MISSES = Counter("recur_hot_cache_misses", "Session states that had to be read from Redis")
+PREFIX_REUSE_HITS = Counter(
+    "recur_prefix_reuse_hits", "Stateless requests that forked a committed state holding a prefix of their tokens"
+)
+PREFIX_REUSE_MISSES = Counter(
+    "recur_prefix_reuse_misses", "Stateless requests that found no committed prefix and prefilled everything"
+)
+PREFIX_TOKENS_SAVED = Counter(
+    "recur_prefix_reuse_tokens_saved", "Prompt tokens that stateless requests did not prefill, thanks to reuse"
+)
 REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
 
 

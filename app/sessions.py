@@ -46,19 +46,21 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from typing import NamedTuple, TypeVar
 
-from app import logs, metrics
+from app import logs, metrics, prefixes
 from app.config import Limits, Settings
 from app.engine import Engine, EngineError, Finished, FinishReason, Logprobs, Request, Stored, TokenEvent
 from app.store import (
     AtVersion,
     QuotaExceeded,
     SessionMeta,
+    SessionNotFound,
     SessionStore,
     StateBlobs,
     StorageFull,
     StoreUnavailable,
     Usage,
     Version,
+    VersionGone,
     VersionMismatch,
     Writer,
     new_session_id,
@@ -160,9 +162,13 @@ class Sessions:
         tenants: dict[str, Limits],
         storage_guard: float,
         history_versions: int,
+        prefix_reuse: bool,
+        stateless_ttl: int,
     ):
         self.store = store
         self.history_versions = history_versions  # kept versions of a session that asks for no number
+        self.prefix_reuse = prefix_reuse
+        self.stateless_ttl = stateless_ttl
         self.engine = engine
         self.cache = HotCache(hot_cache_bytes)
         self.state_dtype = state_dtype
@@ -230,35 +236,48 @@ class Sessions:
         return meta
 
     async def fork(
-        self, session_id: str, expected: int | None, owner: str, version: int | None = None
+        self,
+        session_id: str,
+        expected: int | None,
+        owner: str,
+        version: int | None = None,
+        *,
+        ttl: int | None = None,
+        tokens_hash: str | None = None,
     ) -> SessionMeta:
         """A new session holding the state `session_id` had at `version` (a kept one; None:
-        the current one), its transcript starting with that state's lineage."""
+        the current one), its transcript starting with that state's lineage. With
+        `tokens_hash`, only if that state's tokens are those (else VersionGone)."""
         at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
         source = at.meta
         if expected is not None and source.version != expected:
             raise VersionMismatch(session_id, expected, source.version)
+        if tokens_hash is not None and at.tokens_hash != tokens_hash:
+            raise VersionGone(session_id, at.version.version, -1)
+        ttl = ttl or source.ttl
         assert at.state is not None and at.transcript is not None
         new_id = new_session_id()
         inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
         inherited.append(Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes())
         size = at.state.nbytes + sum(map(len, inherited))
-        await self._reserve(owner, new_id, size, source.ttl, grows=True)
+        await self._reserve(owner, new_id, size, ttl, grows=True)
         try:
             meta = await self.store.create(
                 at.state,
                 at.version.n_tokens,
                 source.model,
                 source.fingerprint,
-                source.ttl,
+                ttl,
                 owner,
                 new_id,
                 keep=source.keep_versions,
                 transcript=inherited,
+                tokens_hash=at.tokens_hash,
             )
         except BaseException:
             await self.store.forget(owner, new_id)
             raise
+        await self._index(owner, meta)
         return await self._settle(owner, meta, size)
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
@@ -287,6 +306,44 @@ class Sessions:
         await self._touch(meta, owner)
         assert res.encoded is not None
         return meta, meta.version, res.encoded.blob
+
+    # -- prefix reuse ----------------------------------------------------------------------------
+    async def stateless(self, ids: list[int], owner: str, reuse: bool = True) -> tuple[str, list[int]]:
+        """A session for a request that names none, and the ids it has yet to consume: a
+        fork of the owner's longest committed state whose tokens are a prefix of BOS+`ids`
+        (the matched session itself is never touched), or a new session holding BOS. Either
+        lives `stateless_ttl`, so stateless traffic leaves no long-lived sessions behind.
+        `reuse=False`: always the new session (the request must consume its whole prompt)."""
+        bos = self.engine.tokenizer.bos_id
+        tokens = ([bos] if bos is not None else []) + ids
+        if self.prefix_reuse and reuse:
+            hashes = prefixes.prefixes(prefixes.root(self.engine.fingerprint), tokens)
+            # (longest first; a prefix of BOS alone saves nothing a create would not do)
+            found = await self.store.find_prefix(owner, hashes[::-1][: max(0, len(tokens) - 1)])
+            if found is not None:
+                i, sid, version = found
+                n = len(tokens) - i
+                try:
+                    meta = await self.fork(
+                        sid, None, owner, version, ttl=self.stateless_ttl, tokens_hash=hashes[n - 1]
+                    )
+                except (SessionNotFound, VersionGone):  # expired, or a stale entry: prefill it all
+                    pass
+                else:
+                    metrics.PREFIX_REUSE_HITS.inc()
+                    metrics.PREFIX_TOKENS_SAVED.inc(n)
+                    return meta.id, tokens[n:]
+            metrics.PREFIX_REUSE_MISSES.inc()
+        return (await self.create([], self.stateless_ttl, owner)).id, ids
+
+    async def _index(self, owner: str, meta: SessionMeta) -> None:
+        """Index a committed state by its tokens (best effort: a lost entry costs a prefill)."""
+        if not self.prefix_reuse or meta.tokens_hash == prefixes.UNKNOWN or meta.n_tokens < 2:
+            return
+        try:
+            await self.store.index_prefix(owner, meta.tokens_hash, meta.id, meta.version, meta.ttl)
+        except StoreUnavailable:
+            log.warning("could not index the tokens of session %s for prefix reuse", meta.id)
 
     # -- history -----------------------------------------------------------------------------
     async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
@@ -318,7 +375,7 @@ class Sessions:
             at = await self._read_version(session_id, version, None, owner)
             res = await self._run(Request(self._stored(at), [], persist=Persist(self.state_dtype)))
             segment = Segment(session_id, writer.meta.version + 1, "rollback", res.n_tokens, restores=version)
-            return await self._commit(writer, res, owner, segment)
+            return await self._commit(writer, res, owner, segment, at.tokens_hash)
         finally:
             await writer.release()
 
@@ -377,6 +434,7 @@ class Sessions:
             ).to_bytes()
             size = len(blob) + len(segment)
             await self._reserve(owner, session_id, size, ttl, grows=True)
+            tokens = prefixes.extend(prefixes.root(self.engine.fingerprint), req.prompt)
             meta = await self.store.create(
                 StateBlobs(blob),
                 res.n_tokens,
@@ -387,12 +445,14 @@ class Sessions:
                 session_id,
                 keep=keep or self.history_versions,
                 transcript=[segment],
+                tokens_hash=prefixes.UNKNOWN if kind == "import" else tokens,
             )
         except BaseException:
             await self.store.forget(owner, session_id)
             raise
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
+        await self._index(owner, meta)
         return await self._settle(owner, meta, size)
 
     async def score(
@@ -504,9 +564,13 @@ class Sessions:
             self.state_dtype, since=meta.n_tokens, delta_budget=meta.snapshot_bytes - meta.delta_bytes
         )
 
-    async def _commit(self, writer: Writer, res: Finished, owner: str, segment: Segment) -> SessionMeta:
+    async def _commit(
+        self, writer: Writer, res: Finished, owner: str, segment: Segment, tokens_hash: str | None = None
+    ) -> SessionMeta:
         """4 and 5: the fenced commit of the new state and its transcript segment (within
-        the tenant's quota and Redis's room), then the committed state kept hot."""
+        the tenant's quota and Redis's room), then the committed state kept hot and
+        indexed by its tokens (`tokens_hash`; default: the old state's, extended by the
+        segment's ids)."""
         assert res.encoded is not None
         old = writer.meta
         packed = dataclasses.replace(segment, committed_at=time.time()).to_bytes()
@@ -518,8 +582,13 @@ class Sessions:
         )
         size = len(res.encoded.blob) + len(packed) + old.history_bytes + kept
         await self._reserve(owner, old.id, size, old.ttl, grows=size > old.state_bytes)
-        meta = await writer.commit(res.n_tokens, **{res.encoded.kind: res.encoded.blob}, segment=packed)
+        if tokens_hash is None:
+            tokens_hash = prefixes.extend(old.tokens_hash, segment.ids)
+        meta = await writer.commit(
+            res.n_tokens, **{res.encoded.kind: res.encoded.blob}, segment=packed, tokens_hash=tokens_hash
+        )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
+        await self._index(owner, meta)
         return await self._settle(owner, meta, size)
 
     async def _settle(self, owner: str, meta: SessionMeta, reserved: int) -> SessionMeta:
@@ -691,4 +760,6 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         tenants={owner_of(key): limits for key, limits in settings.load_tenants().items()},
         storage_guard=settings.storage_guard,
         history_versions=settings.history_versions,
+        prefix_reuse=settings.prefix_reuse,
+        stateless_ttl=settings.stateless_session_ttl,
     )

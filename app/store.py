@@ -202,19 +202,21 @@ local function meta(key)
   m[10] = redis.call('HGET', key, 'commit') or ''
   m[11] = tostring(num(key, 'history_bytes') + num(key, 'transcript_bytes'))
   m[12] = redis.call('HGET', key, 'keep') or '1'
+  m[13] = redis.call('HGET', key, 'tokens') or ''
   return m
 end
 -- the state bytes, unless the caller already holds the state of commit `held`
 local function with_state(m, key, deltas, held)
   if held == '' or m[10] ~= held then
-    m[13] = redis.call('HGET', key, 'state')
-    m[14] = redis.call('LRANGE', deltas, 0, -1)
+    m[14] = redis.call('HGET', key, 'state')
+    m[15] = redis.call('LRANGE', deltas, 0, -1)
   end
   return m
 end
 -- a version's metadata in the history
-local function remember(keys, v, n, base)
-  redis.call('HSET', keys[4], 'n:' .. v, n, 't:' .. v, string.format('%.6f', now()), 'b:' .. v, base)
+local function remember(keys, v, n, base, tokens)
+  redis.call('HSET', keys[4], 'n:' .. v, n, 't:' .. v, string.format('%.6f', now()), 'b:' .. v, base, 'h:' .. v, tokens)
+  redis.call('HSET', keys[1], 'tokens', tokens)
 end
 -- drop from the history what no kept version (the last `keep` up to `current`) needs
 local function prune(keys, current)
@@ -224,7 +226,7 @@ local function prune(keys, current)
   local b = redis.call('HGET', keys[4], 'b:' .. oldest)  -- (absent: nothing older was kept)
   if oldest < base and b then cutoff = tonumber(b) end
   for u = num(keys[1], 'meta_lo'), oldest - 1 do
-    redis.call('HDEL', keys[4], 'n:' .. u, 't:' .. u, 'b:' .. u)
+    redis.call('HDEL', keys[4], 'n:' .. u, 't:' .. u, 'b:' .. u, 'h:' .. u)
   end
   local freed = 0
   for u = num(keys[1], 'blob_lo'), cutoff - 1 do
@@ -248,8 +250,8 @@ end
 )
 
 # KEYS: session, deltas, lock, history, transcript. ARGV: ttl, model, fingerprint, n_tokens,
-# owner, commit id, versions to keep, transcript bound, number of deltas D, snapshot,
-# D deltas, transcript segments...
+# owner, commit id, versions to keep, transcript bound, number of deltas D, the tokens'
+# hash (`app.prefixes`; '' if unknown), snapshot, D deltas, transcript segments...
 _CREATE = (
     _LUA_TOUCH
     + """
@@ -258,19 +260,19 @@ local ts = string.format('%.6f', now())
 -- the first write must be one Redis refuses over maxmemory (HSET, not DEL): after a
 -- script's first write, Redis lets the rest through, so a full Redis would take it all
 redis.call('HSET', KEYS[1], 'version', 0, 'n_tokens', ARGV[4], 'model', ARGV[2], 'fingerprint', ARGV[3],
-           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[10], 'delta_bytes', 0, 'commit', ARGV[6],
+           'created_at', ts, 'ttl', ARGV[1], 'state', ARGV[11], 'delta_bytes', 0, 'commit', ARGV[6],
            'keep', ARGV[7], 'history_bytes', 0, 'meta_lo', 0, 'blob_lo', 0 - tonumber(ARGV[9]),
            'transcript_bytes', 0)
 local size = 0
 redis.call('DEL', KEYS[2], KEYS[4], KEYS[5])
-local last = 10 + tonumber(ARGV[9])
-for i = 11, last do
+local last = 11 + tonumber(ARGV[9])
+for i = 12, last do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   size = size + string.len(ARGV[i])
 end
 if size > 0 then redis.call('HSET', KEYS[1], 'delta_bytes', size) end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'owner', ARGV[5]) end
-remember(KEYS, 0, ARGV[4], base_of(KEYS))
+remember(KEYS, 0, ARGV[4], base_of(KEYS), ARGV[10])
 for i = last + 1, #ARGV do transcribe(KEYS, ARGV[i], tonumber(ARGV[8])) end
 touch(KEYS)
 return meta(KEYS[1])
@@ -314,7 +316,7 @@ return m
 
 # KEYS: session, deltas, lock, history, transcript. ARGV: expected version, n_tokens, lock
 # token, 'delta' | 'snapshot', blob, new commit id, transcript segment (or ''), transcript
-# bound. A delta is appended; a snapshot replaces state and deltas, which move to the
+# bound, the new tokens' hash. A delta is appended; a snapshot replaces state and deltas, which move to the
 # history (when more than one version is kept).
 _COMMIT = (
     _LUA_TOUCH
@@ -344,7 +346,7 @@ else  -- (HSET before DEL: the first write is the one a full Redis refuses, see 
   end
 end
 redis.call('HSET', KEYS[1], 'version', new, 'n_tokens', ARGV[2], 'commit', ARGV[6])
-remember(KEYS, new, ARGV[2], base_of(KEYS))
+remember(KEYS, new, ARGV[2], base_of(KEYS), ARGV[9])
 prune(KEYS, new)
 transcribe(KEYS, ARGV[7], tonumber(ARGV[8]))
 touch(KEYS)
@@ -381,7 +383,8 @@ return {'ok'}
 
 # KEYS: the session's five. ARGV: owner, version ('' = the current one), '1' for its state,
 # '1' for the transcript. Returns {'ok', meta, n_tokens and commit time of the version,
-# snapshot, deltas (or false, false), transcript segments, trimmed flag (or false, false)},
+# snapshot, deltas (or false, false), transcript segments, trimmed flag (or false, false),
+# the version's tokens hash},
 # {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL.
 _READ_AT = (
     _LUA_TOUCH
@@ -399,7 +402,8 @@ if v == current then n, t = m[2], t or m[6] end
 if v > current or v < num(KEYS[1], 'meta_lo') or not n then
   return {'gone', tostring(math.max(num(KEYS[1], 'meta_lo'), current - math.max(1, tonumber(m[12])) + 1))}
 end
-local out = {'ok', m, n, t, false, false, false, false}
+local out = {'ok', m, n, t, false, false, false, false, redis.call('HGET', KEYS[4], 'h:' .. v) or ''}
+if v == current then out[9] = m[13] end
 if ARGV[3] == '1' then
   local base = base_of(KEYS)
   if v >= base then
@@ -440,6 +444,18 @@ end
 return out
 """
 )
+
+
+# -- tenant scripts: the prefix index -----------------------------------------------------------
+# KEYS: candidate prefix keys, longest prefix first (one tenant's: one slot). Returns {i, the
+# entry} of the first that exists, or false.
+_FIND_PREFIX = """
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v then return {i, v} end
+end
+return false
+"""
 
 
 # -- tenant scripts: quotas ---------------------------------------------------------------------
@@ -566,6 +582,7 @@ class SessionMeta:
     commit_id: str  # random id of the commit that wrote the current state (never reused)
     history_bytes: int = 0  # the kept past versions' blobs and the transcript
     keep_versions: int = 1  # how many versions stay readable, the current one included
+    tokens_hash: str = ""  # identifies the tokens the state consumed (`app.prefixes`; '' unknown)
 
     @property
     def state_bytes(self) -> int:
@@ -591,6 +608,7 @@ class AtVersion:
     state: StateBlobs | None  # when asked for
     transcript: list[bytes] | None  # the packed segments, oldest first, when asked for
     trimmed: bool = False  # the transcript's oldest segments were dropped (its size bound)
+    tokens_hash: str = ""  # the version's (`app.prefixes`; '' unknown)
 
 
 class VersionGone(StoreError):
@@ -644,7 +662,7 @@ def new_commit_id() -> str:
 
 
 def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
-    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:12]]
+    s = [x.decode() if isinstance(x, bytes) else x for x in raw[:13]]
     return SessionMeta(
         id=session_id,
         version=int(s[0]),
@@ -659,14 +677,15 @@ def _meta(session_id: str, raw: list[Any]) -> SessionMeta:
         commit_id=str(s[9]),
         history_bytes=int(s[10]),
         keep_versions=int(s[11]),
+        tokens_hash=str(s[12]),
     )
 
 
 def _blobs(raw: list[Any]) -> StateBlobs | None:
     """The state bytes after the meta fields, or None when the caller held the current commit."""
-    if len(raw) <= 12 or raw[12] is None:
+    if len(raw) <= 13 or raw[13] is None:
         return None
-    blobs = StateBlobs(bytes(raw[12]), tuple(bytes(d) for d in raw[13]))
+    blobs = StateBlobs(bytes(raw[13]), tuple(bytes(d) for d in raw[14]))
     metrics.STATE_BYTES_READ.inc(blobs.nbytes)
     return blobs
 
@@ -815,6 +834,7 @@ class SessionStore:
         self._delete = r.register_script(_DELETE)
         self._read_at = r.register_script(_READ_AT)
         self._versions = r.register_script(_VERSIONS)
+        self._find_prefix = r.register_script(_FIND_PREFIX)
         self._record = r.register_script(_RECORD)
         self._forget = r.register_script(_FORGET)
         self._usage = r.register_script(_USAGE)
@@ -900,6 +920,10 @@ class SessionStore:
     def ledger_keys(self, tenant: str) -> list[str]:
         """A tenant's ledger: its live sessions by expiry (sorted set), and their bytes (hash)."""
         return [f"{self.prefix}tenant:{{{tenant}}}:live", f"{self.prefix}tenant:{{{tenant}}}:bytes"]
+
+    def prefix_key(self, tenant: str, tokens_hash: str) -> str:
+        """A committed token sequence of the tenant's (string: "session_id:version"), by hash."""
+        return f"{self.prefix}prefix:{{{tenant}}}:{tokens_hash}"
 
     def rate_key(self, tenant: str) -> str:
         """A tenant's request and token buckets (hash)."""
@@ -1030,6 +1054,7 @@ class SessionStore:
         session_id: str | None = None,
         keep: int = 1,
         transcript: list[bytes] | tuple[bytes, ...] = (),
+        tokens_hash: str = "",
     ) -> SessionMeta:
         """A new session (under `session_id`, when the caller has reserved one), keeping its
         last `keep` versions, its transcript starting with the `transcript` segments."""
@@ -1048,6 +1073,7 @@ class SessionStore:
                     int(keep),
                     self.transcript_max_bytes,
                     len(state.deltas),
+                    tokens_hash,
                     state.snapshot,
                     *state.deltas,
                     *transcript,
@@ -1099,7 +1125,7 @@ class SessionStore:
             blobs = StateBlobs(bytes(res[4]), tuple(bytes(d) for d in res[5]))
             metrics.STATE_BYTES_READ.inc(blobs.nbytes)
         segments = [bytes(x) for x in res[6]] if transcript else None
-        return AtVersion(meta, at, blobs, segments, transcript and res[7] == b"1")
+        return AtVersion(meta, at, blobs, segments, transcript and res[7] == b"1", res[8].decode())
 
     async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
         """The session and its kept versions, oldest first."""
@@ -1146,6 +1172,31 @@ class SessionStore:
         )
         _check_status(res, session_id, expected_version)
         return Writer(self, _meta(session_id, res[1:]), _blobs(res[1:]), token)
+
+    # -- tenants: the prefix index -------------------------------------------------------------
+    async def index_prefix(
+        self, owner: str, tokens_hash: str, session_id: str, version: int, ttl: int
+    ) -> None:
+        """Index a committed state by the hash of its tokens, for the owner's stateless
+        requests to find; the entry lives as long as the session would without more use."""
+        key = self.prefix_key(tenant_of(owner), tokens_hash)
+        try:
+            async with self._connection():
+                await self.redis.set(key, f"{session_id}:{version}", ex=ttl)
+        except Exception as exc:
+            raise _unavailable(exc) or exc from None
+
+    async def find_prefix(self, owner: str, hashes: list[str]) -> tuple[int, str, int] | None:
+        """The first of `hashes` (longest prefix first) that the owner has indexed: (its
+        position in `hashes`, session id, version), or None."""
+        if not hashes:
+            return None
+        tenant = tenant_of(owner)
+        res = await self._run(self._find_prefix, [self.prefix_key(tenant, h) for h in hashes], [])
+        if not res:
+            return None
+        sid, _, version = bytes(res[1]).decode().partition(":")
+        return int(res[0]) - 1, sid, int(version)
 
     # -- tenants: quotas ------------------------------------------------------------------------
     async def record(
@@ -1267,6 +1318,7 @@ class Writer:
         snapshot: bytes | None = None,
         delta: bytes | None = None,
         segment: bytes = b"",
+        tokens_hash: str = "",
     ) -> SessionMeta:
         """Commit version `meta.version + 1`, only if nobody committed since `begin`.
 
@@ -1294,6 +1346,7 @@ class Writer:
                 new_commit_id(),
                 segment,
                 s.transcript_max_bytes,
+                tokens_hash,
             ],
         )
         status = res[0].decode()

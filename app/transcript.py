@@ -87,15 +87,20 @@ class Segment:
     def end(self) -> int:
         return self.start + len(self.ids)
 
-    def to_json(self, decode: Any) -> dict[str, Any]:
-        """The segment as the transcript route shows it; `decode` turns ids into text."""
+    def to_json(self, decoder: Any) -> dict[str, Any]:
+        """The segment as the transcript route shows it; `decoder` is a fresh stream
+        decoder of the model's tokenizer (`feed(id)`, `flush()`)."""
+        texts = [decoder.feed(i) for i in self.ids]
+        if texts:
+            texts[-1] += decoder.flush()
         return {
             "session_id": self.session_id,
             "version": self.version,
             "kind": self.kind,
             "start": self.start,
             "ids": self.ids,
-            "text": decode(self.ids) if self.ids else "",
+            "text": "".join(texts),
+            "texts": texts,
             "sampled": self.sampled,
             "logprobs": self.logprobs,
             "sampling": self.sampling,

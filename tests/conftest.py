@@ -135,7 +135,11 @@ class ServerProcess:
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         for k, v in self.settings.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+            flag = k.replace("_", "-")
+            if isinstance(v, bool):  # (a BooleanOptionalAction flag)
+                args += ["--" + flag if v else "--no-" + flag]
+            else:
+                args += ["--" + flag, str(v)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.workdir.mkdir(parents=True, exist_ok=True)

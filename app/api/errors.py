@@ -52,7 +52,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.session_conflict: 409,
     ErrorType.model_mismatch: 409,
     ErrorType.version_mismatch: 412,
-    ErrorType.version_gone: 404,
+    ErrorType.version_gone: 409,
     ErrorType.prompt_too_long: 413,
     ErrorType.body_too_large: 413,
     ErrorType.queue_full: 429,

@@ -24,8 +24,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app import logs
 from app.config import Settings
-from app.engine import Engine, FinishReason, TokenEvent
+from app.engine import Engine, FinishReason, Logprobs, TokenEvent
 from app.sessions import Run, Sessions
+from model.sampling import SamplingParams
 
 from .deps import sampling_params
 from .errors import ApiError, ErrorType
@@ -205,11 +206,18 @@ async def start(
 async def _run(
     sessions: Sessions, settings: Settings, owner: str, sid: str | None, ids: list[int], **generate: Any
 ) -> Run:
-    """The generation of one prompt: in session `sid`, or (None) in a new session that has
-    consumed BOS, the prompt coming with the generation."""
+    """The generation of one prompt: in session `sid`, or (None) in a session of its own,
+    which starts from the longest committed prefix of its tokens (prefix reuse)."""
     if sid is None:
-        sid = (await sessions.create([], settings.session_ttl, owner)).id
+        sid, ids = await sessions.stateless(ids, owner, reuse=not _whole_prompt(**generate))
     return await sessions.generate(sid, ids, expected=None, owner=owner, **generate)
+
+
+def _whole_prompt(params: SamplingParams, logprobs: Logprobs | None = None, **_: Any) -> bool:
+    """Whether a generation must consume its whole prompt itself, not start from a reused
+    prefix (which leaves it only the rest): the repetition penalty counts the request's
+    prompt, and echo reports the prompt's log-probs."""
+    return params.repetition_penalty != 1 or (logprobs is not None and logprobs.prompt)
 
 
 def head(prefix: str, model: str, fingerprint: str, choices: Choices) -> dict[str, Any]:

@@ -123,6 +123,10 @@ class TranscriptSegment(Response):
     start: int = Field(description="the token position where its ids begin")
     ids: list[int] = Field(description="the tokens the state consumed in this commit")
     text: str
+    texts: list[str] = Field(
+        description="each token's text as a stream shows it (a multi-byte character comes with the token "
+        "that completes it); they join to `text`"
+    )
     sampled: list[bool] = Field(description="the action mask: true where the model sampled the token")
     logprobs: list[float | None] = Field(
         description="behaviour log-prob of each sampled token; null for prompt"
@@ -130,7 +134,7 @@ class TranscriptSegment(Response):
     sampling: dict | None = Field(description="the request's sampling parameters (generate, keep)")
     seed: int | None
     finish_reason: str | None
-    committed_at: float = Field(description="unix seconds")
+    committed_at: datetime
     restores: int | None = Field(description="a rollback: the version it made current again")
 
 

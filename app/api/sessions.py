@@ -328,13 +328,14 @@ async def transcript(
 ) -> Transcript:
     meta, segments, complete = await sessions.transcript(session_id, owner, since_version)
     response.headers.update(_etag(meta))
-    decode = sessions.engine.tokenizer.decode
     return Transcript(
         session_id=meta.id,
         version=meta.version,
         n_tokens=meta.n_tokens,
         complete=complete,
-        segments=[TranscriptSegment(**g.to_json(decode)) for g in segments],
+        segments=[
+            TranscriptSegment(**g.to_json(sessions.engine.tokenizer.stream_decoder())) for g in segments
+        ],
     )
 
 

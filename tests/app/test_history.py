@@ -71,7 +71,7 @@ def test_every_kept_version_rebuilds_to_its_own_snapshot(a, server, redis_url):
         assert r.status_code == 200 and r.headers["etag"] == f'"{x["version"]}"'
         assert r.content == snapshots[x["version"]], x
     r = a.get(f"/v1/sessions/{s['id']}/state", params={"version": 6})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "version_gone"
+    assert r.status_code == 409 and r.json()["error"]["type"] == "version_gone"
     assert "oldest it keeps is 7" in r.json()["error"]["message"]
 
 
@@ -109,9 +109,9 @@ def test_versions_past_the_history_and_bad_requests_get_clear_errors(a, b):
         generate(a, s["id"], 4)
     for path, body in (("rollback", {"version": 1}), ("fork", {"version": 0})):
         r = a.post(f"/v1/sessions/{s['id']}/{path}", json=body)
-        assert r.status_code == 404 and r.json()["error"]["type"] == "version_gone", r.text
+        assert r.status_code == 409 and r.json()["error"]["type"] == "version_gone", r.text
     r = a.post(f"/v1/sessions/{s['id']}/rollback", json={"version": 9})  # not yet
-    assert r.status_code == 404 and r.json()["error"]["type"] == "version_gone"
+    assert r.status_code == 409 and r.json()["error"]["type"] == "version_gone"
     for body in ({}, {"version": -1}, {"version": "1"}):
         r = a.post(f"/v1/sessions/{s['id']}/rollback", json=body)
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", body
@@ -142,7 +142,10 @@ def test_the_transcript_is_what_the_state_consumed(a):
     assert [g["version"] for g in segs] == [0, 1, 2, 3]
     position = 0
     for g in segs:  # contiguous, and adding up to the state's tokens
-        assert g["start"] == position and len(g["ids"]) == len(g["sampled"]) == len(g["logprobs"])
+        assert g["start"] == position and len(g["ids"]) == len(g["sampled"]) == len(g["logprobs"]) == len(
+            g["texts"]
+        )
+        assert "".join(g["texts"]) == g["text"]
         position += len(g["ids"])
     assert position == t["n_tokens"] == greedy["session"]["n_tokens"]
     gen = segs[1]
