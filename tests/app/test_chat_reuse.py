@@ -83,9 +83,7 @@ def test_a_resent_chat_forks_every_turn_and_matches_a_full_prefill(server):
     messages = list(SCENE)
     previous: str | None = None
     with client(server, "key-chat") as a:
-        for turn, line in enumerate([None, *LINES]):
-            if line is not None:
-                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": line}]
+        for turn, line in enumerate([*LINES, None]):
             before = counters(server)
             got = chat(a, messages)
             if previous is None:
@@ -101,7 +99,9 @@ def test_a_resent_chat_forks_every_turn_and_matches_a_full_prefill(server):
             assert [t["token"] for t in g] == [t["token"] for t in w] and len(g) > 0
             assert [t["logprob"] for t in g] == pytest.approx([t["logprob"] for t in w], abs=1e-4)
             assert got["choices"][0]["message"] == want["choices"][0]["message"]
-            reply, previous = got["choices"][0]["message"]["content"], got["session_id"]
+            previous = got["session_id"]
+            if line is not None:  # the whole conversation goes back, the reply as returned
+                messages += [got["choices"][0]["message"], {"role": "user", "content": line}]
 
 
 def test_the_openai_sdk_streams_a_stateless_chat_that_hits_reuse(server):
