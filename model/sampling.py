@@ -18,6 +18,10 @@ behaviour log-prob that RL replay needs. Both run these steps, in this order:
    Steps 1-4 give the *adjusted logits*.
 5. **temperature** t divides the adjusted logits; t < 1e-5 (0, say) is greedy: the argmax
    of the adjusted logits (vLLM's threshold: dividing by less would overflow float32).
+   A t above float32's largest number (3.4e38) divides as that number: float32 would
+   round it to inf, and a held-back token's -inf / inf is NaN, which poisons the whole
+   row. Any t that large already makes every finite logit 0 (a uniform distribution over
+   the tokens steps 1-4 left), so the bound changes no distribution.
 6. **min_p**: tokens less probable than min_p times the most probable one are dropped.
 7. **top_k** keeps the k most probable tokens, then **top_p** keeps the smallest set of
    the most probable ones whose mass (renormalised after 6 and 7's top_k) reaches top_p.
@@ -52,6 +56,8 @@ import torch.nn.functional as F
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond, a divided logit can overflow float32
+# temperatures divide as at most this (step 5): float32 would round a larger one to inf
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
 def _pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -287,7 +293,7 @@ def transform(
     sorted_adjusted, order = adjusted.sort(-1, descending=True)  # (B, V)
     sorted_logits = sorted_adjusted
     if any(p.temperature != 1 and not p.greedy for p in params):  # step 5 (greedy rows: as at 1)
-        temp = _on(dev, [1.0 if p.greedy else p.temperature for p in params])
+        temp = _on(dev, [1.0 if p.greedy else min(p.temperature, MAX_TEMPERATURE) for p in params])
         sorted_logits = sorted_adjusted / temp[:, None]
     drop = None  # (B, V) bool, once a step drops anything
     if any(p.min_p > 0 for p in params):  # step 6: p < min_p * p_max <=> logit < max + log(min_p)
@@ -295,7 +301,8 @@ def transform(
         drop = sorted_logits < (sorted_logits[:, :1] + log_min_p[:, None])
     if any(p.top_k for p in params):  # step 7
         rank = torch.arange(V, device=dev)[None]
-        top_k = rank >= _on(dev, [p.top_k or V for p in params], torch.long)[:, None]
+        # (a k past the vocabulary keeps it all, and may not fit in int64)
+        top_k = rank >= _on(dev, [min(p.top_k, V) or V for p in params], torch.long)[:, None]
         drop = top_k if drop is None else drop | top_k
     if any(p.top_p < 1 for p in params):
         kept = sorted_logits if drop is None else sorted_logits.masked_fill(drop, float("-inf"))

@@ -324,3 +324,55 @@ def test_the_distribution_sums_to_one_and_gives_dropped_tokens_nothing(batch, se
 def _row(ctx: Context, i: int) -> Context:
     assert ctx.seen is not None and ctx.counts is not None
     return Context([ctx.generated[i]], ctx.seen[i : i + 1], ctx.counts[i : i + 1], ctx.eos_id)
+
+
+# -- the edges of every control's range -----------------------------------------------------------
+FLOAT64_MAX = 1.7976931348623157e308
+# each control's bounds, the values next to them, and the float thresholds in between
+EDGE_TEMPERATURES = [0.0, 5e-324, 9.99e-6, 1e-5, 1.0, 3.4028234e38, 3.5e38, 1.16e308, FLOAT64_MAX]
+
+
+@st.composite
+def extreme_rows(draw_, V: int):
+    return SamplingParams(
+        temperature=draw_(st.one_of(st.sampled_from(EDGE_TEMPERATURES), st.floats(0, FLOAT64_MAX))),
+        top_k=draw_(st.one_of(st.integers(0, V + 1), st.integers(0, 10**30))),
+        top_p=draw_(st.one_of(st.sampled_from([5e-324, 1e-45, 1.0]), st.floats(0, 1, exclude_min=True))),
+        min_p=draw_(st.one_of(st.sampled_from([0.0, 5e-324, 1.0]), st.floats(0, 1))),
+        repetition_penalty=draw_(st.one_of(st.sampled_from([0.01, 100.0]), st.floats(0.01, 100.0))),
+        presence_penalty=draw_(st.one_of(st.sampled_from([-2.0, 2.0, -8.79e-232]), st.floats(-2.0, 2.0))),
+        frequency_penalty=draw_(st.one_of(st.sampled_from([-2.0, 2.0]), st.floats(-2.0, 2.0))),
+        logit_bias=draw_(
+            st.dictionaries(
+                st.integers(0, V - 1), st.one_of(st.sampled_from([-100.0, 100.0]), st.floats(-100, 100))
+            )
+        ),
+        stop_token_ids=tuple(draw_(st.lists(st.integers(1, V - 1), max_size=V - 2))),
+        ignore_eos=draw_(st.booleans()),
+        min_tokens=draw_(st.integers(0, 3)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(2, 40), st.floats(0, 1e4), st.integers(0, 2**31))
+def test_every_valid_control_gives_finite_logprobs(data, V, scale, seed):
+    """Any controls SamplingParams accepts, at the edges of their ranges (temperatures up
+    to float64's largest: 1.16e308 once made a held-back token's logit -inf / inf = NaN),
+    over logits from 0 to 1e4 in size: the distribution sums to 1, every token it keeps
+    has a finite log-prob, and the drawn token's behaviour log-prob is finite and equals
+    what `behaviour_logprobs` (replay) computes for it."""
+    B = data.draw(st.integers(1, 3))
+    params = [data.draw(extreme_rows(V)) for _ in range(B)]
+    tokens = st.lists(st.integers(0, V - 1), max_size=8)
+    prompts, outputs = [data.draw(tokens) for _ in params], [data.draw(tokens) for _ in params]
+    ctx = Context.of(prompts, outputs, V, eos_id=0)  # stop ids are 1.., so token 0 or V-1 is left
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * scale
+    logp, _, _ = transform(logits, params, ctx)
+    assert not logp.isnan().any() and (logp < math.inf).all()
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(B), atol=1e-5)
+    assert torch.isfinite(logp[:, 0]).all()  # the most probable token always stays
+    d = draw(logits, params, [make_generator(seed + i) for i in range(B)], ctx, top=V)
+    assert torch.isfinite(d.logprobs).all()
+    assert d.top_logprobs is not None and not d.top_logprobs.isnan().any()
+    replayed = behaviour_logprobs(logits, params, d.ids, ctx)
+    assert torch.allclose(replayed, d.logprobs, rtol=1e-6, atol=1e-6)
