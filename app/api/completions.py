@@ -6,7 +6,8 @@ new text); without either, a new session is created. Either way the session's id
 back in the `X-Session-Id` header and the body, and the generation is committed to it
 exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions.py).
 `prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
-(and one new session) per prompt. What the OpenAI routes share is in openai_framing.py.
+(and one new session) per prompt; with `n`, n choices per prompt, the others in forks of
+its session. What the OpenAI routes share is in openai_framing.py.
 
 Stop strings and stop tokens are left out of `text` (OpenAI's semantics; vLLM's
 `include_stop_str_in_output` keeps them), though the session's state has consumed them.
@@ -14,7 +15,8 @@ Stop strings and stop tokens are left out of `text` (OpenAI's semantics; vLLM's
 most probable alternatives under the same distribution; `echo` puts the prompt's text
 (and, not streamed, its tokens' log-probs: the model's own) first.
 
-Deviations from OpenAI, all forced by sessions: `n` and `best_of` are 1. Errors keep
+Deviations from OpenAI: `best_of` is 1, and `usage.prompt_tokens` counts each of the `n`
+choices' prompt (each consumes it in its own session). Errors keep
 recur's body, `{"error": {"type", "message"}}`, which the openai SDK raises as its usual
 exceptions; mid-stream, an error is a data chunk `{"error": ...}`, which the SDK raises
 too.
@@ -195,14 +197,14 @@ class _Chunks:
 
     head: dict[str, Any]
     logprobs: _Logprobs | None
-    echoed: list[list[str]]  # per choice, its prompt tokens' texts when echoed
+    echoed: list[list[str]]  # per prompt, its tokens' texts when echoed
 
     def __post_init__(self) -> None:
         self.offsets: dict[int, int] = {}  # each choice's text_offset so far
 
     def whole(self, choice: oai.Choice) -> CompletionChoice:
         """A choice not streamed: the echoed prompt (with its log-probs), then its text."""
-        echoed, res = self.echoed[choice.index], choice.run.result
+        echoed, res = self.echoed[choice.prompt], choice.run.result
         prompt_top = res.prompt_top or [()] * len(echoed)
         scored = []
         if echoed and self.logprobs:  # the prompt's log-probs exist only when logprobs asked for them
@@ -222,7 +224,7 @@ class _Chunks:
         )
 
     def opening(self, choice: oai.Choice) -> CompletionChoice | None:
-        echoed = "".join(self.echoed[choice.index])  # (echo with logprobs is not streamed)
+        echoed = "".join(self.echoed[choice.prompt])  # (echo with logprobs is not streamed)
         self.offsets[choice.index] = len(echoed)
         return CompletionChoice(index=choice.index, text=echoed, finish_reason=None) if echoed else None
 

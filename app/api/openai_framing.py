@@ -14,9 +14,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -26,6 +26,7 @@ from app import logs
 from app.config import Settings
 from app.engine import Engine, FinishReason, Logprobs, TokenEvent
 from app.sessions import Run, Sessions
+from app.store import VersionMismatch
 from model.sampling import SamplingParams
 
 from .deps import sampling_params
@@ -38,6 +39,7 @@ FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": 
 
 
 log = logging.getLogger("recur.openai")
+T = TypeVar("T")
 
 # the error types both OpenAI routes answer themselves (for their OpenAPI `responses`)
 ERRORS = (
@@ -45,6 +47,7 @@ ERRORS = (
     ErrorType.model_not_found,
     ErrorType.session_not_found,
     ErrorType.session_busy,
+    ErrorType.session_conflict,
     ErrorType.model_mismatch,
     ErrorType.prompt_too_long,
     ErrorType.queue_full,
@@ -56,9 +59,11 @@ ERRORS = (
 def generation(
     body: OpenAIBody, settings: Settings, max_tokens: int | None, engine: Engine
 ) -> dict[str, Any]:
-    """The sampling and limits of a body, as `Sessions.generate` takes them."""
+    """The sampling and limits of a body, as `Sessions.generate` takes them, and `n`, the
+    choices per prompt (`start` takes it)."""
     capped = min(settings.max_tokens if max_tokens is None else max_tokens, settings.max_tokens)
-    return {"params": sampling_params(body, engine, capped), "seed": body.seed, "max_tokens": capped}
+    params = sampling_params(body, engine, capped)
+    return {"params": params, "seed": body.seed, "max_tokens": capped, "n": body.n or 1}
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -134,6 +139,7 @@ class Choice:
     """One choice of a response: its generation and its returned text."""
 
     index: int
+    prompt: int  # the prompt of the batch it continues: choices i*n .. i*n+n-1 are prompt i's
     run: Run
     text: StopText
 
@@ -175,27 +181,40 @@ async def start(
     stop: list[str],
     keep_stop: bool = False,
     user: str | None = None,
+    n: int = 1,
     **generate: Any,
 ) -> Choices:
-    """One generation per prompt, choice i for prompt i: in session `sid`, or each in a new
-    session. All start, or none does (those started are closed). `user` is OpenAI's
+    """`n` generations per prompt, choices i*n .. i*n+n-1 for prompt i (OpenAI's order): the
+    first in session `sid` (or a new session), the others in forks of it taken before any
+    starts, all started together so the engine batches them. With `seed` s, choice j of a
+    prompt samples with seed s + j. All start, or none does: those started are closed, and
+    the sessions this request made (forks, new sessions) deleted. `user` is OpenAI's
     end-user id: logged for the operator (with the session), never used."""
-    if sid is not None and len(prompts) != 1:
-        raise ApiError(
-            ErrorType.invalid_request,
-            f"a session has one continuation: send one prompt with session_id, not {len(prompts)}",
+    _check_batch(settings, sid, len(prompts), n)
+    made: list[str] = []  # every session this request creates, deleted if it fails to start
+    try:
+        groups = await _gather(
+            *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
         )
-    started = await asyncio.gather(
-        *(_run(sessions, settings, owner, sid, ids, stop=stop, **generate) for ids in prompts),
-        return_exceptions=True,
-    )
-    runs = [r for r in started if isinstance(r, Run)]
+        seed = generate.pop("seed")
+        runs = await _gather(
+            *(
+                sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
+                for ids, targets in groups
+                for j, (s, v) in enumerate(targets)
+            )
+        )
+    except BaseException as exc:
+        await asyncio.gather(*(_forget(sessions, owner, s) for s in made))
+        if isinstance(exc, VersionMismatch):  # only n > 1 expects a version: a commit came between
+            raise ApiError(
+                ErrorType.session_conflict, f"session {sid} changed while its {n} choices were being forked"
+            ) from exc
+        raise
     min_tokens = generate["params"].min_tokens
-    choices = Choices([Choice(i, run, StopText(stop, keep_stop, min_tokens)) for i, run in enumerate(runs)])
-    failed = next((r for r in started if isinstance(r, BaseException)), None)
-    if failed is not None:
-        await choices.close()
-        raise failed
+    choices = Choices(
+        [Choice(i, i // n, r, StopText(stop, keep_stop, min_tokens)) for i, r in enumerate(runs)]
+    )
     # the runs started in tasks of their own: the request's log context learns the session here
     logs.session_id.set(choices.items[0].run.writer.meta.id)
     if user is not None:
@@ -203,14 +222,66 @@ async def start(
     return choices
 
 
-async def _run(
-    sessions: Sessions, settings: Settings, owner: str, sid: str | None, ids: list[int], **generate: Any
-) -> Run:
-    """The generation of one prompt: in session `sid`, or (None) in a session of its own,
-    which starts from the longest committed prefix of its tokens (prefix reuse)."""
+def _check_batch(settings: Settings, sid: str | None, prompts: int, n: int) -> None:
+    if sid is not None and prompts != 1:
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"a session has one continuation: send one prompt with session_id, not {prompts}",
+        )
+    if n * prompts > settings.max_batch_size:
+        raise ApiError(
+            ErrorType.invalid_request,
+            f"n: {n} choices for each of {prompts} prompt(s) are {n * prompts} generations; this server "
+            f"runs at most {settings.max_batch_size} (max_batch_size) in one request",
+        )
+
+
+async def _gather(*aws: Awaitable[T]) -> list[T]:
+    """Every awaitable's result, or (once all have ended) the first failure, after closing
+    the runs that did start."""
+    done = await asyncio.gather(*aws, return_exceptions=True)
+    failed = next((r for r in done if isinstance(r, BaseException)), None)
+    if failed is None:
+        return list(done)  # type: ignore[arg-type]  # no exception among them
+    await asyncio.gather(*(r.close() for r in done if isinstance(r, Run)))
+    raise failed
+
+
+def _nth(seed: int | None, j: int) -> int | None:
+    return None if seed is None else seed + j
+
+
+async def _sessions_of(
+    sessions: Sessions, owner: str, sid: str | None, ids: list[int], n: int, made: list[str], **generate: Any
+) -> tuple[list[int], list[tuple[str, int | None]]]:
+    """The ids one prompt's generations consume, and the n (session, expected version) they
+    run in: session `sid`, or (None) one of its own, which starts from the longest committed
+    prefix of its tokens (prefix reuse); then n-1 forks of it, each at that version."""
+    stateless = sid is None
     if sid is None:
         sid, ids = await sessions.stateless(ids, owner, reuse=not _whole_prompt(**generate))
-    return await sessions.generate(sid, ids, expected=None, owner=owner, **generate)
+        made.append(sid)
+    if n == 1:
+        return ids, [(sid, None)]
+    meta = await sessions.get(sid, owner)
+    ttl = sessions.stateless_ttl if stateless else meta.ttl
+
+    source = sid
+
+    async def fork() -> tuple[str, int | None]:
+        f = await sessions.fork(source, meta.version, owner, ttl=ttl)
+        made.append(f.id)
+        return f.id, f.version
+
+    return ids, [(source, meta.version), *await _gather(*(fork() for _ in range(n - 1)))]
+
+
+async def _forget(sessions: Sessions, owner: str, session_id: str) -> None:
+    """Delete a session a failed request made (best effort: it expires anyway)."""
+    try:
+        await sessions.delete(session_id, None, owner)
+    except Exception:
+        log.warning("could not delete session %s, made for a request that failed", session_id)
 
 
 def _whole_prompt(params: SamplingParams, logprobs: Logprobs | None = None, **_: Any) -> bool:

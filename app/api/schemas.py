@@ -28,6 +28,7 @@ MAX_TOKENS_CEILING = 2**20
 # Seeds stay within the integers JSON represents exactly everywhere (I-JSON, RFC 7493):
 # past 2**53 a client, or a schema validator, that reads numbers as doubles rounds them
 SEED_LIMIT = 2**53
+MAX_CHOICES = 16  # `n` of the OpenAI routes: each choice is a fork and a generation
 
 # A bound that depends on the served model or the settings is marked `x-limit` in the JSON
 # schema (the setting's name, or `vocab`): app/api/openapi.py writes the served value into
@@ -335,7 +336,12 @@ class OpenAIBody(SamplingFields):
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
     n: int | None = Field(
-        None, description="only 1: a session has one continuation", json_schema_extra={"enum": [1, None]}
+        None,
+        ge=1,
+        le=MAX_CHOICES,
+        description="choices per prompt: the first continues the prompt's session, the others forks of it "
+        "(each choice's `session` says which); with `seed` s, choice j samples with seed s + j; n times the "
+        "prompts at most the server's max_batch_size",
     )
     stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         None,
@@ -353,13 +359,6 @@ class OpenAIBody(SamplingFields):
     session_id: str | None = Field(
         None, description="continue this session (or send X-Session-Id); absent: a new session is created"
     )
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only 1 is supported: a recurrent session has one continuation")
-        return v
 
 
 class Completion(OpenAIBody):

@@ -180,7 +180,7 @@ def test_logprobs_stop_strings_and_max_completion_tokens(oa, shipped):
 
 def test_bad_chat_requests_get_the_error_body(oa, http, shipped):
     with pytest.raises(openai.UnprocessableEntityError, match="n"):
-        oa.chat.completions.create(model=shipped.model_dir, messages=SCENE, n=2)
+        oa.chat.completions.create(model=shipped.model_dir, messages=SCENE, n=17)  # past 16 choices
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-4o", messages=SCENE)
     for bad in (

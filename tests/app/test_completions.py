@@ -216,7 +216,7 @@ def test_a_batch_of_prompts_is_one_choice_each_in_its_own_session(oa, http, serv
 
 def test_errors_surface_as_sdk_exceptions(oa, http):
     with pytest.raises(openai.UnprocessableEntityError) as e:
-        oa.completions.create(model="tiny", prompt="x", n=2)
+        oa.completions.create(model="tiny", prompt="x", n=17)  # past the most choices (16)
     assert e.value.status_code == 422 and e.value.type == "invalid_request" and "n" in str(e.value)
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4", prompt="x")
@@ -227,7 +227,7 @@ def test_errors_surface_as_sdk_exceptions(oa, http):
     with pytest.raises(openai.UnprocessableEntityError, match="presence_penalty"):
         oa.completions.create(model="tiny", prompt="x", presence_penalty=2.5)  # OpenAI's range: -2..2
     # the house error body, unchanged
-    r = http.post("/v1/completions", json={"prompt": "x", "n": 3})
+    r = http.post("/v1/completions", json={"prompt": "x", "n": 17})
     assert r.status_code == 422 and set(r.json()["error"]) == {"type", "message"}
     # nothing was created or changed by a refused request
     sid = http.post("/v1/sessions").json()["id"]
