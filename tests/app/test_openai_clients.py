@@ -83,6 +83,32 @@ def test_sdk_chat_streamed_or_not_with_logprobs_and_stop(oa):
         )
 
 
+def test_sdk_n_2_on_both_routes_streamed_or_not(oa):
+    """`n=2`: two choices, each in a session of its own; streamed, the SDK's chunks carry
+    each choice's index and add up to the same texts (choice j samples with seed 8 + j)."""
+    body = {"model": MODEL, "n": 2, "seed": 8, "max_tokens": 30}
+    c = oa.completions.create(prompt="JULIET:\n", **body)  # type: ignore[call-overload]
+    chat = oa.chat.completions.create(messages=[{"role": "user", "content": "Good night."}], **body)  # type: ignore[call-overload]
+    for result in (c, chat):
+        assert [ch.index for ch in result.choices] == [0, 1]
+        assert result.choices[0].session["id"] == result.session_id != result.choices[1].session["id"]  # type: ignore[attr-defined]
+        assert result.usage.completion_tokens <= 2 * 30
+    stream = oa.completions.create(prompt="JULIET:\n", stream=True, **body)  # type: ignore[call-overload]
+    texts = ["", ""]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in c.choices]
+    stream = oa.chat.completions.create(  # type: ignore[call-overload]
+        messages=[{"role": "user", "content": "Good night."}], stream=True, **body
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [ch.message.content for ch in chat.choices]
+
+
 def test_sdk_continues_a_session_by_header_or_body(oa, http):
     raw = oa.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Who is there?"}], max_tokens=20, seed=0
