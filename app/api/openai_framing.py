@@ -1,5 +1,6 @@
 """What the OpenAI-compatible routes (`completions.py`, `chat_completions.py`) share: one
-generation per choice, each in a new or a continued session; stop strings cut from the
+generation per choice, each in a new or a continued session, or (`n` > 1) in a fork of
+its prompt's session taken before any starts; stop strings cut from the
 returned text OpenAI's way; the response head; the chunk stream merged from every choice,
 its usage chunk and `data: [DONE]`.
 
