@@ -96,7 +96,11 @@ class Server:
             "warning",
         ]
         for k, v in settings.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+            flag = k.replace("_", "-")
+            if isinstance(v, bool):  # (a BooleanOptionalAction flag: --x / --no-x)
+                args.append("--" + flag if v else "--no-" + flag)
+            else:
+                args += ["--" + flag, str(v)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         workdir.mkdir(parents=True, exist_ok=True)
