@@ -14,7 +14,8 @@ routes, plus what FastAPI cannot see in a route's signature.
   its `maximum`: the vocabulary for token ids, a setting for the others.
 - **Links** from each response that names a session to every operation on a session, so
   that a stateful client (schemathesis's stateful phase) can follow create -> generate ->
-  fork -> delete.
+  fork -> rollback -> versions -> delete; a session's version travels along (If-Match,
+  `?version=`, a rollback's body).
 
 It only describes: the behaviour it documents lives in errors.py, deps.py and the routers.
 """
@@ -226,8 +227,9 @@ def range_pattern(maximum: int) -> str:
 
 
 def _add_links(doc: dict) -> None:
-    """Links from every response that names a session (a new one: 201 with `id`; a
-    completion's: `session_id`) to every operation on `/v1/sessions/{session_id}...`."""
+    """Links from every response that names a session (one with `id` and `version`: a new,
+    read or rolled-back session's; a completion's: `session_id`) to every operation on
+    `/v1/sessions/{session_id}...`."""
     targets = [
         (op["operationId"], op)
         for path, ops in doc["paths"].items()
@@ -241,26 +243,41 @@ def _add_links(doc: dict) -> None:
                 if where is None:
                     continue
                 response["links"] = {
-                    target_id: _link(target_id, target, where, etag=status == "201")
-                    for target_id, target in targets
+                    target_id: _link(doc, target_id, target, where) for target_id, target in targets
                 }
+
+
+def _body_schema(doc: dict, op: dict) -> dict:
+    """The JSON schema of an operation's (or a response's) JSON body, its `$ref` resolved."""
+    ref = op.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref", "")
+    return doc["components"]["schemas"].get(ref.removeprefix(_COMPONENT), {}) if ref else {}
 
 
 def _session_field(doc: dict, status: str, response: dict) -> str | None:
     """The JSON pointer of the session id a success response names, if it names one."""
     if not status.startswith("2"):
         return None
-    ref = response.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref", "")
-    props = doc["components"]["schemas"].get(ref.removeprefix(_COMPONENT), {}).get("properties", {})
-    if status == "201" and {"id", "version"} <= set(props):
+    props = _body_schema(doc, response).get("properties", {})
+    if {"id", "version"} <= set(props):  # SessionInfo: its route sends the version as ETag
         return "/id"
     if "session_id" in props and "choices" in props:  # an OpenAI completion
         return "/session_id"
     return None
 
 
-def _link(target_id: str, target: dict, where: str, etag: bool) -> dict:
-    parameters = {"path.session_id": f"$response.body#{where}"}
-    if etag and any(p["name"] == "If-Match" for p in target.get("parameters", [])):
+def _link(doc: dict, target_id: str, target: dict, where: str) -> dict:
+    """A link to `target` with the session the response names; from a SessionInfo also its
+    version, as If-Match (its ETag), as `?version=`, and as a body's required `version`
+    (a rollback to it), so that a stateful client reaches those routes' success too."""
+    link: dict[str, Any] = {"operationId": target_id}
+    parameters = link["parameters"] = {"path.session_id": f"$response.body#{where}"}
+    if where != "/id":
+        return link
+    names = {p["name"] for p in target.get("parameters", [])}
+    if "If-Match" in names:
         parameters["header.If-Match"] = "$response.header.ETag"
-    return {"operationId": target_id, "parameters": parameters}
+    if "version" in names:
+        parameters["query.version"] = "$response.body#/version"
+    if "version" in _body_schema(doc, target.get("requestBody", {})).get("required", []):
+        link["requestBody"] = {"version": "$response.body#/version"}
+    return link

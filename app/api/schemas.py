@@ -329,6 +329,9 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class OpenAIBody(SamplingFields):
     """What the bodies of both OpenAI routes take: the model, sampling, stop strings,
     streaming and recur's `session_id` (and `top_k`). Fields OpenAI has but recur cannot
@@ -343,9 +346,10 @@ class OpenAIBody(SamplingFields):
         "(each choice's `session` says which); with `seed` s, choice j samples with seed s + j; n times the "
         "prompts at most the server's max_batch_size",
     )
-    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+    # (the bounds on each form: a Field's max_length would bound a string's characters and
+    # an array's items alike, and the document would show only the first)
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = Field(
         None,
-        max_length=16,
         description="generation ends after the token that completes one; it is left out of the returned text "
         "unless include_stop_str_in_output (the session's state has consumed it either way)",
     )
@@ -363,6 +367,21 @@ class OpenAIBody(SamplingFields):
 
 class Completion(OpenAIBody):
     """OpenAI's `POST /v1/completions` body (and what `OpenAIBody` adds)."""
+
+    # the one combination the route refuses (422), stated so that no client (nor a fuzzer)
+    # takes it for valid: echo with logprobs (a number) is not streamed
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["echo", "logprobs", "stream"],
+                "properties": {
+                    "echo": {"const": True},
+                    "logprobs": {"type": "integer"},
+                    "stream": {"const": True},
+                },
+            }
+        }
+    )
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         "",

@@ -48,19 +48,52 @@ EXAMPLES = 60  # per operation and phase, as the issue's run: under a minute on 
 # server's max_prompt_tokens (tokens of a text or a rendered chat, which no schema counts)
 POSITIVE_ALSO = ["412", "413"]
 
-# The one rule of the API that OpenAPI cannot state, as a schemathesis hook: a request that
-# sends both the body's session_id and the X-Session-Id header names one session in both
-# (two different ones are a contradiction: 422). A case that sends both gets the header's.
-HOOKS = """
+MAX_BATCH = 32  # the contract server's max_batch_size
+VOCAB = 258  # the tiny model's: token ids 0..257
+
+# The rules of the API that OpenAPI cannot state, as a schemathesis hook that makes a
+# generated request keep them (a request that breaks one is a contradiction: 422):
+# - a request that sends both the body's session_id and the X-Session-Id header names one
+#   session in both: a case that sends both gets the header's;
+# - a completion that continues a session has one prompt: a batch (an array of texts or
+#   of token-id arrays) sent with a session keeps its first prompt;
+# - a completion runs at most max_batch_size generations, n per prompt: a batch keeps
+#   as many prompts as fit.
+# Only a schema-valid batch is cut (so a cut never makes an invalid body valid), and only
+# to a shorter one, which the schema allows as well.
+HOOKS = f"""
 import schemathesis
+
+MAX_BATCH, VOCAB = {MAX_BATCH}, {VOCAB}
+
+
+def _integer(x, low, high):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high and float(x).is_integer()
+
+
+def _batch(prompt):
+    \"\"\"A schema-valid batch of several prompts, or None.\"\"\"
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt):
+        return prompt
+    if all(isinstance(p, list) and all(_integer(t, 0, VOCAB - 1) for t in p) for p in prompt):
+        return prompt
+    return None
 
 
 @schemathesis.hook
 def before_call(ctx, case, **kwargs):
-    headers = case.headers or {}
+    headers = case.headers or {{}}
     header = next((v for k, v in headers.items() if k.lower() == "x-session-id"), None)
-    if isinstance(case.body, dict) and isinstance(case.body.get("session_id"), str) and header is not None:
-        case.body["session_id"] = header
+    body = case.body if isinstance(case.body, dict) else {{}}
+    if isinstance(body.get("session_id"), str) and header is not None:
+        body["session_id"] = header
+    batch = _batch(body.get("prompt")) if case.operation.path == "/v1/completions" else None
+    if batch is not None:
+        n = int(body["n"]) if _integer(body.get("n"), 1, MAX_BATCH) else 1
+        session = header is not None or isinstance(body.get("session_id"), str)
+        body["prompt"] = batch[: 1 if session else max(1, MAX_BATCH // n)]
 """
 
 CONFIG = f"""
@@ -97,6 +130,7 @@ def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
         cpu_threads=1,
         max_tokens=8,
         max_prompt_tokens=300,
+        max_batch_size=MAX_BATCH,
         api_keys=",".join(KEYS.values()),
         metrics_access="api_key",
     )
