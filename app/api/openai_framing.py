@@ -32,7 +32,7 @@ from model.sampling import SamplingParams
 
 from .deps import sampling_params
 from .errors import ApiError, ErrorType
-from .schemas import CompletionUsage, OpenAIBody, SessionRef
+from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails, SessionRef
 from .sse import guarded, respond, sse_json, until_disconnect
 
 # OpenAI knows no "eos": the model ending its text is a stop
@@ -143,6 +143,7 @@ class Choice:
     prompt: int  # the prompt of the batch it continues: choices i*n .. i*n+n-1 are prompt i's
     run: Run
     text: StopText
+    cached: int = 0  # prompt tokens its session already held (prefix reuse): not prefilled
 
     def ref(self) -> SessionRef:
         assert self.run.meta is not None
@@ -165,10 +166,14 @@ class Choices:
             await c.run.close()
 
     def usage(self) -> CompletionUsage:
-        prompt = sum(c.run.prompt_tokens for c in self.items)
+        cached = sum(c.cached for c in self.items)
+        prompt = sum(c.run.prompt_tokens for c in self.items) + cached
         completion = sum(len(c.run.tokens) for c in self.items)
         return CompletionUsage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 
@@ -213,8 +218,12 @@ async def start(
             ) from exc
         raise
     min_tokens = generate["params"].min_tokens
+    cached = [len(prompt) - len(ids) for prompt, (ids, _) in zip(prompts, groups, strict=True)]
     choices = Choices(
-        [Choice(i, i // n, r, StopText(stop, keep_stop, min_tokens)) for i, r in enumerate(runs)]
+        [
+            Choice(i, i // n, r, StopText(stop, keep_stop, min_tokens), cached[i // n])
+            for i, r in enumerate(runs)
+        ]
     )
     # the runs started in tasks of their own: the request's log context learns the session here
     logs.session_id.set(choices.items[0].run.writer.meta.id)

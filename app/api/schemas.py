@@ -446,10 +446,17 @@ class CompletionChoice(Response):
     )
 
 
+class PromptTokensDetails(Response):
+    cached_tokens: int = Field(
+        0, description="prompt tokens a stateless request did not prefill: its key's committed prefix held them"
+    )
+
+
 class CompletionUsage(Response):
-    prompt_tokens: int
+    prompt_tokens: int = Field(description="the request's whole prompt, cached tokens included")
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class OpenAIResult(Response):

@@ -84,6 +84,8 @@ def test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill(serve
         before = counters(server)
         prompt2 = history[bos:] + list(b"\nAll: Speak, speak.")
         turn2 = complete(a, prompt2)
+        assert turn2["usage"]["prompt_tokens"] == len(prompt2)
+        assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - bos
         after = counters(server)
         assert after["hits"] == before["hits"] + 1
         assert after["tokens_saved"] - before["tokens_saved"] == len(history)
