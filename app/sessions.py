@@ -210,7 +210,7 @@ class Sessions:
         session), at worst the ledger forgets the session early and counts too little."""
         try:
             self._seen(
-                owner, await self.store.record(owner, meta.id, meta.state_bytes, meta.expires_at, None)
+                owner, await self.store.record(owner, meta.id, meta.stored_bytes, meta.expires_at, None)
             )
         except StoreUnavailable:
             log.warning("could not record a use of session %s in its tenant's ledger", meta.id)
@@ -581,7 +581,7 @@ class Sessions:
             else 0
         )
         size = len(res.encoded.blob) + len(packed) + old.history_bytes + kept
-        await self._reserve(owner, old.id, size, old.ttl, grows=size > old.state_bytes)
+        await self._reserve(owner, old.id, size, old.ttl, grows=size > old.stored_bytes)
         if tokens_hash is None:
             tokens_hash = prefixes.extend(old.tokens_hash, segment.ids)
         meta = await writer.commit(
@@ -594,7 +594,7 @@ class Sessions:
     async def _settle(self, owner: str, meta: SessionMeta, reserved: int) -> SessionMeta:
         """The tenant's ledger takes the size the session has after a write, when the
         history and transcript bounds made it smaller than the reservation."""
-        if meta.state_bytes != reserved:
+        if meta.stored_bytes != reserved:
             await self._touch(meta, owner)
         return meta
 

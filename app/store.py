@@ -586,8 +586,14 @@ class SessionMeta:
 
     @property
     def state_bytes(self) -> int:
-        """Everything the session stores: what its tenant's quota counts."""
-        return self.snapshot_bytes + self.delta_bytes + self.history_bytes
+        """The current state's stored bytes: its snapshot and deltas."""
+        return self.snapshot_bytes + self.delta_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """Everything the session stores, history and transcript included: what its
+        tenant's quota counts."""
+        return self.state_bytes + self.history_bytes
 
 
 @dataclass(frozen=True)

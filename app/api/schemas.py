@@ -163,7 +163,10 @@ class SessionInfo(SessionRef):
 
 
 class SessionDetail(SessionInfo):
-    state_bytes: int = Field(description="size of the stored state blob")
+    state_bytes: int = Field(description="size of the stored state (its snapshot and deltas)")
+    history_bytes: int = Field(
+        description="size of the kept past versions and the transcript (the key's quota counts both)"
+    )
 
 
 class SessionList(Response):

@@ -227,7 +227,9 @@ async def get_session(
 ) -> SessionDetail:
     meta = await sessions.get(session_id, owner)
     response.headers.update(_etag(meta))
-    return SessionDetail(**_info(meta).model_dump(), state_bytes=meta.state_bytes)
+    return SessionDetail(
+        **_info(meta).model_dump(), state_bytes=meta.state_bytes, history_bytes=meta.history_bytes
+    )
 
 
 @router.delete(
