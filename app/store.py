@@ -188,6 +188,10 @@ local function touch(keys)
   for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', keys[i], ttl) end
   return exp
 end
+-- the session exists and belongs to `owner` (another tenant's session is as good as missing)
+local function owned(key, owner)
+  return redis.call('EXISTS', key) == 1 and (redis.call('HGET', key, 'owner') or '') == owner
+end
 local function num(key, field)
   return tonumber(redis.call('HGET', key, field) or '0')
 end
@@ -285,7 +289,7 @@ return meta(KEYS[1])
 _READ = (
     _LUA_TOUCH
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[3] then
+if not owned(KEYS[1], ARGV[3]) then
   return false
 end
 if ARGV[4] ~= '0' then touch(KEYS) end
@@ -300,7 +304,7 @@ return m
 _BEGIN = (
     _LUA_TOUCH
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[5] then
+if not owned(KEYS[1], ARGV[5]) then
   return {'missing'}
 end
 local v = redis.call('HGET', KEYS[1], 'version')
@@ -370,8 +374,10 @@ return 0
 """
 
 # KEYS: session, deltas, lock. ARGV: expected version or '', owner. A session being written is busy.
-_DELETE = """
-if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[2] then
+_DELETE = (
+    _LUA_TOUCH
+    + """
+if not owned(KEYS[1], ARGV[2]) then
   return {'missing'}
 end
 local v = redis.call('HGET', KEYS[1], 'version')
@@ -380,6 +386,7 @@ if ARGV[1] ~= '' and v ~= ARGV[1] then return {'mismatch', v} end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 return {'ok'}
 """
+)
 
 # KEYS: the session's five. ARGV: owner, version ('' = the current one), '1' for its state,
 # '1' for the transcript. Returns {'ok', meta, n_tokens and commit time of the version,
@@ -389,7 +396,7 @@ return {'ok'}
 _READ_AT = (
     _LUA_TOUCH
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then
+if not owned(KEYS[1], ARGV[1]) then
   return {'missing'}
 end
 touch(KEYS)
@@ -430,7 +437,7 @@ return out
 _VERSIONS = (
     _LUA_TOUCH
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 or (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then
+if not owned(KEYS[1], ARGV[1]) then
   return {'missing'}
 end
 touch(KEYS)
