@@ -314,8 +314,7 @@ class Sessions:
         (the matched session itself is never touched), or a new session holding BOS. Either
         lives `stateless_ttl`, so stateless traffic leaves no long-lived sessions behind.
         `reuse=False`: always the new session (the request must consume its whole prompt)."""
-        bos = self.engine.tokenizer.bos_id
-        tokens = ([bos] if bos is not None else []) + ids
+        tokens = self._with_bos(ids)
         if self.prefix_reuse and reuse:
             hashes = prefixes.prefixes(prefixes.root(self.engine.fingerprint), tokens)
             # (longest first; a prefix of BOS alone saves nothing a create would not do)
@@ -413,9 +412,13 @@ class Sessions:
     async def create(self, ids: list[int], ttl: int, owner: str, keep: int | None = None) -> SessionMeta:
         """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed,
         keeping its last `keep` versions (None: the service's default)."""
-        bos = self.engine.tokenizer.bos_id
-        prompt = ([bos] if bos is not None else []) + ids
+        prompt = self._with_bos(ids)
         return await self._create(Request(None, prompt, persist=Persist(self.state_dtype)), ttl, owner, keep)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """What a new state consumes for `ids`: BOS first, if the model has one."""
+        bos = self.engine.tokenizer.bos_id
+        return ([bos] if bos is not None else []) + ids
 
     async def _create(
         self, req: Request, ttl: int, owner: str, keep: int | None, kind: Kind = "create"

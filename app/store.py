@@ -222,9 +222,13 @@ local function remember(keys, v, n, base, tokens)
   redis.call('HSET', keys[4], 'n:' .. v, n, 't:' .. v, string.format('%.6f', now()), 'b:' .. v, base, 'h:' .. v, tokens)
   redis.call('HSET', keys[1], 'tokens', tokens)
 end
+-- the oldest version a session at `current` keeps (its last `keep`)
+local function oldest_kept(keys, current)
+  return math.max(0, current - math.max(1, num(keys[1], 'keep')) + 1)
+end
 -- drop from the history what no kept version (the last `keep` up to `current`) needs
 local function prune(keys, current)
-  local oldest = math.max(0, current - math.max(1, num(keys[1], 'keep')) + 1)
+  local oldest = oldest_kept(keys, current)
   local base = base_of(keys)
   local cutoff = base
   local b = redis.call('HGET', keys[4], 'b:' .. oldest)  -- (absent: nothing older was kept)
@@ -405,9 +409,9 @@ local current = tonumber(m[1])
 local v = current
 if ARGV[2] ~= '' then v = tonumber(ARGV[2]) end
 local n, t = redis.call('HGET', KEYS[4], 'n:' .. v), redis.call('HGET', KEYS[4], 't:' .. v)
-if v == current then n, t = m[2], t or m[6] end
-if v > current or v < num(KEYS[1], 'meta_lo') or not n then
-  return {'gone', tostring(math.max(num(KEYS[1], 'meta_lo'), current - math.max(1, tonumber(m[12])) + 1))}
+if v == current then n, t = m[2], t or m[5] end  -- (a session older than the history: its creation)
+if v > current or v < oldest_kept(KEYS, current) or not n then
+  return {'gone', tostring(oldest_kept(KEYS, current))}
 end
 local out = {'ok', m, n, t, false, false, false, false, redis.call('HGET', KEYS[4], 'h:' .. v) or ''}
 if v == current then out[9] = m[13] end
@@ -444,7 +448,7 @@ touch(KEYS)
 local m = meta(KEYS[1])
 local current = tonumber(m[1])
 local out = {'ok', m}
-for v = math.max(num(KEYS[1], 'meta_lo'), current - math.max(1, tonumber(m[12])) + 1), current do
+for v = oldest_kept(KEYS, current), current do
   local n = redis.call('HGET', KEYS[4], 'n:' .. v)
   if n then table.insert(out, {tostring(v), n, redis.call('HGET', KEYS[4], 't:' .. v)}) end
 end
