@@ -123,6 +123,7 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.read: Callable[[], Any] | None = None
+        self.decode_step: Callable[[], Any] | None = None
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         if self.read is None:
@@ -133,6 +134,31 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "recur_decode_batch_max", "Most rows one decode step has run", value=counters.max_batch
         )
+        if self.decode_step is not None:
+            yield from _compile_metrics(self.decode_step())
+
+
+def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The background compile of the decode step (app/engine/compiler.py): how long it took
+    (0 while it runs or when it is off), which batch classes run the compiled step, and how
+    many steps it ran."""
+    status = step.status
+    yield CounterMetricFamily(
+        "recur_decode_compiled_steps", "Decode steps the compiled step ran", value=step.compiled_steps
+    )
+    yield GaugeMetricFamily(
+        "recur_decode_compile_seconds",
+        "Seconds the background compile and probe of the decode step took (0: off or still running)",
+        value=status.seconds if status.state in ("ready", "failed") else 0.0,
+    )
+    compiled = GaugeMetricFamily(
+        "recur_decode_compiled",
+        "1 where the compiled decode step serves batches of this size class, 0 where the eager one does",
+        labels=["batch"],
+    )
+    for rows, verdict in sorted(status.verdicts.items()):
+        compiled.add_metric(["1" if rows == 1 else f"{rows}+"], 1.0 if verdict.adopted else 0.0)
+    yield compiled
 
 
 _ENGINE = _EngineCollector()
@@ -144,6 +170,7 @@ def bind_engine(
     running: Callable[[], float],
     waiting: Callable[[], float],
     counters: Callable[[], Any],
+    decode_step: Callable[[], Any],
     cache_bytes: Callable[[], float],
     cache_sessions: Callable[[], float],
 ) -> None:
@@ -153,6 +180,7 @@ def bind_engine(
     HOT_CACHE_BYTES.set_function(cache_bytes)
     HOT_CACHE_SESSIONS.set_function(cache_sessions)
     _ENGINE.read = counters
+    _ENGINE.decode_step = decode_step
 
 
 def exposition() -> tuple[bytes, str]:

@@ -181,7 +181,11 @@ class LanguageModel(nn.Module):
                     w.data = w.data.t().contiguous().t()
 
     def grows_in_place(self) -> bool:
-        return self.append_in_place and not torch.is_grad_enabled()
+        """Whether a forward appends to its state's arenas in place: never under autograd (the
+        functional path keeps every step in the graph) nor in a graph being compiled (the
+        arena's bookkeeping is Python over buffers the step mutates, which breaks graphs
+        and CUDA graphs), so a compiled step and the eager one can serve side by side."""
+        return self.append_in_place and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":

@@ -65,6 +65,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             running=lambda: engine.scheduler.num_running,
             waiting=lambda: engine.scheduler.num_waiting,
             counters=lambda: engine.counters,
+            decode_step=lambda: engine.decode_step,
             cache_bytes=lambda: sessions.cache.nbytes,
             cache_sessions=lambda: len(sessions.cache),
         )

@@ -19,27 +19,15 @@ import torch
 from model import LanguageModel
 from model.tokenizer import Tokenizer
 
+from .compiler import DecodeStep
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request
-from .runner import Counters, Runner, Step
+from .runner import Counters, Runner
 from .scheduler import Scheduler
 
 log = logging.getLogger("recur.engine")
 
 IDLE_RELEASE_DELAY = 1.0  # seconds without work before freed memory is handed back
-
-
-def decode_step(lm: LanguageModel, compile: bool) -> Step:
-    """The one-token forward the runner calls each decode step."""
-    if not compile:
-        return lm.forward
-    # shapes change with the batch and the memory's fill level: dynamic, so they do not
-    # each recompile; on CUDA, reduce-overhead replays the step as a CUDA graph
-    mode = "reduce-overhead" if lm.device.type == "cuda" else "default"
-    # a compiled step builds its state functionally: growing in place is Python-side
-    # bookkeeping over buffers the step mutates, which breaks graphs and CUDA graphs
-    lm.append_in_place = False
-    return torch.compile(lm.forward, dynamic=True, mode=mode)
 
 
 class Engine:
@@ -71,13 +59,15 @@ class Engine:
             segment_len=lm.segment_len,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step
-        self.runner = Runner(lm, self.tokenizer, decode_step(lm, compile), self.outbox)
+        self.decode_step = DecodeStep(lm, compile)  # eager until a compiled one is measured faster
+        self.runner = Runner(lm, self.tokenizer, self.decode_step, self.outbox)
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self._thread = threading.Thread(target=self._loop, name="recur-engine", daemon=True)
 
     # -- the event loop's side ---------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self.decode_step.start()
 
     def stop(self) -> None:
         self.scheduler.close()

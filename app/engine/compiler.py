@@ -1,0 +1,177 @@
+"""The decode step, compiled in the background while the eager one serves.
+
+`torch.compile` cuts a step's per-op overhead (inductor fuses the small element-wise ops
+around the matrix products into a few generated kernels; on CUDA, mode reduce-overhead
+replays the step as a CUDA graph), but compiling takes tens of seconds on a CPU, and a
+shape the compiled code has not met compiles again on the spot. So nobody waits for it:
+
+- `DecodeStep` runs the model's eager forward from the first request on.
+- A background thread builds a probe state, compiles the step for one row and for several
+  (dynamic shapes: one graph per class), checks each against the eager step (the largest
+  logit difference must stay within `TOLERANCE`) and times both on the same state.
+- The engine thread then uses the compiled step for the batch classes where it was faster
+  by `MARGIN`, and only there: a step is never slower, and never different beyond the
+  tolerance, for having been compiled. Whether it pays depends on the family and the
+  machine (docs/BENCHMARKS.md), which is why it is measured here and not assumed.
+- Under the stance `eager_on_recompile`, an input the compiled code's guards refuse (rows of
+  unequal length, say) runs eagerly for that step instead of compiling on the engine thread.
+
+A compiled step grows the state functionally (`LanguageModel.grows_in_place` is False while
+tracing); the eager one keeps growing in place.
+
+This module imports only `model/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model import LanguageModel, State
+
+log = logging.getLogger("recur.engine")
+
+Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
+
+TOLERANCE = 1e-4  # largest |logit difference| allowed between the compiled and eager step
+MARGIN = 0.9  # the compiled step is adopted when its median step is under 0.9 x eager's
+PROBE_TOKENS = 512  # most tokens the probe state consumes (the state's bound, if smaller)
+PROBE_STEPS = 12  # timed steps per variant (alternating, so machine noise hits both)
+PROBE_ROWS = (1, 4)  # one batch class each: a single stream, and several
+
+
+def batch_class(rows: int) -> int:
+    """The probe batch whose verdict covers a batch of `rows` (size 1 is its own class:
+    dynamic shapes specialise it)."""
+    return 1 if rows == 1 else PROBE_ROWS[-1]
+
+
+@dataclass
+class Verdict:
+    """What the probe found for one batch class."""
+
+    rows: int
+    eager_ms: float
+    compiled_ms: float
+    max_diff: float
+    adopted: bool
+
+
+@dataclass
+class CompileStatus:
+    """Where the background compile stands (read from other threads)."""
+
+    state: str = "off"  # off | compiling | ready | failed
+    seconds: float = 0.0
+    error: str = ""
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+
+
+class DecodeStep:
+    """The one-token forward the runner calls: eager, or compiled where that was measured
+    to be faster."""
+
+    def __init__(self, lm: LanguageModel, compile: bool, margin: float = MARGIN):
+        self.lm = lm
+        self.margin = margin
+        self.status = CompileStatus()
+        self.compiled_steps = 0  # steps the compiled code ran (read by the metrics)
+        self._compiled: Step | None = None
+        self._use: frozenset[int] = frozenset()  # batch classes that run compiled
+        self._thread: threading.Thread | None = None
+        if compile:
+            self.status.state = "compiling"
+            self._thread = threading.Thread(target=self._build, name="recur-compile", daemon=True)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            self._thread.start()
+
+    def __call__(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        compiled = self._compiled
+        if compiled is not None and batch_class(tokens.shape[0]) in self._use:
+            self.compiled_steps += 1
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return compiled(tokens, state)
+        return self.lm.forward(tokens, state)
+
+    # -- the background thread ----------------------------------------------------------
+    def _build(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                compiled = _compile(self.lm)
+                one = _probe_state(self.lm)
+                verdicts = {rows: _probe(self.lm, compiled, one, rows, self.margin) for rows in PROBE_ROWS}
+        except Exception as exc:  # no compiler on this machine, say: the eager step serves on
+            self.status.error = f"{type(exc).__name__}: {exc}"
+            self.status.state = "failed"
+            log.warning("compiling the decode step failed, the eager step serves: %s", self.status.error)
+            return
+        finally:
+            self.status.seconds = time.perf_counter() - t0
+        self.status.verdicts = verdicts
+        self._compiled = compiled
+        self._use = frozenset(rows for rows, v in verdicts.items() if v.adopted)
+        self.status.state = "ready"
+        for v in verdicts.values():
+            log.info(
+                "decode step, %s: eager %.3f ms, compiled %.3f ms (max |dlogit| %.1e): %s",
+                "1 row" if v.rows == 1 else f"{v.rows}+ rows",
+                v.eager_ms,
+                v.compiled_ms,
+                v.max_diff,
+                "compiled" if v.adopted else "eager",
+            )
+
+
+def _compile(lm: LanguageModel) -> Step:
+    # shapes change with the batch and the state's fill level: dynamic, so that they do not
+    # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph
+    mode = "reduce-overhead" if lm.device.type == "cuda" else "default"
+    return torch.compile(lm.forward, dynamic=True, mode=mode)
+
+
+def _probe_state(lm: LanguageModel) -> State:
+    """One stream's state after a prompt that fills its time axes (up to PROBE_TOKENS)."""
+    bound = max((axis.bound for axis in lm.time_axes().values()), default=0)
+    n = max(2, min(PROBE_TOKENS, bound + 1))
+    gen = torch.Generator().manual_seed(0)
+    vocab = lm.tokenizer.vocab_size if lm.tokenizer is not None else 256
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    return lm.consume(ids, lm.new_state(1))[1]
+
+
+def _probe(lm: LanguageModel, compiled: Step, one: State, rows: int, margin: float) -> Verdict:
+    """Compile for `rows` rows, check against eager, time both on the same state."""
+    state = lm.stack_states([one] * rows)
+    tok = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
+    diff = 0.0
+    for _ in range(3):  # the first calls compile; each is checked
+        le, _ = lm.forward(tok, state)
+        lc, _ = compiled(tok, state)
+        diff = max(diff, float((lc - le).abs().max()))
+    eager: list[float] = []
+    comp: list[float] = []
+    s_eager = s_comp = state
+    for _ in range(PROBE_STEPS):
+        t0 = _clock(lm)
+        _, s_eager = lm.forward(tok, s_eager)
+        eager.append(_clock(lm) - t0)
+        t0 = _clock(lm)
+        _, s_comp = compiled(tok, s_comp)
+        comp.append(_clock(lm) - t0)
+    e, c = statistics.median(eager), statistics.median(comp)
+    return Verdict(rows, e * 1e3, c * 1e3, diff, diff <= TOLERANCE and c < margin * e)
+
+
+def _clock(lm: LanguageModel) -> float:
+    if lm.device.type == "cuda":  # the step's kernels run asynchronously: wait for them
+        torch.cuda.synchronize(lm.device)
+    return time.perf_counter()

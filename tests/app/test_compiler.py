@@ -1,0 +1,83 @@
+"""The decode step compiled in the background (app/engine/compiler.py): the eager step serves
+until the probe is done, the compiled one then serves only what it was checked on, and it
+never changes a result beyond 1e-4. Real models, a real compile (tens of seconds each)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import model
+from app.engine.compiler import TOLERANCE, DecodeStep, batch_class
+
+
+def _tokens(lm, rows: int) -> torch.Tensor:
+    return torch.full((rows, 1), 65, dtype=torch.long)
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def _compiled(name: str) -> tuple:
+    """The model and a DecodeStep whose probe is done, once per model for this module (each
+    compile takes tens of seconds). margin inf: the compiled step is adopted wherever it is
+    equal, so that it surely serves here."""
+    if name not in _BUILT:
+        lm = model.load(name, device="cpu")
+        step = DecodeStep(lm, compile=True, margin=math.inf)
+        _BUILT[name] = (lm, step)
+    return _BUILT[name]
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "shakespeare-rlt"])
+def test_the_compiled_step_takes_over_only_after_its_probe(name):
+    lm, step = _compiled(name)
+    with torch.no_grad():
+        one = lm.consume([1, *b"ROMEO: what light", 32], lm.new_state(1))[1]
+        assert step.status.state == "compiling"
+        step(_tokens(lm, 1), one)  # before the probe: the eager forward serves
+        assert step.compiled_steps == 0
+        step.start()
+        step._thread.join(timeout=600)
+        assert step.status.state == "ready", step.status.error
+        assert set(step.status.verdicts) == {1, 4}
+        for v in step.status.verdicts.values():
+            assert v.adopted and v.max_diff <= TOLERANCE
+        for rows in (1, 3):  # 3 rows: the class the 4-row probe covers
+            state = lm.stack_states([one] * rows)
+            eager, compiled = state, state
+            for _ in range(6):  # a few steps: the compiled state must feed the next step
+                le, eager = lm.forward(_tokens(lm, rows), eager)
+                lc, compiled = step(_tokens(lm, rows), compiled)
+                assert (lc - le).abs().max() <= TOLERANCE
+            assert int(compiled.n_tokens[0]) == int(eager.n_tokens[0])
+        assert step.compiled_steps == 12
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "shakespeare-rlt"])
+def test_rows_of_unequal_length_give_the_eager_logits(name):
+    """Rows whose memories are left-padded: shapes and guards the probe did not meet. The
+    compiled code serves them, or (its guards refusing) the eager forward does under the
+    stance eager_on_recompile, never a compile on the engine thread: the same logits."""
+    lm, step = _compiled(name)
+    with torch.no_grad():
+        short = lm.consume([1, *b"To be"], lm.new_state(1))[1]
+        long = lm.consume([1, *b"To be, or not to be, that is"], lm.new_state(1))[1]
+        if step.status.state == "compiling":  # this test runs alone
+            step.start()
+            step._thread.join(timeout=600)
+        assert step.status.state == "ready", step.status.error
+        state = lm.stack_states([short, long])
+        lc, _ = step(_tokens(lm, 2), state)
+        le, _ = lm.forward(_tokens(lm, 2), state)
+        assert (lc - le).abs().max() <= TOLERANCE
+
+
+def test_off_means_the_eager_step_and_no_thread():
+    lm = model.load("shakespeare", device="cpu")
+    step = DecodeStep(lm, compile=False)
+    step.start()
+    assert step.status.state == "off" and step._thread is None
+    assert batch_class(1) == 1 and batch_class(2) == batch_class(64) == 4
