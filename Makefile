@@ -63,9 +63,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench
 	$(BIN)/mypy app model
 
-# redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it); stdlib only
-docs: $(PY)
+# redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it; stdlib only)
+# and list the files one traced generate runs (tests/test_request_path.py checks it; serves the model)
+docs: $(STAMP)
 	$(PY) docs/import_graph.py --write
+	$(PY) docs/request_path.py --write
 
 clean:
 	rm -rf $(VENV) $(REF_ENV) build *.egg-info
