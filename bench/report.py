@@ -63,7 +63,9 @@ def baseline(commit: str) -> dict | None:
         return None
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(tree, filter="data")
-    result = run("roofline.py", "--only", "shakespeare-rlt", "--batches", "1", env={"PYTHONPATH": str(tree)})
+    result = run(
+        "roofline.py", "--only", "shakespeare-rlt", "--batches", "1", "--eager", env={"PYTHONPATH": str(tree)}
+    )
     shutil.rmtree(tree, ignore_errors=True)
     return {
         "commit": commit,

@@ -49,11 +49,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.profiler import profile
 
 import model
+from app.engine.compiler import DecodeStep, batch_class
 from model import LanguageModel, State
 from model.checkpoint import build
 
@@ -224,25 +227,63 @@ def work(lm: LanguageModel, state: State) -> Work:
 
 
 # -- timing and profiling ------------------------------------------------------------------
-def step(lm: LanguageModel, state: State, ids: torch.Tensor) -> State:
-    """One decode step, as `app/engine/runner.py` runs it (greedy picking in place of sampling)."""
+Forward = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
+
+
+def step(lm: LanguageModel, state: State, ids: torch.Tensor, forward: Forward | None = None) -> State:
+    """One decode step, as `app/engine/runner.py` runs it (greedy picking in place of
+    sampling); `forward` is the one-token forward the engine runs (`DecodeStep`), eager by
+    default."""
     ids[:, 0] = lm.next_logits(state).argmax(-1)
-    return lm(ids, state)[1]
+    return (forward or lm)(ids, state)[1]
 
 
-def time_steps(lm: LanguageModel, state: State, budget_s: float) -> tuple[float, State]:
+def time_steps(
+    lm: LanguageModel, state: State, budget_s: float, forward: Forward | None = None
+) -> tuple[float, State]:
     """Median seconds per decode step over about `budget_s` seconds (10 to 200 steps)."""
     ids = torch.zeros(state.batch_size, 1, dtype=torch.long)
     t0 = time.perf_counter()
     for _ in range(3):  # warm-up: the first step makes the arena the state then grows in
-        state = step(lm, state, ids)
+        state = step(lm, state, ids, forward)
     est = (time.perf_counter() - t0) / 3
     times = []
     for _ in range(max(10, min(200, int(budget_s / est)))):
         t0 = time.perf_counter()
-        state = step(lm, state, ids)
+        state = step(lm, state, ids, forward)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), state
+
+
+def served_step(lm: LanguageModel) -> tuple[DecodeStep, dict]:
+    """The decode step the server would run for this model on this machine: the engine's
+    own `DecodeStep`, its background compile and probe run to the end here (it picks the
+    compiled step per batch class where that was faster, `app/engine/compiler.py`)."""
+    served = DecodeStep(lm, compile=True)
+    served.start()
+    assert served._thread is not None
+    served._thread.join()
+    st = served.status
+    verdicts = {
+        str(v.rows): {
+            "eager_ms": round(v.eager_ms, 3),
+            "compiled_ms": round(v.compiled_ms, 3),
+            "max_diff": v.max_diff,
+            "adopted": v.adopted,
+        }
+        for v in st.verdicts.values()
+    }
+    summary = {"state": st.state, "seconds": round(st.seconds, 1), "error": st.error, "verdicts": verdicts}
+    print(
+        f"compiled step: {st.state} in {st.seconds:.0f} s; "
+        + ", ".join(
+            f"{k} row(s): eager {v['eager_ms']} ms, compiled {v['compiled_ms']} ms -> "
+            + ("compiled" if v["adopted"] else "eager")
+            for k, v in verdicts.items()
+        ),
+        flush=True,
+    )
+    return served, summary
 
 
 def breakdown(prof, calls: int, wall_s: float) -> dict:
@@ -313,7 +354,12 @@ def available_bytes() -> int:
 
 
 @torch.no_grad()
-def decode(name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict]) -> list[dict]:
+def decode(
+    name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict], served: DecodeStep
+) -> list[dict]:
+    """Each batch's decode step against the limits: timed as the server runs it (`served`:
+    compiled where its probe adopted the compiled step, else eager) and eager; the profile
+    is the eager step's (a compiled step's generated kernels hide where its time goes)."""
     n = fill_length(lm)
     one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
     rows = []
@@ -326,8 +372,12 @@ def decode(name: str, lm: LanguageModel, batches: list[int], budget_s: float, sk
             continue
         state = lm.stack_states([one] * B)
         w = work(lm, state)
-        t, state = time_steps(lm, state, budget_s)
-        prof, state = profile_step(lm, state, t)
+        eager, state = time_steps(lm, state, budget_s)
+        prof, state = profile_step(lm, state, eager)
+        compiled = batch_class(B) in served._use
+        t = eager
+        if compiled:  # the server runs the compiled step for this batch: time that one too
+            t, state = time_steps(lm, lm.stack_states([one] * B), budget_s, served)
         del state
         rows.append(
             {
@@ -339,13 +389,16 @@ def decode(name: str, lm: LanguageModel, batches: list[int], budget_s: float, sk
                 "mflop_per_step": round(w.flops / 1e6, 1),
                 "attention_mflop": round(w.attention_flops / 1e6, 1),
                 "step_ms": round(t * 1e3, 3),
+                "eager_step_ms": round(eager * 1e3, 3),
+                "compiled": compiled,
                 "tokens_per_s": round(B / t, 1),
                 **prof,
             }
         )
         print(
             f"{name:18s} batch {B:3d}  K {w.attention_length:5d}  {w.bytes / 1e6:8.2f} MB  "
-            f"{w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms  {B / t:8.0f} tok/s  kernels {prof['kernel_share']:5.1%}  "
+            f"{w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms ({'compiled' if compiled else 'eager'}; "
+            f"eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  kernels {prof['kernel_share']:5.1%}  "
             f"{prof['ops_per_call']} ops  top: " + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
             flush=True,
         )
@@ -406,6 +459,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed decode steps per figure")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--eager", action="store_true", help="time the eager step only (no compiled step; an older tree's baseline)"
+    )
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(MODELS)
     batches = [int(b) for b in args.batches.split(",")]
@@ -417,11 +473,13 @@ def main() -> None:
     steps: list[dict] = []
     prefills: list[dict] = []
     skipped: list[dict] = []
+    compiles: dict[str, dict] = {}
     for i, name in enumerate(names):
         if i:
             m.sample()
         lm = MODELS[name]()
-        steps += decode(name, lm, batches, args.budget, skipped)
+        served, compiles[name] = (DecodeStep(lm, compile=False), {}) if args.eager else served_step(lm)
+        steps += decode(name, lm, batches, args.budget, skipped, served)
         if name.startswith("shakespeare"):
             prefills.append(prefill(name, lm, args.prefill_tokens))
         del lm
@@ -433,6 +491,7 @@ def main() -> None:
         "decode": steps,
         "prefill": prefills,
         "skipped": skipped,
+        "compiled_step": compiles,
         "rlt_baseline": RLT_BASELINE,
     }
     print("RESULT " + json.dumps(result))

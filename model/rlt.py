@@ -399,7 +399,9 @@ class RLT(LanguageModel):
         pos = n[:, None] + torch.arange(T, device=tokens.device)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)
         ctx_valid = n.clamp(max=cfg.max_context - 1)  # (B,) real cached encoder / memory entries per row
-        n_min = int(n.min())  # one host read: which time axes hold left padding (`_padded`)
+        # one host read: which time axes hold left padding (`_padded`); a graph being compiled
+        # reads nothing from the host (it would break in two) and masks as if every axis might
+        n_min = 0 if torch.compiler.is_compiling() else int(n.min())
         in_place = self.grows_in_place()
         axes = self.time_axes()
         grown = {name: state.window(name).grow(T, in_place) for name in axes}

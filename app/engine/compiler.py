@@ -97,6 +97,9 @@ class DecodeStep:
         compiled = self._compiled
         if compiled is not None and batch_class(tokens.shape[0]) in self._use:
             self.compiled_steps += 1
+            if state.arenas:  # grown in place by an eager forward (a prefill): a layout the
+                # compiled code's guards were not traced on; its own outputs are plain tensors
+                state = state.clone()
             with torch.compiler.set_stance("eager_on_recompile"):
                 return compiled(tokens, state)
         return self.lm.forward(tokens, state)
@@ -107,8 +110,8 @@ class DecodeStep:
         try:
             with torch.no_grad():
                 compiled = _compile(self.lm)
-                one = _probe_state(self.lm)
-                verdicts = {rows: _probe(self.lm, compiled, one, rows, self.margin) for rows in PROBE_ROWS}
+                states = _probe_states(self.lm)
+                verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in PROBE_ROWS}
         except Exception as exc:  # no compiler on this machine, say: the eager step serves on
             self.status.error = f"{type(exc).__name__}: {exc}"
             self.status.state = "failed"
@@ -132,34 +135,42 @@ class DecodeStep:
 
 
 def _compile(lm: LanguageModel) -> Step:
+    # a graph per batch class and fill regime (`_probe_states`): more than dynamo's default 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     # shapes change with the batch and the state's fill level: dynamic, so that they do not
     # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph
     mode = "reduce-overhead" if lm.device.type == "cuda" else "default"
     return torch.compile(lm.forward, dynamic=True, mode=mode)
 
 
-def _probe_state(lm: LanguageModel) -> State:
-    """One stream's state after a prompt that fills its time axes (up to PROBE_TOKENS)."""
-    bound = max((axis.bound for axis in lm.time_axes().values()), default=0)
-    n = max(2, min(PROBE_TOKENS, bound + 1))
+def _probe_states(lm: LanguageModel) -> list[State]:
+    """One stream's states the compiled code must serve, the one the timing uses first: one
+    whose time axes are all full (up to PROBE_TOKENS tokens), then one per regime of a state
+    still filling them (a graph guards on which of its axes are full: each regime needs a
+    graph of its own, or the eager step serves it)."""
+    bounds = sorted({axis.bound for axis in lm.time_axes().values()})
+    lengths = [min(PROBE_TOKENS, b) for b in bounds[:-1] if b > 2]  # the shorter axes full, the longest not
+    full = min(PROBE_TOKENS, (bounds[-1] if bounds else 0) + 1)
     gen = torch.Generator().manual_seed(0)
     vocab = lm.tokenizer.vocab_size if lm.tokenizer is not None else 256
-    ids = torch.randint(0, vocab, (n,), generator=gen)
-    return lm.consume(ids, lm.new_state(1))[1]
+    ids = torch.randint(0, vocab, (max(2, full),), generator=gen)
+    return [lm.consume(ids[:n], lm.new_state(1))[1] for n in dict.fromkeys([full, 2, *lengths])]
 
 
-def _probe(lm: LanguageModel, compiled: Step, one: State, rows: int, margin: float) -> Verdict:
-    """Compile for `rows` rows, check against eager, time both on the same state."""
-    state = lm.stack_states([one] * rows)
+def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, margin: float) -> Verdict:
+    """Compile for `rows` rows (every probe state), check against eager, and time both on
+    the first (full) state."""
     tok = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
     diff = 0.0
-    for _ in range(3):  # the first calls compile; each is checked
-        le, _ = lm.forward(tok, state)
-        lc, _ = compiled(tok, state)
-        diff = max(diff, float((lc - le).abs().max()))
+    for one in states:
+        state = lm.stack_states([one] * rows)
+        for _ in range(3):  # the first calls compile; each is checked
+            le, _ = lm.forward(tok, state)
+            lc, state = compiled(tok, state)
+            diff = max(diff, float((lc - le).abs().max()))
     eager: list[float] = []
     comp: list[float] = []
-    s_eager = s_comp = state
+    s_eager = s_comp = lm.stack_states([states[0]] * rows)
     for _ in range(PROBE_STEPS):
         t0 = _clock(lm)
         _, s_eager = lm.forward(tok, s_eager)
