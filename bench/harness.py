@@ -112,11 +112,24 @@ class Server:
                 raise RuntimeError(f"server exited: see {workdir / 'server.log'}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    if settings.get("compile", True):
+                        self._wait_compiled(deadline + 300)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise RuntimeError("server not ready")
+
+    def _wait_compiled(self, deadline: float) -> None:
+        """Until the background compile of the decode step has finished (it would take a core
+        from the figures, and the eager step would serve meanwhile: app/engine/compiler.py)."""
+        while time.monotonic() < deadline:
+            text = httpx.get(self.url + "/metrics", timeout=5).text
+            line = next((x for x in text.splitlines() if x.startswith("recur_decode_compile_seconds ")), "")
+            if line and float(line.split()[1]) > 0:
+                return
+            time.sleep(1)
+        raise RuntimeError("the decode step's background compile did not finish")
 
     def stop(self) -> None:
         self.proc.terminate()

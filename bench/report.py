@@ -224,7 +224,7 @@ def closing(row: dict, m: dict) -> list[str]:
     """What would close the gap, from where the profile puts the step's time: the rate each
     kind of kernel reaches against the limit it is bound by, then the overhead."""
     out = []
-    seconds = row["step_ms"] / 1e3
+    seconds = row.get("eager_step_ms", row["step_ms"]) / 1e3  # the profile is the eager step's
     lin, attn = op_share(row, LINEAR_OPS), op_share(row, ATTENTION_OPS)
     if lin >= 0.15 and row["batch"] == 1:
         rate = row["weight_mb"] / 1e3 / (lin * seconds)
@@ -291,17 +291,37 @@ def why_compute(n: int, label: str, row: dict, m: dict) -> list[str]:
 def why_rlt(n: int, what: str, ratio: float, row: dict, unit: str) -> list[str]:
     loop = (
         " A prompt's encoder runs as one batch over each chunk, but the decoder steps token by token "
-        "(u_t needs s_{t-1}), so prefill pays a decode step's overhead per token: that loop made as "
-        "tight as the decode step (or compiled) is what would close it."
+        "(u_t needs s_{t-1}), so prefill pays a decode step's overhead per token. Compiling that "
+        "per-token step with inductor, as the decode step is, was tried and made prefill slower: with "
+        "dynamic shapes the step's slices of the window and the memory change size from token to token "
+        "and recompile past dynamo's limit, and the guards over its many tensor inputs cost a large "
+        "share of a step this small. What would close it: the loop body as one fused kernel with "
+        "fixed-size (padded) windows, so that one graph serves every token."
         if unit == "token"
-        else " Closing it is cutting ops: fused projections, masks and RoPE angles not rebuilt per step, "
-        "or a compiled step."
+        else " The server runs the compiled step here (section 2); what is left is per-call overhead "
+        "around it: the guards over the state's tensors, the eager head and sampling."
     )
     return [
         f"**Why target {n} misses.** Shipped `shakespeare-rlt` {what} is {ratio:.2f}× the baseline, "
         f"{3 / ratio:.1f}× short of 3×. The profile: {profile_says(row, unit)}.{loop}",
         "",
     ]
+
+
+def compiled_lines(roof: dict) -> list[str]:
+    """What the engine's probe of the compiled step found for each model (section 2)."""
+    out = ["**The compiled step** (the engine's probe, per batch class: 1 row, and 4 rows for every larger batch):", ""]
+    for name, c in roof.get("compiled_step", {}).items():
+        if c.get("state") != "ready":
+            out.append(f"- {name}: {c.get('state')} {c.get('error', '')}".rstrip())
+            continue
+        parts = [
+            f"{'1 row' if k == '1' else k + '+ rows'}: eager {v['eager_ms']} ms, compiled {v['compiled_ms']} ms, "
+            f"max |Δlogit| {v['max_diff']:.1e} → {'compiled' if v['adopted'] else 'eager'}"
+            for k, v in c["verdicts"].items()
+        ]
+        out.append(f"- {name} (compiled and probed in {c['seconds']} s): " + "; ".join(parts) + ".")
+    return [*out, ""]
 
 
 def where_time_goes(roof: dict) -> list[str]:
@@ -480,7 +500,12 @@ def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float |
         "per-op overhead: small ops, copies, views, dispatch and Python (the profiler adds a little to "
         "every op, so a step of many small ops reads a little more overhead than it has). **ops_per_call**: "
         "top-level ops per step. **top_ops**: self time as a share of the profiled step.",
+        "- **step_ms**: the step the server runs (`compiled`: yes where the engine's background probe, "
+        "`app/engine/compiler.py`, adopted the compiled step for that batch class, run here as the server "
+        "runs it); **eager_step_ms**: the eager step on the same state. The profile and its shares are the "
+        "eager step's (a compiled step's generated kernels hide where its time goes).",
         "",
+        *compiled_lines(roof),
         table(
             shown(roof["decode"]),
             [
@@ -490,6 +515,8 @@ def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float |
                 "mb_per_step",
                 "mflop_per_step",
                 "step_ms",
+                "eager_step_ms",
+                "compiled",
                 "tokens_per_s",
                 "bandwidth_roofline",
                 "compute_roofline",

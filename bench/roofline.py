@@ -47,9 +47,8 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
