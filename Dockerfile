@@ -72,11 +72,13 @@ RUN groupadd --system --gid 10001 recur \
 COPY --from=builder /opt/venv /opt/venv
 # Defaults for a container. RECUR_REDIS_URL names the shared Redis: replicas must never
 # fall back to an embedded one each, or every replica would hold its own truth.
+# RECUR_COMPILE=false: the image has no C compiler, which torch.compile needs (docs/DEPLOY.md).
 ENV PATH=/opt/venv/bin:$PATH \
     RECUR_HOST=0.0.0.0 \
     RECUR_PORT=8000 \
     RECUR_MODEL=${RECUR_MODEL} \
     RECUR_DEVICE=auto \
+    RECUR_COMPILE=false \
     RECUR_REDIS_URL=redis://redis:6379/0 \
     RECUR_DATA_DIR=/var/lib/recur
 WORKDIR /home/recur

@@ -49,13 +49,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import profile
 
 import model
-from app.engine.compiler import DecodeStep, batch_class
 from model import LanguageModel, State
 from model.checkpoint import build
 
@@ -254,10 +254,13 @@ def time_steps(
     return statistics.median(times), state
 
 
-def served_step(lm: LanguageModel) -> tuple[DecodeStep, dict]:
+def served_step(lm: LanguageModel) -> tuple[Any, dict]:
     """The decode step the server would run for this model on this machine: the engine's
     own `DecodeStep`, its background compile and probe run to the end here (it picks the
-    compiled step per batch class where that was faster, `app/engine/compiler.py`)."""
+    compiled step per batch class where that was faster, `app/engine/compiler.py`; imported
+    here, not at the top: the baseline run measures an older model/ today's app/ cannot import)."""
+    from app.engine.compiler import DecodeStep
+
     served = DecodeStep(lm, compile=True)
     served.start()
     assert served._thread is not None
@@ -354,7 +357,7 @@ def available_bytes() -> int:
 
 @torch.no_grad()
 def decode(
-    name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict], served: DecodeStep
+    name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict], served: Any | None
 ) -> list[dict]:
     """Each batch's decode step against the limits: timed as the server runs it (`served`:
     compiled where its probe adopted the compiled step, else eager) and eager; the profile
@@ -373,7 +376,7 @@ def decode(
         w = work(lm, state)
         eager, state = time_steps(lm, state, budget_s)
         prof, state = profile_step(lm, state, eager)
-        compiled = batch_class(B) in served._use
+        compiled = served is not None and served.serves_compiled(B)
         t = eager
         if compiled:  # the server runs the compiled step for this batch: time that one too
             t, state = time_steps(lm, lm.stack_states([one] * B), budget_s, served)
@@ -477,7 +480,7 @@ def main() -> None:
         if i:
             m.sample()
         lm = MODELS[name]()
-        served, compiles[name] = (DecodeStep(lm, compile=False), {}) if args.eager else served_step(lm)
+        served, compiles[name] = (None, {}) if args.eager else served_step(lm)
         steps += decode(name, lm, batches, args.budget, skipped, served)
         if name.startswith("shakespeare"):
             prefills.append(prefill(name, lm, args.prefill_tokens))

@@ -92,9 +92,13 @@ class DecodeStep:
         if self._thread is not None:
             self._thread.start()
 
+    def serves_compiled(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows runs the compiled step."""
+        return self._compiled is not None and batch_class(rows) in self._use
+
     def __call__(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         compiled = self._compiled
-        if compiled is not None and batch_class(tokens.shape[0]) in self._use:
+        if compiled is not None and self.serves_compiled(tokens.shape[0]):
             self.compiled_steps += 1
             if state.arenas:  # grown in place by an eager forward (a prefill): a layout the
                 # compiled code's guards were not traced on; its own outputs are plain tensors
