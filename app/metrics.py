@@ -153,11 +153,12 @@ def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFam
     )
     compiled = GaugeMetricFamily(
         "recur_decode_compiled",
-        "1 where the compiled decode step serves batches of this size class, 0 where the eager one does",
+        "1 where the compiled decode step serves batches of this size class (up to this many rows, "
+        "more than the class below), 0 where the eager one does",
         labels=["batch"],
     )
     for rows, verdict in sorted(status.verdicts.items()):
-        compiled.add_metric(["1" if rows == 1 else f"{rows}+"], 1.0 if verdict.adopted else 0.0)
+        compiled.add_metric([str(rows)], 1.0 if verdict.adopted else 0.0)
     yield compiled
 
 

@@ -310,13 +310,13 @@ def why_rlt(n: int, what: str, ratio: float, row: dict, unit: str) -> list[str]:
 
 def compiled_lines(roof: dict) -> list[str]:
     """What the engine's probe of the compiled step found for each model (section 2)."""
-    out = ["**The compiled step** (the engine's probe, per batch class: 1 row, and 4 rows for every larger batch):", ""]
+    out = ["**The compiled step** (the engine's probe, per batch class: up to 1, 4, 16 and 64 rows):", ""]
     for name, c in roof.get("compiled_step", {}).items():
         if c.get("state") != "ready":
             out.append(f"- {name}: {c.get('state')} {c.get('error', '')}".rstrip())
             continue
         parts = [
-            f"{'1 row' if k == '1' else k + '+ rows'}: eager {v['eager_ms']} ms, compiled {v['compiled_ms']} ms, "
+            f"{k} row{'' if k == '1' else 's'}: eager {v['eager_ms']} ms, compiled {v['compiled_ms']} ms, "
             f"max |Δlogit| {v['max_diff']:.1e} → {'compiled' if v['adopted'] else 'eager'}"
             for k, v in c["verdicts"].items()
         ]

@@ -6,9 +6,10 @@ replays the step as a CUDA graph), but compiling takes tens of seconds on a CPU,
 shape the compiled code has not met compiles again on the spot. So nobody waits for it:
 
 - `DecodeStep` runs the model's eager forward from the first request on.
-- A background thread builds a probe state, compiles the step for one row and for several
-  (dynamic shapes: one graph per class), checks each against the eager step (the largest
-  logit difference must stay within `TOLERANCE`) and times both on the same state.
+- A background thread builds probe states, compiles the step (dynamic shapes: one graph for
+  one row, one for several, per fill regime), checks it against the eager step (the largest
+  logit difference must stay within `TOLERANCE`) and times both on the same state for each
+  batch class (1, 4, 16 and 64 rows, up to the engine's largest batch).
 - The engine thread then uses the compiled step for the batch classes where it was faster
   by `MARGIN`, and only there: a step is never slower, and never different beyond the
   tolerance, for having been compiled. Whether it pays depends on the family and the
@@ -42,13 +43,14 @@ TOLERANCE = 1e-4  # largest |logit difference| allowed between the compiled and 
 MARGIN = 0.9  # the compiled step is adopted when its fastest step is under 0.9 x eager's
 PROBE_TOKENS = 512  # most tokens the probe state consumes (the state's bound, if smaller)
 PROBE_STEPS = 20  # timed steps per variant, alternating; the fastest of each counts (noise only adds)
-PROBE_ROWS = (1, 4)  # one batch class each: a single stream, and several
+PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest class that holds it
 
 
-def batch_class(rows: int) -> int:
-    """The probe batch whose verdict covers a batch of `rows` (size 1 is its own class:
-    dynamic shapes specialise it)."""
-    return 1 if rows == 1 else PROBE_ROWS[-1]
+def batch_class(rows: int, classes: tuple[int, ...] = PROBE_ROWS) -> int:
+    """The probed batch size whose verdict covers a batch of `rows` rows: the smallest one
+    that holds it (the largest for a larger batch). Whether compiling pays changes with the
+    batch: fewer ops per step matter less as each op does more work."""
+    return next((c for c in classes if c >= rows), classes[-1])
 
 
 @dataclass
@@ -76,9 +78,12 @@ class DecodeStep:
     """The one-token forward the runner calls: eager, or compiled where that was measured
     to be faster."""
 
-    def __init__(self, lm: LanguageModel, compile: bool, margin: float = MARGIN):
+    def __init__(self, lm: LanguageModel, compile: bool, margin: float = MARGIN, max_rows: int = PROBE_ROWS[-1]):
         self.lm = lm
         self.margin = margin
+        # the classes a batch of at most max_rows rows can fall in
+        classes = [c for c in PROBE_ROWS if c < max_rows] + [min(max_rows, PROBE_ROWS[-1])]
+        self.classes = tuple(dict.fromkeys(classes))
         self.status = CompileStatus()
         self.compiled_steps = 0  # steps the compiled code ran (read by the metrics)
         self._compiled: Step | None = None
@@ -94,7 +99,7 @@ class DecodeStep:
 
     def serves_compiled(self, rows: int) -> bool:
         """Whether a batch of `rows` rows runs the compiled step."""
-        return self._compiled is not None and batch_class(rows) in self._use
+        return self._compiled is not None and batch_class(rows, self.classes) in self._use
 
     def __call__(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         compiled = self._compiled
@@ -114,7 +119,7 @@ class DecodeStep:
             with torch.no_grad():
                 compiled = _compile(self.lm)
                 states = _probe_states(self.lm)
-                verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in PROBE_ROWS}
+                verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes}
         except Exception as exc:  # no compiler on this machine, say: the eager step serves on
             self.status.error = f"{type(exc).__name__}: {exc}"
             self.status.state = "failed"
@@ -129,7 +134,7 @@ class DecodeStep:
         for v in verdicts.values():
             log.info(
                 "decode step, %s: eager %.3f ms, compiled %.3f ms (max |dlogit| %.1e): %s",
-                "1 row" if v.rows == 1 else f"{v.rows}+ rows",
+                "1 row" if v.rows == 1 else f"{v.rows} rows",
                 v.eager_ms,
                 v.compiled_ms,
                 v.max_diff,
@@ -174,7 +179,7 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
     eager: list[float] = []
     comp: list[float] = []
     s_eager = s_comp = lm.stack_states([states[0]] * rows)
-    for _ in range(PROBE_STEPS):
+    for _ in range(PROBE_STEPS if rows <= 4 else PROBE_STEPS // 2):  # a large batch's steps are long
         t0 = _clock(lm)
         _, s_eager = lm.forward(tok, s_eager)
         eager.append(_clock(lm) - t0)

@@ -59,7 +59,8 @@ class Engine:
             segment_len=lm.segment_len,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step
-        self.decode_step = DecodeStep(lm, compile)  # eager until a compiled one is measured faster
+        # eager until a compiled one is measured faster, per batch class
+        self.decode_step = DecodeStep(lm, compile, max_rows=max_batch_size)
         self.runner = Runner(lm, self.tokenizer, self.decode_step, self.outbox)
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self._thread = threading.Thread(target=self._loop, name="recur-engine", daemon=True)

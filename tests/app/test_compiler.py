@@ -43,10 +43,10 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
         step.start()
         step._thread.join(timeout=600)
         assert step.status.state == "ready", step.status.error
-        assert set(step.status.verdicts) == {1, 4}
+        assert set(step.status.verdicts) == {1, 4, 16, 64}
         for v in step.status.verdicts.values():
             assert v.adopted and v.max_diff <= TOLERANCE
-        for rows in (1, 3):  # 3 rows: the class the 4-row probe covers
+        for rows in (1, 3, 9):  # 3 rows: the 4-row class; 9: the 16-row class
             state = lm.stack_states([one] * rows)
             eager, compiled = state, state
             for _ in range(6):  # a few steps: the compiled state must feed the next step
@@ -58,7 +58,7 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
                 # from an eager prefill, in arenas
                 assert eager.arenas and not compiled.arenas
             assert int(compiled.n_tokens[0]) == int(eager.n_tokens[0])
-        assert step.compiled_steps == 12
+        assert step.compiled_steps == 18
 
 
 @pytest.mark.parametrize("name", ["shakespeare-rlt"])
@@ -85,4 +85,7 @@ def test_off_means_the_eager_step_and_no_thread():
     step = DecodeStep(lm, compile=False)
     step.start()
     assert step.status.state == "off" and step._thread is None
-    assert batch_class(1) == 1 and batch_class(2) == batch_class(64) == 4
+    assert [batch_class(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [1, 4, 4, 16, 16, 64, 64, 64]
+    assert DecodeStep(lm, compile=False, max_rows=8).classes == (1, 4, 8)
+    assert DecodeStep(lm, compile=False, max_rows=1).classes == (1,)
+    assert DecodeStep(lm, compile=False, max_rows=256).classes == (1, 4, 16, 64)
