@@ -144,7 +144,7 @@ def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFam
     many steps it ran."""
     status = step.status
     yield CounterMetricFamily(
-        "recur_decode_compiled_steps", "Decode steps the compiled step ran", value=step.compiled_steps
+        "recur_decode_compiled_steps", "Decode steps handed to the compiled step", value=step.compiled_steps
     )
     yield GaugeMetricFamily(
         "recur_decode_compile_seconds",
@@ -160,6 +160,11 @@ def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFam
     for rows, verdict in sorted(status.verdicts.items()):
         compiled.add_metric([str(rows)], 1.0 if verdict.adopted else 0.0)
     yield compiled
+    yield GaugeMetricFamily(
+        "recur_prefill_compiled",
+        "1 where prefills run the model's compiled per-token parts (RLT's recurrence), 0 where they run eagerly",
+        value=1.0 if status.prefill is not None and status.prefill.adopted else 0.0,
+    )
 
 
 _ENGINE = _EngineCollector()

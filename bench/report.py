@@ -291,12 +291,14 @@ def why_compute(n: int, label: str, row: dict, m: dict) -> list[str]:
 def why_rlt(n: int, what: str, ratio: float, row: dict, unit: str) -> list[str]:
     loop = (
         " A prompt's encoder runs as one batch over each chunk, but the decoder steps token by token "
-        "(u_t needs s_{t-1}), so prefill pays a decode step's overhead per token. Compiling that "
-        "per-token step with inductor, as the decode step is, was tried and made prefill slower: with "
-        "dynamic shapes the step's slices of the window and the memory change size from token to token "
-        "and recompile past dynamo's limit, and the guards over its many tensor inputs cost a large "
-        "share of a step this small. What would close it: the loop body as one fused kernel with "
-        "fixed-size (padded) windows, so that one graph serves every token."
+        "(u_t needs s_{t-1}), so prefill pays a per-token step. The server compiles that step "
+        "(`RLT.decode_token`, every token's window and memory padded to one shape so that one graph "
+        "serves them all; section 3). What is left per token: the compiled graph's calls to the "
+        "matrix and attention kernels for a 128-wide model (a few microseconds each, 13 matrix "
+        "products and 4 attentions a token), the guards on its inputs, and appending each token's "
+        "keys to the window cache. What would close it: those small products generated into the "
+        "graph (inductor's C++ GEMM templates) instead of library calls, and several tokens' "
+        "encoder-side work batched."
         if unit == "token"
         else " The server runs the compiled step here (section 2); what is left is per-call overhead "
         "around it: the guards over the state's tensors, the eager head and sampling."
@@ -546,11 +548,24 @@ def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float |
         "Tokens/s of `lm.consume` on a 2,048-token prompt from an empty state, batch 1, 1 torch thread "
         "(best of 3; `consume` also returns each token's log-prob). The compute roofline counts each "
         "token as a full-context step's FLOPs. The profile covers the prompt's first chunks; "
-        "`ops_per_call` is ops per token.",
+        "`ops_per_call` is ops per token. **tokens_per_s** is the prefill the server runs (`compiled`: the "
+        "model's compiled per-token parts, where the engine's probe adopted them: RLT's recurrence), "
+        "**eager_tokens_per_s** the eager one; the profile is the eager one's.",
         "",
         table(
             shown(roof["prefill"]),
-            ["model", "tokens", "seconds", "tokens_per_s", "compute_roofline", "kernel_share", "ops_per_call", "top_ops"],
+            [
+                "model",
+                "tokens",
+                "seconds",
+                "tokens_per_s",
+                "eager_tokens_per_s",
+                "compiled",
+                "compute_roofline",
+                "kernel_share",
+                "ops_per_call",
+                "top_ops",
+            ],
         ),
         "",
         "**Where the time goes:** "

@@ -408,10 +408,22 @@ def decode(
 
 
 @torch.no_grad()
-def prefill(name: str, lm: LanguageModel, tokens: int) -> dict:
+def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> dict:
+    """A prompt's prefill, as the server runs it (`served.prefilling()`: the model's compiled
+    parts where the engine's probe adopted them) and eager; the profile is the eager one's."""
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
     lm.consume(ids[: lm.segment_len], lm.new_state(1))  # warm-up
-    t = best_of(lambda: lm.consume(ids, lm.new_state(1)), 3)
+    eager = best_of(lambda: lm.consume(ids, lm.new_state(1)), 3)
+    compiled = served is not None and bool(served._parts)
+    t = eager
+    if compiled:
+
+        def run() -> None:
+            with served.prefilling():
+                lm.consume(ids, lm.new_state(1))
+
+        run()  # warm-up
+        t = best_of(run, 3)
     # the profile: the first few chunks (the profiler's bookkeeping of every op of a long
     # prompt would take longer than the prompt)
     part = min(tokens, 4 * lm.segment_len)
@@ -423,7 +435,8 @@ def prefill(name: str, lm: LanguageModel, tokens: int) -> dict:
     full = lm.consume(ids[: fill_length(lm)], lm.new_state(1))[1]
     flops = work(lm, full).flops * tokens  # ≈: the first tokens of a prompt attend over less
     print(
-        f"{name:18s} prefill {tokens} tokens: {t:.3f} s  {tokens / t:8.0f} tok/s  "
+        f"{name:18s} prefill {tokens} tokens: {t:.3f} s  {tokens / t:8.0f} tok/s "
+        f"({'compiled parts' if compiled else 'eager'}; eager {tokens / eager:.0f} tok/s)  "
         f"kernels {prof_row['kernel_share']:5.1%}  {prof_row['ops_per_call']} ops/token  top: "
         + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof_row["top_ops"][:4]),
         flush=True,
@@ -433,6 +446,8 @@ def prefill(name: str, lm: LanguageModel, tokens: int) -> dict:
         "tokens": tokens,
         "seconds": round(t, 3),
         "tokens_per_s": round(tokens / t, 1),
+        "eager_tokens_per_s": round(tokens / eager, 1),
+        "compiled": compiled,
         "mflop": round(flops / 1e6, 1),
         **prof_row,
     }
@@ -483,7 +498,7 @@ def main() -> None:
         served, compiles[name] = (None, {}) if args.eager else served_step(lm)
         steps += decode(name, lm, batches, args.budget, skipped, served)
         if name.startswith("shakespeare"):
-            prefills.append(prefill(name, lm, args.prefill_tokens))
+            prefills.append(prefill(name, lm, args.prefill_tokens, served))
         del lm
     m.sample()
     against(steps, prefills, m)

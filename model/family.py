@@ -19,9 +19,10 @@ those are written once for every family. Weight init is shared too (GPT-2's).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -30,6 +31,12 @@ from torch import nn
 
 from .state import Arena, State, StateError, merge
 from .tokenizer import Tokenizer
+
+# the parts a forward in this thread runs in place of its own (`LanguageModel.using`): the
+# model they were made for, and its parts by name
+_PARTS: contextvars.ContextVar[tuple[int, dict[str, Callable]]] = contextvars.ContextVar(
+    "recur_model_parts", default=(0, {})
+)
 
 
 class TimeAxis(NamedTuple):
@@ -179,6 +186,31 @@ class LanguageModel(nn.Module):
                 n_out, n_in = w.shape
                 if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
                     w.data = w.data.t().contiguous().t()
+
+    def parts(self) -> dict[str, Callable]:
+        """Pure tensor functions a forward runs many times over with inputs of one shape (a
+        family's per-token loop), by name: a caller may compile them and run forwards with
+        the compiled ones (`using`). None by default."""
+        return {}
+
+    @contextlib.contextmanager
+    def using(self, parts: dict[str, Callable]) -> Iterator[None]:
+        """Forwards of this model, in this thread and within this block, run `parts`
+        (compiled versions of `parts()`, say) in place of its own; other threads and other
+        models are not affected."""
+        token = _PARTS.set((id(self), parts))
+        try:
+            yield
+        finally:
+            _PARTS.reset(token)
+
+    def part(self, name: str) -> Callable | None:
+        """The function `using` installed as part `name` for this model, if any (never inside
+        a graph being compiled: that graph inlines the model's own code)."""
+        if torch.compiler.is_compiling():
+            return None
+        owner, parts = _PARTS.get()
+        return parts.get(name) if owner == id(self) else None
 
     def grows_in_place(self) -> bool:
         """Whether a forward appends to its state's arenas in place: never under autograd (the

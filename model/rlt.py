@@ -145,6 +145,31 @@ def real_keys(first_valid: torch.Tensor, K: int, padded: bool) -> torch.Tensor |
     return (torch.arange(K, device=first_valid.device) >= first_valid[:, None])[:, None, None]
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x in the row-major layout of its shape, strides of size-1 dimensions included (a
+    compiled graph guards on every stride)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _last_padded(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n rows of x (B, K, d), zero rows before them where K < n."""
+    K = x.shape[1]
+    return x[:, K - n :] if K >= n else torch.cat([x.new_zeros(x.shape[0], n - K, x.shape[2]), x], 1)
+
+
+def _shifting(window: tuple[torch.Tensor, torch.Tensor], shifted: list[tuple[torch.Tensor, torch.Tensor]]) -> KV:
+    """For a decoder layer stepping one token (`RLT.decode_token`): attend over the window's
+    keys and values then the new ones, and record the window the next token sees (the new
+    ones last, the oldest dropped)."""
+
+    def kv(k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = torch.cat([window[0], k_new], 1), torch.cat([window[1], v_new], 1)
+        shifted.append((_dense(k[:, 1:]), _dense(v[:, 1:])))  # one layout every token
+        return k, v
+
+    return kv
+
+
 def window_appender(k: Growth, v: Growth, i: int, span: int) -> KV:
     """For decoder layer i stepping one token: append its key and value to the window cache,
     get back the last `span` of them."""
@@ -512,6 +537,9 @@ class RLT(LanguageModel):
         Mm = mem[0][0].shape[1] - T
         swa_real, mem_real = real_keys(swa_first, S + T, padded[0]), real_keys(mem_first, Mm + T, padded[1])
         assert self.merge is not None
+        token = self.part("decode_token")
+        if token is not None:  # a compiled step of one shape (`parts`)
+            return self._decode_fixed(token, e, cs, s0, sk, sv, mem, swa_first, mem_first)
         ge, w_r = self.merge.prepare(e)
         mem_h = [(split_heads(k, cfg.n_head), split_heads(v, cfg.n_head)) for k, v in zip(*mem, strict=True)]
         s = s0[:, None]  # (B, 1, d) s_{t-1}
@@ -529,6 +557,90 @@ class RLT(LanguageModel):
             s = x
             outs.append(s)
         return torch.cat(outs, 1)  # (B, T, d)
+
+    def parts(self) -> dict[str, Callable]:
+        return {"decode_token": self.decode_token} if self.merge is not None else {}
+
+    def _decode_fixed(
+        self,
+        token: Callable,  # `decode_token`, or a compiled version of it
+        e: torch.Tensor,
+        cs: Rope,
+        s0: torch.Tensor,
+        sk: Growth,
+        sv: Growth,
+        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
+        swa_first: torch.Tensor,
+        mem_first: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_decode_steps` with every step's inputs of one shape and one layout, whatever
+        the chunk, so that one compiled graph serves every token: the window's last W-1 keys
+        and values and the memory's C entries in reach, left-padded with zeros where there
+        are fewer and masked, in place of slices that grow token by token; per-token inputs
+        time-major, so a token's slice does not depend on the chunk's length. The same keys
+        are attended; the padding is masked out."""
+        cfg = self.config
+        (B, T, d), S, W, C = e.shape, sk.M, cfg.window, cfg.max_context
+        Mm = mem[0][0].shape[1] - T
+        dev = e.device
+        assert self.merge is not None
+        ge, w_r = self.merge.prepare(e)
+        # memory rows at C-1 .. in a buffer as long as any chunk needs: token t's entries in
+        # reach are rows [Mm+t, Mm+t+C), and every slice has the same strides
+        rows = 2 * (C - 1) + max(T, self.segment_len)
+        mem_h = []
+        for k, v in zip(*mem, strict=True):
+            kb, vb = k.new_zeros(B, rows, d), v.new_zeros(B, rows, d)
+            kb[:, C - 1 : C - 1 + Mm + T], vb[:, C - 1 : C - 1 + Mm + T] = k, v
+            mem_h.append((split_heads(kb, cfg.n_head), split_heads(vb, cfg.n_head)))
+        t_idx = torch.arange(T, device=dev)[:, None]
+        entry = Mm + t_idx - (C - 1) + torch.arange(C, device=dev)  # (T, C) the entry in each slot
+        mem_ok = (entry >= mem_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, C)
+        row = S + t_idx - (W - 1) + torch.arange(W, device=dev)  # (T, W) the window row in each slot
+        win_ok = (row >= swa_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, W); the last: the new row
+        # time-major (T, B, ...), dense: token t's slice has the same strides in every chunk
+        e_t, ge_t, cos, sin, win_ok, mem_ok = (
+            _dense(x.transpose(0, 1)) for x in (e, ge, cs[0], cs[1], win_ok, mem_ok)
+        )
+        window = [
+            (_dense(_last_padded(sk.old[:, i], W - 1)), _dense(_last_padded(sv.old[:, i], W - 1)))
+            for i in range(len(self.decoder))
+        ]
+        s = _dense(s0[:, None])
+        outs = []
+        for t in range(T):
+            mems = [(k[:, :, Mm + t : Mm + t + C], v[:, :, Mm + t : Mm + t + C]) for k, v in mem_h]
+            cs_t = (cos[t][:, None], sin[t][:, None])
+            args = (e_t[t][:, None], ge_t[t][:, None], s, w_r, cs_t, window, mems)
+            s, window = token(*args, win_ok[t], mem_ok[t])
+            for i, (k, v) in enumerate(window):
+                sk.append(i, k[:, -1:])
+                sv.append(i, v[:, -1:])
+            outs.append(s)
+        return torch.cat(outs, 1)
+
+    def decode_token(
+        self,
+        e: torch.Tensor,  # (B, 1, d) e_t
+        ge: torch.Tensor,  # (B, 1, d) its gate part (`Merge.prepare`)
+        s: torch.Tensor,  # (B, 1, d) s_{t-1}
+        w_r: torch.Tensor,
+        cs: Rope,
+        window: list[tuple[torch.Tensor, torch.Tensor]],  # per decoder layer: the last W-1 keys, values
+        mems: list[tuple[torch.Tensor, torch.Tensor]],  # per memory group: the C entries in reach, heads split
+        win_ok: torch.Tensor,  # (B, 1, 1, W) which window keys (the new one last) are real
+        mem_ok: torch.Tensor,  # (B, 1, 1, C) which memory entries are real
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One step of the recurrence (`_decode_fixed`), a pure function of tensors of fixed
+        shapes: s_t (B, 1, d), and each decoder layer's window with the new key and value
+        last (B, W-1, d), its oldest row dropped."""
+        assert self.merge is not None
+        x = self.merge(e, ge, s, w_r)  # u_t
+        shifted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, blk in enumerate(self.decoder):
+            mk, mv = mems[i % self.config.memory_groups]
+            x = blk(x, cs, _shifting(window[i], shifted), win_ok, mk, mv, mem_ok)
+        return x, shifted
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():

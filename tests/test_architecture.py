@@ -6,25 +6,15 @@ nothing here imports app or model)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
+
+from tests.docs_scripts import load
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_import_graph():  # docs/ is not a package: load the script by its path
-    path = ROOT / "docs" / "import_graph.py"
-    spec = importlib.util.spec_from_file_location("import_graph", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-ig = _load_import_graph()
+ig = load("import_graph")
 
 
 @functools.cache

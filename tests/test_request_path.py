@@ -4,7 +4,6 @@ and the script counts what it says it counts."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -13,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_scripts import load, load_file
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "docs" / "request_path.py"
 
 
-def _load_request_path():  # docs/ is not a package: load the script by its path
-    spec = importlib.util.spec_from_file_location("request_path", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-rp = _load_request_path()
+rp = load("request_path")
 
 
 def test_architecture_request_path_is_current(redis_url: str) -> None:
@@ -44,14 +36,6 @@ def test_architecture_request_path_is_current(redis_url: str) -> None:
         + done.stdout
         + done.stderr[-4000:]
     )
-
-
-def _import(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_recorder_counts_starts_and_crossings_per_side(tmp_path: Path) -> None:
@@ -87,8 +71,8 @@ def test_recorder_counts_starts_and_crossings_per_side(tmp_path: Path) -> None:
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
-    first = _import(tmp_path / "app/first.py", "request_path_first")
-    second = _import(tmp_path / "model/second.py", "request_path_second")
+    first = load_file(tmp_path / "app/first.py", "request_path_first")
+    second = load_file(tmp_path / "model/second.py", "request_path_second")
 
     recorder = rp.Recorder(tmp_path)
     recorder.install()

@@ -20,15 +20,21 @@ shape the compiled code has not met compiles again on the spot. So nobody waits 
 A compiled step grows the state functionally (`LanguageModel.grows_in_place` is False while
 tracing); the eager one keeps growing in place.
 
+A family may also name parts of its forward that run many times with inputs of one shape
+(`LanguageModel.parts`: RLT's recurrence, one token at a time, in a prefill). They are
+compiled, checked (log-probs within `TOLERANCE`) and timed on a prompt the same way, and a
+prefill runs them (`DecodeStep.prefilling`) only if they were faster.
+
 This module imports only `model/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +78,7 @@ class CompileStatus:
     seconds: float = 0.0
     error: str = ""
     verdicts: dict[int, Verdict] = field(default_factory=dict)
+    prefill: Verdict | None = None  # the model's compiled parts (`LanguageModel.parts`), if any
 
 
 class DecodeStep:
@@ -85,9 +92,10 @@ class DecodeStep:
         classes = [c for c in PROBE_ROWS if c < max_rows] + [min(max_rows, PROBE_ROWS[-1])]
         self.classes = tuple(dict.fromkeys(classes))
         self.status = CompileStatus()
-        self.compiled_steps = 0  # steps the compiled code ran (read by the metrics)
+        self.compiled_steps = 0  # steps handed to the compiled step (read by the metrics)
         self._compiled: Step | None = None
         self._use: frozenset[int] = frozenset()  # batch classes that run compiled
+        self._parts: dict[str, Callable] = {}  # compiled parts prefills run (`prefilling`)
         self._thread: threading.Thread | None = None
         if compile:
             self.status.state = "compiling"
@@ -112,6 +120,16 @@ class DecodeStep:
                 return compiled(tokens, state)
         return self.lm.forward(tokens, state)
 
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Around a prefill: the model runs its compiled parts (its per-token loop, say) where
+        the probe adopted them, and an input their guards refuse runs eagerly."""
+        if not self._parts:
+            yield
+            return
+        with self.lm.using(self._parts), torch.compiler.set_stance("eager_on_recompile"):
+            yield
+
     # -- the background thread ----------------------------------------------------------
     def _build(self) -> None:
         t0 = time.perf_counter()
@@ -120,6 +138,7 @@ class DecodeStep:
                 compiled = _compile(self.lm)
                 states = _probe_states(self.lm)
                 verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes}
+                parts, prefill = _probe_parts(self.lm, self.margin)
         except Exception as exc:  # no compiler on this machine, say: the eager step serves on
             self.status.error = f"{type(exc).__name__}: {exc}"
             self.status.state = "failed"
@@ -127,10 +146,20 @@ class DecodeStep:
             return
         finally:
             self.status.seconds = time.perf_counter() - t0
-        self.status.verdicts = verdicts
-        self._compiled = compiled
+        self.status.verdicts, self.status.prefill = verdicts, prefill
+        # the engine thread reads these without a lock: the classes first, then the step
         self._use = frozenset(rows for rows, v in verdicts.items() if v.adopted)
+        self._compiled = compiled
+        self._parts = parts if prefill is not None and prefill.adopted else {}
         self.status.state = "ready"
+        if prefill is not None:
+            log.info(
+                "prefill: eager %.1f ms, with compiled parts %.1f ms (max |dlogprob| %.1e): %s",
+                prefill.eager_ms,
+                prefill.compiled_ms,
+                prefill.max_diff,
+                "compiled" if prefill.adopted else "eager",
+            )
         for v in verdicts.values():
             log.info(
                 "decode step, %s: eager %.3f ms, compiled %.3f ms (max |dlogit| %.1e): %s",
@@ -188,6 +217,38 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
         comp.append(_clock(lm) - t0)
     e, c = min(eager), min(comp)
     return Verdict(rows, e * 1e3, c * 1e3, diff, diff <= TOLERANCE and c < margin * e)
+
+
+def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable], Verdict | None]:
+    """The model's parts (`LanguageModel.parts`: a per-token loop's body) compiled, checked
+    and timed the way the step is: a prompt of a few chunks, alone and as two rows (a graph
+    for one row, one for several), with and without them."""
+    own = lm.parts()
+    if not own:
+        return {}, None
+    parts = {name: torch.compile(fn, dynamic=True) for name, fn in own.items()}
+    n = 2 * lm.segment_len + lm.segment_len // 2 + 1  # a chunk from empty, a full one, a short one
+    vocab = lm.tokenizer.vocab_size if lm.tokenizer is not None else 256
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1), device=lm.device)
+    diff = 0.0
+    for rows in (1, 2):
+        x = ids.expand(rows, n)
+        le, _ = lm.consume(x, lm.new_state(rows))
+        with lm.using(parts):
+            lc, _ = lm.consume(x, lm.new_state(rows))
+        diff = max(diff, float((lc - le).abs().nan_to_num().max()))
+    eager: list[float] = []
+    comp: list[float] = []
+    for _ in range(3):
+        t0 = _clock(lm)
+        lm.consume(ids, lm.new_state(1))
+        eager.append(_clock(lm) - t0)
+        t0 = _clock(lm)
+        with lm.using(parts):
+            lm.consume(ids, lm.new_state(1))
+        comp.append(_clock(lm) - t0)
+    e, c = min(eager), min(comp)
+    return parts, Verdict(1, e * 1e3, c * 1e3, diff, diff <= TOLERANCE and c < margin * e)
 
 
 def _clock(lm: LanguageModel) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -36,9 +35,8 @@ from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
 from model.tokenizer import StreamDecoder, Tokenizer
 
+from .compiler import DecodeStep
 from .requests import Alternatives, EmptyContext, Finished, FinishReason, Outbox, Request, Stored, TokenEvent
-
-Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -76,11 +74,11 @@ class Counters:
 
 
 class Runner:
-    def __init__(self, lm: LanguageModel, tokenizer: Tokenizer, decode: Step, outbox: Outbox):
+    def __init__(self, lm: LanguageModel, tokenizer: Tokenizer, decode: DecodeStep, outbox: Outbox):
         self.lm = lm
         self.outbox = outbox
         self.tokenizer = tokenizer
-        self._decode = decode  # the one-token forward (possibly compiled)
+        self._decode = decode  # the one-token forward, eager or compiled (`DecodeStep`)
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
         self._members: list[Row] = []
         self._context: Context | None = None  # what _members' samplers need of their requests
@@ -124,10 +122,11 @@ class Runner:
         state = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
         lps: torch.Tensor | None
         tops: list[list[list[tuple[int, float]]]] = []
-        if top:
-            lps, tops, state = self._prefill_top(chunk, state, top)
-        else:
-            lps, state = self.lm.prefill(chunk, state, logprobs=want)
+        with self._decode.prefilling():  # the model's compiled parts, where they were adopted
+            if top:
+                lps, tops, state = self._prefill_top(chunk, state, top)
+            else:
+                lps, state = self.lm.prefill(chunk, state, logprobs=want)
         states = [state] if len(rows) == 1 else self.lm.split_state(state)
         for i, (r, st) in enumerate(zip(rows, states, strict=True)):
             r.state = st

@@ -89,3 +89,37 @@ def test_off_means_the_eager_step_and_no_thread():
     assert DecodeStep(lm, compile=False, max_rows=8).classes == (1, 4, 8)
     assert DecodeStep(lm, compile=False, max_rows=1).classes == (1,)
     assert DecodeStep(lm, compile=False, max_rows=256).classes == (1, 4, 16, 64)
+
+
+def test_prefills_run_the_models_compiled_parts_once_adopted():
+    """RLT's per-token recurrence (`LanguageModel.parts`), compiled in the same background
+    thread: a prefill inside `prefilling()` runs it once the probe adopted it, with the
+    eager log-probs (1e-4), alone and as two rows of unequal history."""
+    lm, step = _compiled("shakespeare-rlt")
+    with torch.no_grad():
+        if step.status.state == "compiling":  # this test runs alone
+            step.start()
+            step._thread.join(timeout=600)
+        prefill = step.status.prefill
+        assert prefill is not None and prefill.adopted and prefill.max_diff <= TOLERANCE
+        calls = []
+
+        def counted(*args):
+            calls.append(1)
+            return step._parts["decode_token"](*args)
+
+        short = lm.consume([1, *b"To be"], lm.new_state(1))[1]
+        long = lm.consume([1, *b"To be, or not to be, that is the question"], lm.new_state(1))[1]
+        ids = torch.tensor([list(b"Whether 'tis nobler in the mind")] * 2)
+        for state in (long, lm.stack_states([short, long])):
+            x = ids[: state.batch_size]
+            eager, _ = lm.prefill(x, state, logprobs=True)
+            with step.prefilling():
+                compiled, _ = lm.prefill(x, state, logprobs=True)
+                with lm.using({"decode_token": counted}):
+                    lm.prefill(x, state)
+            assert (compiled - eager).abs().nan_to_num().max() <= TOLERANCE
+            assert len(calls) == x.shape[1]  # one call per token: the fixed-shape loop ran
+            calls.clear()
+    shakespeare = model.load("shakespeare", device="cpu")
+    assert shakespeare.parts() == {}  # Transformer-XL prefills a chunk at once: nothing to compile

@@ -85,6 +85,32 @@ def test_prefill_equals_incremental_in_any_chunking(feedback, case):
         assert torch.allclose(t.float(), s_chunked[name].float(), atol=1e-5), name
 
 
+@settings(max_examples=10, deadline=None)
+@given(case=stream_and_chunks(), history=st.integers(0, 2 * C))
+def test_the_fixed_shape_recurrence_equals_the_loop(case, history):
+    """`RLT.parts()`'s `decode_token` (what the engine compiles: every step's window and
+    memory padded to one shape and masked) gives what the per-token loop gives, in any
+    chunking, for two streams whose histories differ (left padding in the batch)."""
+    length, sizes, seed = case
+    lm = tiny_rlt(seed=2)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 258, (2, length), generator=g)
+    short = lm.new_state(1)
+    if history:
+        _, short = lm(torch.randint(0, 258, (1, history), generator=g), short)
+    start = lm.stack_states([short, lm(torch.randint(0, 258, (1, history + 7), generator=g), lm.new_state(1))[1]])
+    with torch.no_grad():
+        loop, s_loop = run_chunks(lm, tokens, sizes, start)
+        with lm.using(lm.parts()):
+            fixed, s_fixed = run_chunks(lm, tokens, sizes, start)
+    assert set(lm.parts()) == {"decode_token"}
+    assert (loop - fixed).abs().max().item() <= 1e-4
+    for name, t in s_loop.tensors.items():
+        assert t.shape == s_fixed[name].shape, name
+        assert torch.allclose(t.float(), s_fixed[name].float(), atol=1e-5), name
+    assert tiny_rlt(feedback=False).parts() == {}  # RLT-0 decodes a chunk at once: no loop
+
+
 def test_next_logits_come_from_the_state():
     lm = tiny_rlt()
     tokens = torch.randint(0, 258, (2, 13))
