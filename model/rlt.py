@@ -203,11 +203,24 @@ def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def attend(
-    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, allowed: torch.Tensor | None, n_head: int
+    q: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    allowed: torch.Tensor | None,
+    n_head: int,
+    fixed: bool = False,  # the keys are as many in every call (`RLT.decode_token`)
 ) -> torch.Tensor:
     """q (B, T, D), kh, vh (B, nh, K, hd), allowed (B, 1, T, K) or None (all) -> (B, T, D)."""
     B, T, D = q.shape
     hd = D // n_head
+    if fixed and torch.compiler.is_compiling():
+        # one query over a fixed number of keys, compiled: written out, the compiler fuses
+        # scores, softmax and sum into loops of known length, at a few hundred keys faster
+        # than a call to the attention kernel (over a length that varies, slower)
+        scores = (q.view(B, n_head, 1, hd) @ kh.transpose(-1, -2)) * hd**-0.5
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ vh).view(B, 1, D)
     if T == 1:  # one query: splitting its heads is a view, and so is joining them
         out = F.scaled_dot_product_attention(q.view(B, n_head, 1, hd), kh, vh, attn_mask=allowed)
         return out.view(B, 1, D)
@@ -232,13 +245,14 @@ class SelfAttention(nn.Module):
         cs: Rope,
         kv: KV,  # cached rotated keys and values of earlier positions (B, S, d)
         allowed: torch.Tensor | None,  # (B, 1, T, S+T), or None: every key
+        fixed: bool = False,  # as many keys in every call (`attend`)
     ) -> torch.Tensor:
         d = x.shape[-1]
         qkv = F.linear(x, self.qkv.weight)  # (B, T, 3d)
         q, k = apply_rope(qkv[..., : 2 * d], cs, 2 * self.n_head).chunk(2, -1)  # q's and k's heads at once
         k, v = kv(k, qkv[..., 2 * d :])  # (B, S+T, d)
         kh, vh = split_heads(k, self.n_head), split_heads(v, self.n_head)
-        return F.linear(attend(q, kh, vh, allowed, self.n_head), self.proj.weight)
+        return F.linear(attend(q, kh, vh, allowed, self.n_head, fixed), self.proj.weight)
 
 
 class CrossAttention(nn.Module):
@@ -257,9 +271,10 @@ class CrossAttention(nn.Module):
         kh: torch.Tensor,  # (B, nh, K, hd) the memory entries in reach, split into heads
         vh: torch.Tensor,
         allowed: torch.Tensor | None,
+        fixed: bool = False,  # as many keys in every call (`attend`)
     ) -> torch.Tensor:
         q = apply_rope(F.linear(x, self.q.weight), cs, self.n_head)
-        return F.linear(attend(q, kh, vh, allowed, self.n_head), self.proj.weight)
+        return F.linear(attend(q, kh, vh, allowed, self.n_head, fixed), self.proj.weight)
 
 
 class MLP(nn.Module):
@@ -304,9 +319,10 @@ class DecoderBlock(nn.Module):
         mem_k: torch.Tensor,  # (B, nh, K, hd) this layer's memory group, the entries in reach
         mem_v: torch.Tensor,
         mem_allowed: torch.Tensor | None,  # (B, 1, T, K), or None: every entry
+        fixed: bool = False,  # as many keys in every call (`attend`)
     ) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.norm1), cs, kv, self_allowed)
-        x = x + self.cross(rms_norm(x, self.norm2), cs, mem_k, mem_v, mem_allowed)
+        x = x + self.attn(rms_norm(x, self.norm1), cs, kv, self_allowed, fixed)
+        x = x + self.cross(rms_norm(x, self.norm2), cs, mem_k, mem_v, mem_allowed, fixed)
         return x + self.mlp(rms_norm(x, self.norm3))
 
 
@@ -639,7 +655,7 @@ class RLT(LanguageModel):
         shifted: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, blk in enumerate(self.decoder):
             mk, mv = mems[i % self.config.memory_groups]
-            x = blk(x, cs, _shifting(window[i], shifted), win_ok, mk, mv, mem_ok)
+            x = blk(x, cs, _shifting(window[i], shifted), win_ok, mk, mv, mem_ok, fixed=True)
         return x, shifted
 
     def next_logits(self, state: State) -> torch.Tensor:
