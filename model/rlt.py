@@ -59,6 +59,7 @@ from .state import Growth, State, StateError, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
 KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Pair = tuple[torch.Tensor, torch.Tensor]  # a key and a value
 
 
 @dataclass
@@ -157,14 +158,15 @@ def _last_padded(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:, K - n :] if K >= n else torch.cat([x.new_zeros(x.shape[0], n - K, x.shape[2]), x], 1)
 
 
-def _shifting(window: tuple[torch.Tensor, torch.Tensor], shifted: list[tuple[torch.Tensor, torch.Tensor]]) -> KV:
+def _shifting(window: tuple[torch.Tensor, torch.Tensor], shifted: list[Pair], new: list[Pair]) -> KV:
     """For a decoder layer stepping one token (`RLT.decode_token`): attend over the window's
     keys and values then the new ones, and record the window the next token sees (the new
-    ones last, the oldest dropped)."""
+    ones last, the oldest dropped) and the new ones."""
 
     def kv(k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = torch.cat([window[0], k_new], 1), torch.cat([window[1], v_new], 1)
         shifted.append((_dense(k[:, 1:]), _dense(v[:, 1:])))  # one layout every token
+        new.append((k_new, v_new))
         return k, v
 
     return kv
@@ -614,25 +616,27 @@ class RLT(LanguageModel):
         mem_ok = (entry >= mem_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, C)
         row = S + t_idx - (W - 1) + torch.arange(W, device=dev)  # (T, W) the window row in each slot
         win_ok = (row >= swa_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, W); the last: the new row
-        # time-major (T, B, ...), dense: token t's slice has the same strides in every chunk
-        e_t, ge_t, cos, sin, win_ok, mem_ok = (
-            _dense(x.transpose(0, 1)) for x in (e, ge, cs[0], cs[1], win_ok, mem_ok)
-        )
+        # time-major (T, B, ...), dense: token t's slice has the same strides in every chunk,
+        # and is one index away from what the step takes (B, 1, ...)
+        e_t, ge_t, cos, sin = (_dense(x.transpose(0, 1)[:, :, None]) for x in (e, ge, cs[0], cs[1]))
+        win_ok, mem_ok = _dense(win_ok.transpose(0, 1)), _dense(mem_ok.transpose(0, 1))
         window = [
             (_dense(_last_padded(sk.old[:, i], W - 1)), _dense(_last_padded(sv.old[:, i], W - 1)))
             for i in range(len(self.decoder))
         ]
         s = _dense(s0[:, None])
         outs = []
+        fresh: list[list[Pair]] = [[] for _ in self.decoder]
         for t in range(T):
             mems = [(k[:, :, Mm + t : Mm + t + C], v[:, :, Mm + t : Mm + t + C]) for k, v in mem_h]
-            cs_t = (cos[t][:, None], sin[t][:, None])
-            args = (e_t[t][:, None], ge_t[t][:, None], s, w_r, cs_t, window, mems)
-            s, window = token(*args, win_ok[t], mem_ok[t])
-            for i, (k, v) in enumerate(window):
-                sk.append(i, k[:, -1:])
-                sv.append(i, v[:, -1:])
+            args = (e_t[t], ge_t[t], s, w_r, (cos[t], sin[t]), window, mems)
+            s, window, new = token(*args, win_ok[t], mem_ok[t])
+            for i, kv in enumerate(new):
+                fresh[i].append(kv)
             outs.append(s)
+        for i, rows in enumerate(fresh):  # the chunk's keys and values join the window cache at once
+            sk.append(i, torch.cat([k for k, _ in rows], 1))
+            sv.append(i, torch.cat([v for _, v in rows], 1))
         return torch.cat(outs, 1)
 
     def decode_token(
@@ -646,17 +650,18 @@ class RLT(LanguageModel):
         mems: list[tuple[torch.Tensor, torch.Tensor]],  # per memory group: the C entries in reach, heads split
         win_ok: torch.Tensor,  # (B, 1, 1, W) which window keys (the new one last) are real
         mem_ok: torch.Tensor,  # (B, 1, 1, C) which memory entries are real
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[torch.Tensor, list[Pair], list[Pair]]:
         """One step of the recurrence (`_decode_fixed`), a pure function of tensors of fixed
-        shapes: s_t (B, 1, d), and each decoder layer's window with the new key and value
-        last (B, W-1, d), its oldest row dropped."""
+        shapes: s_t (B, 1, d); each decoder layer's window with the new key and value last
+        (B, W-1, d), its oldest row dropped; and each layer's new key and value (B, 1, d)."""
         assert self.merge is not None
         x = self.merge(e, ge, s, w_r)  # u_t
-        shifted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        shifted: list[Pair] = []
+        new: list[Pair] = []
         for i, blk in enumerate(self.decoder):
             mk, mv = mems[i % self.config.memory_groups]
-            x = blk(x, cs, _shifting(window[i], shifted), win_ok, mk, mv, mem_ok, fixed=True)
-        return x, shifted
+            x = blk(x, cs, _shifting(window[i], shifted, new), win_ok, mk, mv, mem_ok, fixed=True)
+        return x, shifted, new
 
     def next_logits(self, state: State) -> torch.Tensor:
         with self.autocast():
