@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest c
 # on CPU, the compiled graph's wrapper in C++, not Python: a small model's step is mostly the
 # calls between its kernels (shipped `shakespeare-rlt`: 0.5 ms a step against 0.65), at the
 # price of a compile several times as long, in the background
-CPU_OPTIONS = {"cpp_wrapper": True}
+CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 
 
 def batch_class(rows: int, classes: tuple[int, ...] = PROBE_ROWS) -> int:
