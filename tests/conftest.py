@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -28,6 +29,10 @@ from app.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16)
+RLT_TINY = dict(
+    n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_head=2, d_ff=64,
+    window=4, memory_groups=2, max_context=16, tgt_len=8,
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -183,6 +188,25 @@ class ServerProcess:
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
 
+    def openai(self, timeout: float = 60) -> openai.OpenAI:
+        """The official SDK pointed at this server (no retries: a test sees every answer)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def tiny_model_of(family: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model of `family`: the session's Transformer-XL, or a tiny RLT made here."""
+    if family == "transformer-xl":
+        return tiny_model_dir
+    path = tmp_path_factory.mktemp("rlt") / "tiny"  # the same name, so the tests read alike
+    model.init(path, family="rlt", seed=0, **RLT_TINY)
+    return path
+
 
 @pytest.fixture(scope="module")
 def server(
@@ -198,13 +222,16 @@ def server(
         "cpu_threads": 1,
         **getattr(request.module, "SERVER_SETTINGS", {}),
     }
-    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **settings)
-    srv.start()
-    yield srv
-    srv.stop()
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **settings) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with server.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def oa(server: ServerProcess) -> openai.OpenAI:
+    return server.openai(timeout=120)

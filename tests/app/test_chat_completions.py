@@ -29,24 +29,9 @@ LINES = ["Speak again, bright angel!", "With love's light wings did I o'erperch 
 
 
 @pytest.fixture(scope="module", params=["shakespeare", "shakespeare-rlt"])
-def shipped(request, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(
-        request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300
-    )
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(shipped) -> Iterator[httpx.Client]:
-    with shipped.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oa(shipped) -> openai.OpenAI:
-    return openai.OpenAI(base_url=shipped.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def server(request, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
+    with ServerProcess(request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300) as srv:
+        yield srv
 
 
 def _consumed(http: httpx.Client, sid: str) -> list[int]:
@@ -65,22 +50,22 @@ def _tokenize(http: httpx.Client, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def _reply(oa: openai.OpenAI, shipped: ServerProcess, messages: list, finish: str = "stop", **body: object):
+def _reply(oa: openai.OpenAI, server: ServerProcess, messages: list, finish: str = "stop", **body: object):
     """A reply that ends as `finish` says, in valid UTF-8, from the first seed that gives
     one. (A byte-level model may sample bytes that are no UTF-8: the text returned holds
     U+FFFD for them, and a client sending it back sends other bytes; README.)"""
     for seed in range(20):
-        c = oa.chat.completions.create(model=shipped.model_dir, messages=messages, seed=seed, **body)  # type: ignore[call-overload]
+        c = oa.chat.completions.create(model=server.model_dir, messages=messages, seed=seed, **body)  # type: ignore[call-overload]
         if c.choices[0].finish_reason == finish and "\ufffd" not in c.choices[0].message.content:
             return c, seed
     raise AssertionError(f"no seed of 20 gave a reply that ends with {finish}")
 
 
-def test_a_chat_completion_in_a_new_session(oa, http, shipped):
-    _, seed = _reply(oa, shipped, SCENE)
-    raw = oa.chat.completions.with_raw_response.create(model=shipped.model_dir, messages=SCENE, seed=seed)
+def test_a_chat_completion_in_a_new_session(oa, http, server):
+    _, seed = _reply(oa, server, SCENE)
+    raw = oa.chat.completions.with_raw_response.create(model=server.model_dir, messages=SCENE, seed=seed)
     c = raw.parse()
-    assert c.object == "chat.completion" and c.id.startswith("chatcmpl-") and c.model == shipped.model_dir
+    assert c.object == "chat.completion" and c.id.startswith("chatcmpl-") and c.model == server.model_dir
     assert c.system_fingerprint == http.get("/readyz").json()["fingerprint"]
     (choice,) = c.choices
     assert choice.index == 0 and choice.message.role == "assistant" and choice.logprobs is None
@@ -96,7 +81,7 @@ def test_a_chat_completion_in_a_new_session(oa, http, shipped):
 
 
 @pytest.mark.parametrize("finish", ["stop", "length"])
-def test_a_resent_conversation_extends_what_the_last_turn_consumed(oa, http, shipped, finish):
+def test_a_resent_conversation_extends_what_the_last_turn_consumed(oa, http, server, finish):
     """The stateless client: each turn sends the whole conversation, holding the assistant's
     messages as returned (without the turn stop). With the route's defaults (the turn stop)
     or cut short by max_tokens, every turn's prompt starts with every token the previous
@@ -104,7 +89,7 @@ def test_a_resent_conversation_extends_what_the_last_turn_consumed(oa, http, shi
     limit = {} if finish == "stop" else {"max_tokens": 7}
     messages = list(SCENE)
     for line in LINES:
-        c, _ = _reply(oa, shipped, messages, finish, temperature=0.8, **limit)
+        c, _ = _reply(oa, server, messages, finish, temperature=0.8, **limit)
         consumed = _consumed(http, c.session_id)  # type: ignore[attr-defined]
         messages += [
             {"role": "assistant", "content": c.choices[0].message.content},
@@ -114,27 +99,27 @@ def test_a_resent_conversation_extends_what_the_last_turn_consumed(oa, http, shi
         assert after[: len(consumed)] == consumed and len(after) > len(consumed)
 
 
-def test_a_continued_session_takes_only_the_new_messages(oa, http, shipped):
+def test_a_continued_session_takes_only_the_new_messages(oa, http, server):
     """Continuing a session with the new messages makes the state a stateless client's
     resent conversation makes (after a turn the turn stop ended): the same tokens, so the
     same greedy reply."""
-    first, _ = _reply(oa, shipped, SCENE)
+    first, _ = _reply(oa, server, SCENE)
     sid = first.session_id  # type: ignore[attr-defined]
     new = [{"role": "user", "content": LINES[0]}]
     second = oa.chat.completions.create(
-        model=shipped.model_dir, messages=new, temperature=0, extra_body={"session_id": sid}
+        model=server.model_dir, messages=new, temperature=0, extra_body={"session_id": sid}
     )
     assert second.session_id == sid and second.session["version"] == 2  # type: ignore[attr-defined]
     assert second.usage.prompt_tokens == len(play_script().render(new).encode())
     whole = [*SCENE, {"role": "assistant", "content": first.choices[0].message.content}, *new]
-    stateless = oa.chat.completions.create(model=shipped.model_dir, messages=whole, temperature=0)
+    stateless = oa.chat.completions.create(model=server.model_dir, messages=whole, temperature=0)
     assert stateless.choices[0].message.content == second.choices[0].message.content
     assert _consumed(http, sid) == _consumed(http, stateless.session_id)  # type: ignore[attr-defined]
 
 
-def test_streamed_chunks_role_content_finish_usage_done(oa, http, shipped):
-    whole, seed = _reply(oa, shipped, SCENE)  # the turn stop ends it: the stream holds back its first "\n"
-    body = {"model": shipped.model_dir, "messages": SCENE, "seed": seed}
+def test_streamed_chunks_role_content_finish_usage_done(oa, http, server):
+    whole, seed = _reply(oa, server, SCENE)  # the turn stop ends it: the stream holds back its first "\n"
+    body = {"model": server.model_dir, "messages": SCENE, "seed": seed}
     chunks = list(oa.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
     assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
     first, *content, last, usage = chunks
@@ -158,9 +143,9 @@ def test_streamed_chunks_role_content_finish_usage_done(oa, http, shipped):
     assert chunks_json[-1]["choices"][0]["delta"] == {} and chunks_json[-1]["usage"] is None
 
 
-def test_logprobs_stop_strings_and_max_completion_tokens(oa, shipped):
+def test_logprobs_stop_strings_and_max_completion_tokens(oa, server):
     c = oa.chat.completions.create(
-        model=shipped.model_dir, messages=SCENE, seed=2, logprobs=True, max_completion_tokens=40, max_tokens=1
+        model=server.model_dir, messages=SCENE, seed=2, logprobs=True, max_completion_tokens=40, max_tokens=1
     )
     lp = c.choices[0].logprobs
     assert lp is not None and lp.content is not None
@@ -173,14 +158,14 @@ def test_logprobs_stop_strings_and_max_completion_tokens(oa, shipped):
     else:  # max_completion_tokens won over max_tokens
         assert c.usage.completion_tokens == 40 and text == c.choices[0].message.content
     # a body's stop strings end the turn too, and are left out like the turn stop
-    s = oa.chat.completions.create(model=shipped.model_dir, messages=SCENE, seed=2, stop=["e"], logprobs=True)
+    s = oa.chat.completions.create(model=server.model_dir, messages=SCENE, seed=2, stop=["e"], logprobs=True)
     assert s.choices[0].finish_reason == "stop" and "e" not in s.choices[0].message.content
     assert "".join(t.token for t in s.choices[0].logprobs.content) == s.choices[0].message.content + "e"  # type: ignore[union-attr]
 
 
-def test_bad_chat_requests_get_the_error_body(oa, http, shipped):
+def test_bad_chat_requests_get_the_error_body(oa, http, server):
     with pytest.raises(openai.UnprocessableEntityError, match="n"):
-        oa.chat.completions.create(model=shipped.model_dir, messages=SCENE, n=17)  # past 16 choices
+        oa.chat.completions.create(model=server.model_dir, messages=SCENE, n=17)  # past 16 choices
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-4o", messages=SCENE)
     for bad in (
@@ -194,7 +179,7 @@ def test_bad_chat_requests_get_the_error_body(oa, http, shipped):
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request", (bad, r.text)
 
 
-def test_text_parts_names_and_template_variables(oa, shipped):
+def test_text_parts_names_and_template_variables(oa, server):
     parts = [
         {
             "role": "user",
@@ -203,7 +188,7 @@ def test_text_parts_names_and_template_variables(oa, shipped):
         }
     ]
     c = oa.chat.completions.create(
-        model=shipped.model_dir,
+        model=server.model_dir,
         messages=parts,  # type: ignore[arg-type]
         max_tokens=1,
         extra_body={"chat_template_kwargs": {"assistant_name": "Nurse"}},

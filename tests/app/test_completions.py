@@ -11,26 +11,14 @@ import openai
 import pytest
 
 import model
-from tests.app.test_rlt_api import RLT_TINY
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, tiny_model_of
 
 
 @pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
 def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    if request.param == "rlt":
-        path = tmp_path_factory.mktemp("rlt") / "tiny"  # same name, so the tests read alike
-        model.init(path, family="rlt", seed=0, **RLT_TINY)
-    else:
-        path = tiny_model_dir
-    srv = ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=1000)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oa(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
+    with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=1000) as srv:
+        yield srv
 
 
 def _generate(http: httpx.Client, sid: str, **body: object) -> dict:

@@ -29,18 +29,9 @@ def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
     """A tiny byte-level model with the shipped play-script chat template."""
     path = tmp_path_factory.mktemp("n-model") / "tiny"
     model.init(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
-    srv = ServerProcess(
-        path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=50, max_batch_size=BATCH
-    )
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
+    settings = {"cpu_threads": 1, "max_tokens": 50, "max_batch_size": BATCH}
+    with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, **settings) as srv:
+        yield srv
 
 
 def _post(http: httpx.Client, path: str, **body: object) -> dict:

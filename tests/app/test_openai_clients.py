@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
-import openai
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI, OpenAI
@@ -22,21 +20,8 @@ MODEL = "shakespeare"
 
 @pytest.fixture(scope="module")
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oa(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
+    with ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200) as srv:
+        yield srv
 
 
 # -- the openai SDK -------------------------------------------------------------------------

@@ -17,12 +17,8 @@ import pytest
 import model
 from model.replay import Rollout, replay
 from model.sampling import SamplingParams
-from tests.conftest import ServerProcess
+from tests.conftest import RLT_TINY, ServerProcess
 
-RLT_TINY = dict(
-    n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_head=2, d_ff=64,
-    window=4, memory_groups=2, max_context=16, tgt_len=8,
-)  # fmt: skip
 SETTINGS = {"max_tokens": 100, "max_prompt_tokens": 400, "cpu_threads": 1}
 TEXT = "Now is the winter of our discontent made glorious summer — ça va? — by this sun of York."
 

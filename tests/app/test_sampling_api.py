@@ -13,15 +13,13 @@ import math
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 import torch
 
 import model
 from model.sampling import Context, SamplingParams, behaviour_logprobs, draw, make_generator
 from tests.app.sse_client import generate as stream_generate
-from tests.app.test_rlt_api import RLT_TINY
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, tiny_model_of
 
 EOS = 257  # the byte tokenizer's
 ABC = {str(b): 100.0 for b in b"abc"}  # only a, b and c can win against these biases
@@ -29,26 +27,9 @@ ABC = {str(b): 100.0 for b in b"abc"}  # only a, b and c can win against these b
 
 @pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
 def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    if request.param == "rlt":
-        path = tmp_path_factory.mktemp("rlt") / "tiny"
-        model.init(path, family="rlt", seed=0, **RLT_TINY)
-    else:
-        path = tiny_model_dir
-    srv = ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oa(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
+    with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
