@@ -235,3 +235,17 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def oa(server: ServerProcess) -> openai.OpenAI:
     return server.openai(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def a(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[httpx.Client]:
+    """Tenant A's client: the module's key `A` (one of its SERVER_SETTINGS api_keys)."""
+    with server.client(headers={"Authorization": f"Bearer {request.module.A}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def b(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[httpx.Client]:
+    """Tenant B's client: the module's key `B`."""
+    with server.client(headers={"Authorization": f"Bearer {request.module.B}"}) as c:
+        yield c

@@ -44,18 +44,6 @@ def client(server: ServerProcess, key: str | None) -> httpx.Client:
     return server.client(headers=headers)
 
 
-@pytest.fixture(scope="module")
-def a(server) -> Iterator[httpx.Client]:
-    with client(server, A) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def b(server) -> Iterator[httpx.Client]:
-    with client(server, B) as c:
-        yield c
-
-
 def unauthorized(r: httpx.Response) -> None:
     assert r.status_code == 401, r.text
     assert r.json()["error"]["type"] == "unauthorized"

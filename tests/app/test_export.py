@@ -4,8 +4,6 @@ anything), and a round trip continues exactly as the original would."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
@@ -14,18 +12,6 @@ from tests.conftest import TINY
 
 A, B = "key-export-a", "key-export-b"
 SERVER_SETTINGS = {"api_keys": f"{A},{B}", "max_import_mb": 0.02}  # 20 KiB: a few tiny states
-
-
-@pytest.fixture(scope="module")
-def a(server) -> Iterator[httpx.Client]:
-    with server.client(headers={"Authorization": f"Bearer {A}"}) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def b(server) -> Iterator[httpx.Client]:
-    with server.client(headers={"Authorization": f"Bearer {B}"}) as c:
-        yield c
 
 
 def create(c: httpx.Client, prompt: str = "ROMEO:") -> dict:

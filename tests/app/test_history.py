@@ -5,26 +5,12 @@ the tokens the state consumed, with the action mask and behaviour log-probs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 import redis
 
 A, B = "key-history-a", "key-history-b"
 SERVER_SETTINGS = {"api_keys": f"{A},{B}", "history_versions": 4, "max_history_versions": 16}
-
-
-@pytest.fixture(scope="module")
-def a(server) -> Iterator[httpx.Client]:
-    with server.client(headers={"Authorization": f"Bearer {A}"}) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def b(server) -> Iterator[httpx.Client]:
-    with server.client(headers={"Authorization": f"Bearer {B}"}) as c:
-        yield c
 
 
 def create(c: httpx.Client, prompt: str = "ROMEO:", **body) -> dict:
