@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from redis.crc import key_slot
@@ -107,7 +108,23 @@ class Node:
                 self.kill()
 
 
-class LocalCluster:
+S = TypeVar("S", bound="_Stopped")
+
+
+class _Stopped:
+    """`with` stops the servers on the way out."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalCluster(_Stopped):
     """Three primaries, no replicas, slots split in three ranges (primary i serves
     `ranges[i]`). `cluster-require-full-coverage no`: when a primary dies, the others keep
     serving their slots (docs/DEPLOY.md recommends the same)."""
@@ -173,7 +190,7 @@ class LocalCluster:
             node.stop()
 
 
-class LocalSentinel:
+class LocalSentinel(_Stopped):
     """A primary, its replica and one Sentinel watching them (quorum 1), which fails over
     a second after the primary stops answering."""
 

@@ -40,32 +40,29 @@ SETTINGS = dict(cpu_threads=1, max_tokens=64, redis_timeout=2)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.stop()
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+def _served(redis_url: str, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **SETTINGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def cluster_server(cluster, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("on-cluster"), cluster.url, **SETTINGS)
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _served(cluster.url, tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSentinel]:
-    s = LocalSentinel(tmp_path_factory.mktemp("sentinel"))
-    yield s
-    s.stop()
+    with LocalSentinel(tmp_path_factory.mktemp("sentinel")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def sentinel_server(sentinel, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("on-sentinel"), sentinel.url, **SETTINGS)
-    srv.start()
-    yield srv
-    srv.stop()
+    yield from _served(sentinel.url, tiny_model_dir, tmp_path_factory)
 
 
 def _store(url: str, **settings: object) -> SessionStore:
