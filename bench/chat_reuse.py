@@ -88,9 +88,12 @@ def conversation(url: str, model: str, key: str, turns: int, max_tokens: int) ->
         after = counters(url, key)
         assert c.usage is not None and c.usage.completion_tokens == max_tokens
         hit, saved = after["hits"] - before["hits"], after["tokens_saved"] - before["tokens_saved"]
-        # usage counts the tokens this request consumed: after a hit, those past the prefix;
-        # else the prompt, after the BOS a new session consumes
-        prefilled = c.usage.prompt_tokens + (0 if hit else 1)
+        # usage counts the whole prompt, and cached_tokens the part a reused prefix held (not
+        # prefilled); a miss starts a new session, which consumes a BOS before the prompt
+        details = c.usage.prompt_tokens_details
+        cached = (details.cached_tokens or 0) if details is not None else 0
+        assert cached == saved, (cached, saved)  # the response and the metric agree
+        prefilled = c.usage.prompt_tokens - cached + (0 if hit else 1)
         rows.append(
             {
                 "turn": turn + 1,
