@@ -412,8 +412,8 @@ def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float |
         "they were measured); `make bench` also runs that commit's model/ side by side in this run "
         "(`git archive`), the second ratio, which machine noise between runs does not move.",
         "",
-        "**On a GPU** (not measured here: this page is a CPU run, and no GPU has yet been lent to the "
-        "project). `bench/gpu_smoke.sh` on a CUDA host checks the CUDA paths (pinned copies, the "
+        "**On a GPU** (not measured here: this page is a CPU run). `bench/gpu_smoke.sh` on a CUDA host "
+        "checks the CUDA paths (pinned copies, the "
         "CUDA-graph decode step, bf16, in-place state growth), GPU fp32 logits against the CPU's "
         "(1e-3), and measures the two GPU targets: the bandwidth achieved by a batch-1 decode step of "
         "a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600) ÷ the HBM peak, ≥ 60%, and "

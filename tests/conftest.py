@@ -188,9 +188,9 @@ class ServerProcess:
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
 
-    def openai(self, timeout: float = 60) -> openai.OpenAI:
+    def openai(self) -> openai.OpenAI:
         """The official SDK pointed at this server (no retries: a test sees every answer)."""
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def __enter__(self) -> ServerProcess:
         return self.start()
@@ -234,7 +234,7 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def oa(server: ServerProcess) -> openai.OpenAI:
-    return server.openai(timeout=120)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
