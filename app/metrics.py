@@ -13,7 +13,7 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
 * app/sessions.py        TENANT_*, QUOTA_REFUSALS (quotas)
 * the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
-  seconds loading and encoding states), are read from the live engine and hot cache
+  seconds loading and encoding states, malloc_trim calls and their seconds), are read from the live engine and hot cache
   when scraped (`bind_engine`): the engine imports nothing of this module
 
 This module never imports the engine, the store or FastAPI.
@@ -124,6 +124,7 @@ class _EngineCollector(Collector):
     def __init__(self) -> None:
         self.read: Callable[[], Any] | None = None
         self.decode_step: Callable[[], Any] | None = None
+        self.trimmer: Callable[[], Any] | None = None
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         if self.read is None:
@@ -136,6 +137,16 @@ class _EngineCollector(Collector):
         )
         if self.decode_step is not None:
             yield from _compile_metrics(self.decode_step())
+        if self.trimmer is not None:
+            trimmer = self.trimmer()
+            yield CounterMetricFamily(
+                "recur_malloc_trims",
+                "Times the engine handed freed host memory back (malloc_trim)",
+                value=trimmer.releases,
+            )
+            yield CounterMetricFamily(
+                "recur_malloc_trim_seconds", "Seconds the engine thread spent in malloc_trim", value=trimmer.seconds
+            )
 
 
 def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -177,6 +188,7 @@ def bind_engine(
     waiting: Callable[[], float],
     counters: Callable[[], Any],
     decode_step: Callable[[], Any],
+    trimmer: Callable[[], Any],
     cache_bytes: Callable[[], float],
     cache_sessions: Callable[[], float],
 ) -> None:
@@ -187,6 +199,7 @@ def bind_engine(
     HOT_CACHE_SESSIONS.set_function(cache_sessions)
     _ENGINE.read = counters
     _ENGINE.decode_step = decode_step
+    _ENGINE.trimmer = trimmer
 
 
 def exposition() -> tuple[bytes, str]:

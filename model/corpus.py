@@ -112,14 +112,6 @@ def encode_work(text: str, tok: Tokenizer) -> list[int]:
     return head + ids + tail
 
 
-def encode_works(works: list[Work], tok: Tokenizer) -> torch.Tensor:
-    """Every work, wrapped in BOS/EOS, concatenated: LongTensor [N]."""
-    ids: list[int] = []
-    for _, text in works:
-        ids += encode_work(text, tok)
-    return torch.tensor(ids, dtype=torch.long)
-
-
 @dataclass
 class StreamBatches:
     """The paper's layout: the epoch's token stream cut into `batch_size` contiguous

@@ -28,9 +28,8 @@ from . import (
     tokens,
     usage,
 )
-from .body_limit import BodyLimit
 from .deps import admit, authenticate, bind_session
-from .middleware import RequestContext
+from .middleware import BodyLimit, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -66,6 +65,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             waiting=lambda: engine.scheduler.num_waiting,
             counters=lambda: engine.counters,
             decode_step=lambda: engine.decode_step,
+            trimmer=lambda: engine.trimmer,
             cache_bytes=lambda: sessions.cache.nbytes,
             cache_sessions=lambda: len(sessions.cache),
         )

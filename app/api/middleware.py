@@ -1,10 +1,18 @@
-"""Per-request plumbing around every route: the request id, the access log line and the
-HTTP metrics.
+"""The ASGI middleware around every route, outermost first.
 
-A pure ASGI middleware (not BaseHTTPMiddleware), so streaming responses and the routes'
-own disconnect detection pass through untouched. The request id is the client's
-`X-Request-Id` when it is a sane token, else a new one; it is echoed in the response
-header and set in `app.logs.request_id` for every log line of the request.
+`RequestContext`: per-request plumbing, the request id, the access log line and the HTTP
+metrics. The request id is the client's `X-Request-Id` when it is a sane token, else a new
+one; it is echoed in the response header and set in `app.logs.request_id` for every log
+line of the request.
+
+`BodyLimit`: a request body over `Settings.max_body_bytes` gets 413, before it is read in
+full. A few routes take larger bodies (a state import, up to `Settings.max_import_mb`):
+their own limits, by path. A declared `Content-Length` over the limit is refused before the
+app runs; a chunked body is counted as it arrives and refused as soon as it passes the
+limit. The 413 carries `Connection: close`, so the server stops reading the rest.
+
+Both are pure ASGI middleware (not BaseHTTPMiddleware): neither buffers a body, and
+streaming responses and the routes' own disconnect detection pass through untouched.
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ import re
 import time
 import uuid
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import logs, metrics
+
+from .errors import ErrorType, response
 
 log = logging.getLogger("recur.access")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -69,3 +80,41 @@ class RequestContext:
                     "client": (scope.get("client") or ("", 0))[0],
                 },
             )
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` mid-body; the error handlers turn it into the 413 body."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than this server accepts ({limit} bytes)")
+        self.headers = {"Connection": "close"}
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int, by_path: dict[str, int] | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.by_path = by_path or {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.by_path.get(scope["path"], self.max_bytes)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            err = BodyTooLarge(limit)
+            await response(ErrorType.body_too_large, str(err.detail), err.headers)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)

@@ -138,7 +138,7 @@ def _document_errors(op: dict, calls: list[Callable[..., Any]], keys: bool) -> N
     if op.get("parameters") or "requestBody" in op:
         types.append(ErrorType.invalid_request)
     if "requestBody" in op:
-        types.append(ErrorType.body_too_large)  # app/api/body_limit.py
+        types.append(ErrorType.body_too_large)  # app/api/middleware.py's BodyLimit
     for call in calls:
         types += RAISED_BY.get(call, ())
     if not keys:  # an open server never asks for a key

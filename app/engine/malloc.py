@@ -45,8 +45,8 @@ class MallocTrimmer:
         self._clock = clock
         self._last = clock()
         self._dirty = False  # work ran since the last release
-        self.releases = 0
-        self.seconds = 0.0  # spent in malloc_trim (bench/memory.py reports it)
+        self.releases = 0  # recur_malloc_trims_total
+        self.seconds = 0.0  # spent in malloc_trim: recur_malloc_trim_seconds_total
 
     def worked(self) -> None:
         """Record that the engine ran something; release if the interval has passed."""

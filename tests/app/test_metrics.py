@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.api import create_app
 from app.config import Settings
+from app.engine import malloc
 from tests.conftest import serve_in_process
 
 from .sse_client import events, generate
@@ -113,6 +114,20 @@ def test_the_hot_cache_gauges_follow_its_sessions(http):
     gone = scrape(http)
     assert value(gone, "recur_hot_cache_sessions") == value(before, "recur_hot_cache_sessions")
     assert value(gone, "recur_hot_cache_bytes") == value(before, "recur_hot_cache_bytes")
+
+
+@pytest.mark.skipif(malloc._TRIM is None, reason="no malloc_trim in this C library")
+def test_the_malloc_trim_counters_count_the_engines_releases(http):
+    before = scrape(http)
+    sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
+    assert generate(http, sid, max_tokens=3, temperature=0)[1] == "done"
+    # the engine gives the freed memory back once the process has been quiet a while
+    deadline = time.monotonic() + 30
+    while value(after := scrape(http), "recur_malloc_trims_total") == value(before, "recur_malloc_trims_total"):
+        assert time.monotonic() < deadline, "the idle engine never released memory"
+        time.sleep(0.05)
+    assert value(after, "recur_malloc_trims_total") > value(before, "recur_malloc_trims_total")
+    assert value(after, "recur_malloc_trim_seconds_total") > value(before, "recur_malloc_trim_seconds_total")
 
 
 def test_json_logs_carry_request_and_session_ids(http, server):
