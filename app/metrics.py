@@ -13,15 +13,16 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 * app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
 * app/sessions.py        TENANT_*, QUOTA_REFUSALS (quotas)
 * the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
-  seconds loading and encoding states, malloc_trim calls and their seconds), are read from the live engine and hot cache
-  when scraped (`bind_engine`): the engine imports nothing of this module
+  seconds loading and encoding states, malloc_trim calls and their seconds), are read
+  from the live engine and hot cache when scraped (`bind_engine`): the engine imports
+  nothing of this module
 
 This module never imports the engine, the store or FastAPI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
@@ -122,31 +123,30 @@ class _EngineCollector(Collector):
     """The engine's counters, read from the live engine at each scrape."""
 
     def __init__(self) -> None:
-        self.read: Callable[[], Any] | None = None
-        self.decode_step: Callable[[], Any] | None = None
-        self.trimmer: Callable[[], Any] | None = None
+        self.engine: Any = None  # app.engine.Engine, once bound
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        if self.read is None:
+        engine = self.engine
+        if engine is None:
             return
-        counters = self.read()
+        counters = engine.counters
         for name, doc, field in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(counters, field))
         yield GaugeMetricFamily(
             "recur_decode_batch_max", "Most rows one decode step has run", value=counters.max_batch
         )
-        if self.decode_step is not None:
-            yield from _compile_metrics(self.decode_step())
-        if self.trimmer is not None:
-            trimmer = self.trimmer()
-            yield CounterMetricFamily(
-                "recur_malloc_trims",
-                "Times the engine handed freed host memory back (malloc_trim)",
-                value=trimmer.releases,
-            )
-            yield CounterMetricFamily(
-                "recur_malloc_trim_seconds", "Seconds the engine thread spent in malloc_trim", value=trimmer.seconds
-            )
+        yield from _compile_metrics(engine.decode_step)
+        trimmer = engine.trimmer
+        yield CounterMetricFamily(
+            "recur_malloc_trims",
+            "Times the engine handed freed host memory back (malloc_trim)",
+            value=trimmer.releases,
+        )
+        yield CounterMetricFamily(
+            "recur_malloc_trim_seconds",
+            "Seconds the engine thread spent in malloc_trim",
+            value=trimmer.seconds,
+        )
 
 
 def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -182,24 +182,14 @@ _ENGINE = _EngineCollector()
 REGISTRY.register(_ENGINE)
 
 
-def bind_engine(
-    *,
-    running: Callable[[], float],
-    waiting: Callable[[], float],
-    counters: Callable[[], Any],
-    decode_step: Callable[[], Any],
-    trimmer: Callable[[], Any],
-    cache_bytes: Callable[[], float],
-    cache_sessions: Callable[[], float],
-) -> None:
-    """Make the engine's gauges and counters read the live engine at each scrape."""
-    NUM_REQUESTS_RUNNING.set_function(running)
-    NUM_REQUESTS_WAITING.set_function(waiting)
-    HOT_CACHE_BYTES.set_function(cache_bytes)
-    HOT_CACHE_SESSIONS.set_function(cache_sessions)
-    _ENGINE.read = counters
-    _ENGINE.decode_step = decode_step
-    _ENGINE.trimmer = trimmer
+def bind_engine(engine: Any, cache: Any) -> None:
+    """Make the engine's gauges and counters read the live engine (`app.engine.Engine`) and
+    hot cache (`app.sessions.HotCache`) at each scrape."""
+    NUM_REQUESTS_RUNNING.set_function(lambda: engine.scheduler.num_running)
+    NUM_REQUESTS_WAITING.set_function(lambda: engine.scheduler.num_waiting)
+    HOT_CACHE_BYTES.set_function(lambda: cache.nbytes)
+    HOT_CACHE_SESSIONS.set_function(lambda: len(cache))
+    _ENGINE.engine = engine
 
 
 def exposition() -> tuple[bytes, str]:

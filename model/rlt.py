@@ -58,8 +58,8 @@ from .family import LanguageModel, TimeAxis
 from .state import Growth, State, StateError, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
-KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Pair = tuple[torch.Tensor, torch.Tensor]  # a key and a value
+KV = Callable[[torch.Tensor, torch.Tensor], Pair]
 
 
 @dataclass
@@ -158,12 +158,12 @@ def _last_padded(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:, K - n :] if K >= n else torch.cat([x.new_zeros(x.shape[0], n - K, x.shape[2]), x], 1)
 
 
-def _shifting(window: tuple[torch.Tensor, torch.Tensor], shifted: list[Pair], new: list[Pair]) -> KV:
+def _shifting(window: Pair, shifted: list[Pair], new: list[Pair]) -> KV:
     """For a decoder layer stepping one token (`RLT.decode_token`): attend over the window's
     keys and values then the new ones, and record the window the next token sees (the new
     ones last, the oldest dropped) and the new ones."""
 
-    def kv(k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(k_new: torch.Tensor, v_new: torch.Tensor) -> Pair:
         k, v = torch.cat([window[0], k_new], 1), torch.cat([window[1], v_new], 1)
         shifted.append((_dense(k[:, 1:]), _dense(v[:, 1:])))  # one layout every token
         new.append((k_new, v_new))
@@ -646,8 +646,8 @@ class RLT(LanguageModel):
         s: torch.Tensor,  # (B, 1, d) s_{t-1}
         w_r: torch.Tensor,
         cs: Rope,
-        window: list[tuple[torch.Tensor, torch.Tensor]],  # per decoder layer: the last W-1 keys, values
-        mems: list[tuple[torch.Tensor, torch.Tensor]],  # per memory group: the C entries in reach, heads split
+        window: list[Pair],  # per decoder layer: the last W-1 keys, values
+        mems: list[Pair],  # per memory group: the C entries in reach, heads split
         win_ok: torch.Tensor,  # (B, 1, 1, W) which window keys (the new one last) are real
         mem_ok: torch.Tensor,  # (B, 1, 1, C) which memory entries are real
     ) -> tuple[torch.Tensor, list[Pair], list[Pair]]:

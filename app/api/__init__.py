@@ -60,15 +60,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
         engine.start()
         sessions = sessions_service.build(settings, store, engine)
         app.state.sessions = sessions
-        service_metrics.bind_engine(
-            running=lambda: engine.scheduler.num_running,
-            waiting=lambda: engine.scheduler.num_waiting,
-            counters=lambda: engine.counters,
-            decode_step=lambda: engine.decode_step,
-            trimmer=lambda: engine.trimmer,
-            cache_bytes=lambda: sessions.cache.nbytes,
-            cache_sessions=lambda: len(sessions.cache),
-        )
+        service_metrics.bind_engine(engine, sessions.cache)
         try:
             yield
         finally:

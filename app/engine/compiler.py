@@ -57,6 +57,11 @@ PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest c
 CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 
 
+def _options(lm: LanguageModel) -> dict[str, Any] | None:
+    """Inductor's options for this model's device (the step's and the parts' alike)."""
+    return CPU_OPTIONS if lm.device.type == "cpu" else None
+
+
 def batch_class(rows: int, classes: tuple[int, ...] = PROBE_ROWS) -> int:
     """The probed batch size whose verdict covers a batch of `rows` rows: the smallest one
     that holds it (the largest for a larger batch). Whether compiling pays changes with the
@@ -183,7 +188,7 @@ def _compile(lm: LanguageModel) -> Step:
     # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph
     if lm.device.type == "cuda":
         return torch.compile(lm.forward, dynamic=True, mode="reduce-overhead")
-    return torch.compile(lm.forward, dynamic=True, options=CPU_OPTIONS)
+    return torch.compile(lm.forward, dynamic=True, options=_options(lm))
 
 
 def _probe_states(lm: LanguageModel) -> list[State]:
@@ -234,8 +239,7 @@ def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable],
         return {}, None
     # a part's shapes are fixed but for the rows: compiled for one row first (kernels of
     # known sizes), then once more with the rows symbolic when a second count is seen
-    options = CPU_OPTIONS if lm.device.type == "cpu" else None
-    parts = {name: torch.compile(fn, dynamic=None, options=options) for name, fn in own.items()}
+    parts = {name: torch.compile(fn, dynamic=None, options=_options(lm)) for name, fn in own.items()}
     n = 2 * lm.segment_len + lm.segment_len // 2 + 1  # a chunk from empty, a full one, a short one
     vocab = lm.tokenizer.vocab_size if lm.tokenizer is not None else 256
     ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1), device=lm.device)
