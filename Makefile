@@ -27,23 +27,28 @@ $(STAMP): $(PY) pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Reference environment for tests/model/test_hf_parity.py (issue 9): transformers 4.37.2,
-# the last release whose Transformer-XL runs, with its numpy<2 world, installed into an
-# isolated --target directory that only the test's reference subprocess puts on its path.
-REF_ENV := .venv-ref
-REF_STAMP := $(REF_ENV)/.installed
+# Reference environments for the parity tests (tests/model/reference_env.py), each an
+# isolated --target directory that only a test's reference subprocess puts on its path:
+# .venv-ref, transformers 4.37.2 (the last release whose Transformer-XL runs, numpy<2);
+# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA).
+REF_STAMP := .venv-ref/.installed
+REF_CURRENT_STAMP := .venv-ref-current/.installed
 
-$(REF_STAMP): $(PY) tests/model/reference-requirements.txt
-	$(PY) -m pip install -q --upgrade --target $(REF_ENV) -r tests/model/reference-requirements.txt
-	touch $(REF_STAMP)
+$(REF_STAMP): tests/model/reference-requirements.txt | $(PY)
+	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
+	touch $@
 
-ref-env: $(REF_STAMP)
+$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt | $(PY)
+	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
+	touch $@
+
+ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 
 run: $(STAMP)
 	$(BIN)/recur serve $(ARGS)
 
 # the default suite; long runs are marked `slow` and run with `make test-slow`
-test: $(STAMP) $(REF_STAMP)
+test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 test-slow: $(STAMP)
@@ -70,4 +75,4 @@ docs: $(STAMP)
 	$(PY) docs/request_path.py --write
 
 clean:
-	rm -rf $(VENV) $(REF_ENV) build *.egg-info
+	rm -rf $(VENV) .venv-ref .venv-ref-current build *.egg-info

@@ -11,9 +11,6 @@ recur loads those directories and must agree within 1e-4 on every log-prob.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +21,8 @@ import model
 from app.cli import main as recur_cli
 from model import hf
 
-ROOT = Path(__file__).resolve().parents[2]
-REF_ENV = ROOT / ".venv-ref"
-REF_REQUIREMENTS = Path(__file__).with_name("reference-requirements.txt")
+from .reference_env import LEGACY
+
 REF_SCRIPT = Path(__file__).with_name("hf_reference.py")
 TOL = 1e-4
 TGT_LEN, SEGMENTS = 8, 3
@@ -61,28 +57,11 @@ CASES = {
 BIN_CASES = frozenset({"shared_r-post_ln", "untied_r-pre_ln"})  # saved as pytorch_model.bin
 
 
-def _ensure_reference_env() -> None:
-    if (REF_ENV / ".installed").is_file():
-        return
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target", str(REF_ENV), "-r", str(REF_REQUIREMENTS)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"REFERENCE ENV MISSING: {REF_ENV} is absent and `{' '.join(cmd)}` failed ({e}); run `make ref-env`")
-    if res.returncode != 0:
-        pytest.skip(
-            f"REFERENCE ENV MISSING: {REF_ENV} is absent and could not be built "
-            f"(`{' '.join(cmd)}` exited {res.returncode}: {res.stderr.strip()[-500:]}); run `make ref-env`"
-        )
-    (REF_ENV / ".installed").touch()
-
-
 def make_reference(out: Path, cases: dict[str, dict], bin_cases: frozenset[str] = frozenset()) -> dict[str, Path]:
     """Run the reference subprocess: name -> a save_pretrained directory with reference.safetensors.
 
     Skips (loudly) only when the reference environment is absent and cannot be built.
     """
-    _ensure_reference_env()
     spec = [
         {
             "name": name,
@@ -96,22 +75,7 @@ def make_reference(out: Path, cases: dict[str, dict], bin_cases: frozenset[str] 
         for i, (name, over) in enumerate(cases.items())
     ]
     (out / "cases.json").write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REF_ENV), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(out / "hf-home"),
-        "PYTHONWARNINGS": "ignore",
-    }
-    res = subprocess.run(
-        [sys.executable, str(REF_SCRIPT), str(out), str(out / "cases.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, f"reference subprocess failed:\n{res.stderr[-3000:]}"
+    LEGACY.run(REF_SCRIPT, out, out / "cases.json", home=out / "hf-home")
     return {name: out / name for name in cases}
 
 
