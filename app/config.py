@@ -98,6 +98,13 @@ class Settings(BaseSettings):
         "(CUDA graphs via mode reduce-overhead on CUDA), and use it for the batch sizes where "
         "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics)",
     )
+    engine_step_deadline: float = Field(
+        60.0,
+        gt=0,
+        description="seconds one engine step (a prompt chunk, or one token for every decoding stream) may "
+        "take: past it the requests in the step fail with 503 engine_stalled, nothing of them committed, and "
+        "the replica answers /readyz and new requests with 503 until the step ends",
+    )
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"
     )

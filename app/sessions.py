@@ -748,6 +748,7 @@ def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
         cpu_threads=settings.cpu_threads,
         compile=settings.compile,
         malloc_trim_interval=settings.malloc_trim_interval,
+        step_deadline=settings.engine_step_deadline,
     )
 
 

@@ -33,5 +33,6 @@ class ErrorType(str, enum.Enum):
     invalid_state = "invalid_state"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
+    engine_stalled = "engine_stalled"
     internal_error = "internal_error"
     client_disconnected = "client_disconnected"

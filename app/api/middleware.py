@@ -1,7 +1,7 @@
 """The ASGI middleware around every route, outermost first.
 
 `RequestContext`: per-request plumbing, the request id, the access log line and the HTTP
-metrics. The request id is the client's `X-Request-Id` when it is a sane token, else a new
+metrics, and the 500 answer to an exception no handler took (the connection stays usable). The request id is the client's `X-Request-Id` when it is a sane token, else a new
 one; it is echoed in the response header and set in `app.logs.request_id` for every log
 line of the request.
 
@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import logs, metrics
 
+from . import errors
 from .errors import ErrorType, response
 
 log = logging.getLogger("recur.access")
@@ -46,7 +47,7 @@ class RequestContext:
         rid = given if _REQUEST_ID_RE.fullmatch(given) else uuid.uuid4().hex
         logs.request_id.set(rid)
         logs.session_id.set(None)
-        status = 500  # if the app raises before answering, ServerErrorMiddleware answers 500
+        status = 0  # until the response starts
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -57,7 +58,15 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if status:  # a response under way cannot be finished: the connection must close
+                raise
+            # answered here, not re-raised: Starlette's ServerErrorMiddleware would answer too,
+            # then re-raise, and uvicorn drops a connection whose app raised: the client's next
+            # request on it would fail (reset) for this one's error
+            await errors.unexpected(exc)(scope, receive, send_with_id)
         finally:
+            status = status or 500  # (cancelled, say: ServerErrorMiddleware answers, if anyone)
             route = scope.get("route")
             # the route template, never the raw path: session ids must not become label values
             template = getattr(route, "path", None) or "unmatched"

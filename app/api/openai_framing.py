@@ -52,6 +52,7 @@ ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.prompt_too_long,
     ErrorType.queue_full,
+    ErrorType.engine_stalled,
     ErrorType.storage_full,
     ErrorType.redis_unavailable,
 )

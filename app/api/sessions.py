@@ -65,7 +65,12 @@ _WRITE_ERRORS = (
 )
 # every route that runs the model can find the scheduler's queue full, and every one that
 # stores a state can find Redis full
-_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full, ErrorType.storage_full)
+_MODEL_ERRORS = (
+    ErrorType.prompt_too_long,
+    ErrorType.queue_full,
+    ErrorType.engine_stalled,
+    ErrorType.storage_full,
+)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -164,6 +169,7 @@ async def list_sessions(
         ErrorType.redis_unavailable,
         ErrorType.storage_full,
         ErrorType.queue_full,
+        ErrorType.engine_stalled,
     ),
 )
 async def import_session(
@@ -193,6 +199,7 @@ async def import_session(
             ErrorType.version_gone,
             ErrorType.model_mismatch,
             ErrorType.queue_full,
+            ErrorType.engine_stalled,
         ),
     },
 )

@@ -10,20 +10,24 @@ from .requests import (
     Finished,
     FinishReason,
     Logprobs,
+    ModelFailed,
     QueueFull,
     Request,
     Stored,
     TokenEvent,
 )
+from .watchdog import EngineStalled
 
 __all__ = [
     "Alternatives",
     "EmptyContext",
     "Engine",
     "EngineError",
+    "EngineStalled",
     "Finished",
     "FinishReason",
     "Logprobs",
+    "ModelFailed",
     "QueueFull",
     "Request",
     "Stored",

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from model import State
+from model import State, StateError
 from model.sampling import SamplingParams
 from model.state import Encoded, Persist
 
@@ -34,6 +34,10 @@ class EngineError(Exception):
 
 class EmptyContext(EngineError):
     """Nothing to condition on: a fresh session of a model without BOS, and no prompt."""
+
+
+class ModelFailed(EngineError):
+    """The model raised in a step that served this request: nothing of it was committed."""
 
 
 class QueueFull(EngineError):
@@ -85,6 +89,20 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     error: BaseException
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failed:
+        """A step's exception as its requests see it: the engine's own errors and a damaged
+        state as they are, anything else (the model raising) as ModelFailed, which names
+        the error's type but not its text (the log has the whole of it)."""
+        if isinstance(exc, (EngineError, StateError)):
+            return cls(exc)
+        failed = ModelFailed(
+            f"the model failed in a step serving this request ({type(exc).__name__}); nothing of "
+            "the request was committed, and the server log has the details"
+        )
+        failed.__cause__ = exc
+        return cls(failed)
 
 
 @dataclass(frozen=True)

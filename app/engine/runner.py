@@ -119,14 +119,15 @@ class Runner:
         chunk = torch.tensor([r.pending[:size] for r in rows], dtype=torch.long, device=self.lm.device)
         want = any(r.req.prompt_logprobs for r in rows)
         top = max((r.req.top_logprobs for r in rows if r.req.prompt_logprobs), default=0)
-        state = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
-        lps: torch.Tensor | None
-        tops: list[list[list[tuple[int, float]]]] = []
-        with self._decode.prefilling():  # the model's compiled parts, where they were adopted
+        start = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
+
+        def run() -> tuple[torch.Tensor | None, list[list[list[tuple[int, float]]]], State]:
             if top:
-                lps, tops, state = self._prefill_top(chunk, state, top)
-            else:
-                lps, state = self.lm.prefill(chunk, state, logprobs=want)
+                return self._prefill_top(chunk, start, top)
+            lps, end = self.lm.prefill(chunk, start, logprobs=want)
+            return lps, [], end
+
+        lps, tops, state = self._decode.prefill(run)  # the model's compiled parts, where adopted
         states = [state] if len(rows) == 1 else self.lm.split_state(state)
         for i, (r, st) in enumerate(zip(rows, states, strict=True)):
             r.state = st

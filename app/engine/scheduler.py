@@ -158,6 +158,10 @@ class Scheduler:
         self._prefilling, self._decoding, self._done = [], [], []
         return rows
 
+    def in_flight(self) -> list[Request]:
+        """The requests of every admitted row."""
+        return [r.req for r in (*self._prefilling, *self._decoding, *self._done)]
+
     def publish(self) -> None:
         self._num_running = self._num_admitted()
 
