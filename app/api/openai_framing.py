@@ -31,9 +31,10 @@ from app.store import VersionMismatch
 from model.sampling import SamplingParams
 
 from .deps import sampling_params
+from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType
 from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails, SessionRef
-from .sse import guarded, respond, sse_json, until_disconnect
+from .sse import guarded, respond, sse_json
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}

@@ -78,8 +78,16 @@ class ErrorBody(Response):
 
 
 # -- sessions -------------------------------------------------------------------------------
+OnDisconnect = Literal["discard", "commit"]
+_KEEP_WORK = (
+    "a client that hangs up before the commit: `discard` commits nothing (the work is cancelled); `commit` "
+    "runs to the commit anyway (fenced, as any commit)"
+)
+
+
 class CreateSession(Request):
     prompt: Prompt = ""
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
     ttl_seconds: int | None = Field(
         None,
         ge=1,
@@ -248,7 +256,7 @@ class Generate(SamplingFields):
         description="each token also lists this many most probable tokens, under the distribution it was "
         "drawn from (and its logprob: implies logprobs)",
     )
-    on_disconnect: Literal["discard", "commit"] = Field(
+    on_disconnect: OnDisconnect = Field(
         "discard",
         description="a streamed generation whose client hangs up: `discard` commits nothing; `commit` "
         "commits exactly the tokens sent before the hang-up (fenced, as any commit)",
@@ -270,7 +278,7 @@ class GenerateQuery(BaseModel):
         default_factory=list, max_length=16
     )
     logprobs: bool = False
-    on_disconnect: Literal["discard", "commit"] = "discard"
+    on_disconnect: OnDisconnect = "discard"
     access_token: str | None = Field(
         None, description="the API key, for clients that cannot send headers (EventSource)"
     )
@@ -313,6 +321,7 @@ class GenerateResult(GenerateDone):
 class Score(Request):
     prompt: Prompt
     commit: bool = False
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
 
 
 class ScoredToken(Response):

@@ -25,6 +25,7 @@ from app.sessions import Run
 from app.store import SessionMeta
 
 from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
+from .disconnect import HangupDep, until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     CreateSession,
@@ -50,7 +51,7 @@ from .schemas import (
     VersionInfo,
     VersionList,
 )
-from .sse import guarded, named_events, respond, sse_json, stream_response, until_disconnect
+from .sse import guarded, named_events, respond, sse_json, stream_response
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
@@ -117,6 +118,7 @@ async def create_session(
     sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     body: Annotated[CreateSession | None, Body()] = None,
 ) -> SessionInfo:
     body = body or CreateSession.model_validate({})
@@ -128,7 +130,8 @@ async def create_session(
             ErrorType.invalid_request, f"keep_versions may be at most {settings.max_history_versions}"
         )
     ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
-    return _created(response, await sessions.create(ids, ttl, owner, body.keep_versions))
+    created = sessions.create(ids, ttl, owner, body.keep_versions)
+    return _created(response, await hangup(created, keep=body.on_disconnect == "commit"))
 
 
 @router.get(
@@ -178,13 +181,14 @@ async def import_session(
     sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     ttl_seconds: Annotated[int | None, Query(ge=1, description="idle seconds before it expires")] = None,
 ) -> SessionInfo:
     ttl = ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
     blob = await request.body()
-    return _created(response, await sessions.import_state(blob, ttl, owner))
+    return _created(response, await hangup(sessions.import_state(blob, ttl, owner)))
 
 
 @router.get(
@@ -248,9 +252,9 @@ async def get_session(
     ),
 )
 async def delete_session(
-    session_id: str, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep
+    session_id: str, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep, hangup: HangupDep
 ) -> Response:
-    await sessions.delete(session_id, expected, owner)
+    await hangup(sessions.delete(session_id, expected, owner))
     return Response(status_code=204)
 
 
@@ -273,10 +277,11 @@ async def fork_session(
     sessions: SessionsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     body: Annotated[ForkAt | None, Body()] = None,
 ) -> SessionInfo:
     version = body.version if body else None
-    return _created(response, await sessions.fork(session_id, expected, owner, version))
+    return _created(response, await hangup(sessions.fork(session_id, expected, owner, version)))
 
 
 @router.post(
@@ -292,8 +297,9 @@ async def rollback(
     sessions: SessionsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
 ) -> SessionInfo:
-    meta = await sessions.rollback(session_id, body.version, expected, owner)
+    meta = await hangup(sessions.rollback(session_id, body.version, expected, owner))
     response.headers.update(_etag(meta))
     return _info(meta)
 
@@ -361,10 +367,12 @@ async def score(
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
 ) -> ScoreResult:
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    meta, logprobs = await sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
+    scored = sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
+    meta, logprobs = await hangup(scored, keep=body.on_disconnect == "commit")
     tokens = [
         ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
         for i, lp in zip(ids, logprobs, strict=True)
@@ -420,7 +428,7 @@ async def generate(
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
         return respond(run, guarded(run, _events(run, token), error_event="error"))
-    meta = await run.complete(until_disconnect(request))
+    meta = await run.complete(until_disconnect(request))  # (as `hangup`, for a Run: app/sessions.py)
     return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 
 

@@ -8,7 +8,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from fastapi import Request
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
@@ -26,12 +25,6 @@ def sse_json(data: dict) -> str:
     # ASCII-only JSON: generated text can hold characters (U+2028, U+0085, ...) that some
     # SSE clients take for line breaks; escaped, every event is one line of plain ASCII
     return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-
-
-async def until_disconnect(request: Request) -> None:
-    """Returns when the client hangs up."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def guarded(

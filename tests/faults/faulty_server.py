@@ -6,6 +6,7 @@ only, so no setting or flag of the real server exposes them.
   raise     a prefill whose chunk holds the byte `~` raises (a forward that fails)
   hang=S    a prefill whose chunk holds the byte `^` sleeps S seconds first (a forward
             that hangs past the engine's step deadline)
+  slow=S    likewise for the byte `` ` `` (a long step, within the deadline)
   compile   the background compile raises as it starts
   compiled  the compiled decode step is adopted for every batch class without a probe,
             and raises whenever it runs (a compiled step that fails at serve time)
@@ -22,18 +23,19 @@ from app.cli import main
 from app.engine import compiler
 from model import LanguageModel
 
-RAISE, HANG = ord("~"), ord("^")
+RAISE, HANG, SLOW = ord("~"), ord("^"), ord("`")
 UNEXPECTED_ID = "0" * 32
 
 
-def _prefill_faults(hang: float | None, fail: bool) -> None:
+def _prefill_faults(sleeps: dict[int, float], fail: bool) -> None:
     prefill = LanguageModel.prefill
 
     def faulty(self, ids, state, logprobs=False):  # type: ignore[no-untyped-def]
         if fail and bool((ids == RAISE).any()):
             raise RuntimeError("injected fault: the forward raised")
-        if hang is not None and bool((ids == HANG).any()):
-            time.sleep(hang)
+        for byte, seconds in sleeps.items():
+            if bool((ids == byte).any()):
+                time.sleep(seconds)
         return prefill(self, ids, state, logprobs)
 
     LanguageModel.prefill = faulty  # type: ignore[method-assign]
@@ -68,7 +70,8 @@ def _route_fails() -> None:
 
 def install(spec: str) -> None:
     faults = dict(f.partition("=")[::2] for f in spec.split(","))
-    _prefill_faults(float(faults["hang"]) if "hang" in faults else None, "raise" in faults)
+    sleeps = {byte: float(faults[name]) for name, byte in (("hang", HANG), ("slow", SLOW)) if name in faults}
+    _prefill_faults(sleeps, "raise" in faults)
     if "compile" in faults:
         _compile_fails()
     if "compiled" in faults:

@@ -23,7 +23,7 @@ from tests.conftest import ServerProcess
 from .faulty_server import UNEXPECTED_ID
 from .harness import error_type
 
-DEADLINE, HANG = 2.0, 6.0
+DEADLINE, HANG, SLOW = 2.0, 6.0, 1.5
 COMMON = dict(cpu_threads=1, max_tokens=64)
 
 
@@ -35,7 +35,7 @@ def _faulty(model_dir: Path, redis_url: str, workdir: Path, faults: str, **setti
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    faults = f"raise,hang={HANG},route"
+    faults = f"raise,hang={HANG},slow={SLOW},route"
     workdir = tmp_path_factory.mktemp("faulty")
     with _faulty(tiny_model_dir, redis_url, workdir, faults, engine_step_deadline=DEADLINE) as srv:
         yield srv
@@ -118,6 +118,47 @@ def test_an_unexpected_error_answers_500_and_leaves_the_connection_usable(faulty
         assert conn.sock is sock  # the same connection served both
     finally:
         conn.close()
+
+
+def _hung_up(c: httpx.Client, path: str, body: dict) -> None:
+    """POST `body`, and hang up before the (slow) answer comes."""
+    with pytest.raises(httpx.TimeoutException):
+        c.post(path, json=body, timeout=SLOW / 3)
+
+
+def _settled(c: httpx.Client, sid: str) -> dict:
+    """The session once the slow step it was given has ended (and any commit after it)."""
+    time.sleep(SLOW + 1.0)
+    r = c.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_a_score_or_create_whose_client_hung_up_commits_nothing(faulty):
+    with faulty.client() as c:
+        sid = _session(c)
+        before = c.get(f"/v1/sessions/{sid}/transcript").json()
+        _hung_up(c, f"/v1/sessions/{sid}/score", {"prompt": "`slow", "commit": True})
+        assert _settled(c, sid)["version"] == 0
+        assert c.get(f"/v1/sessions/{sid}/transcript").json() == before
+        sessions = c.get("/v1/usage").json()["sessions"]
+        _hung_up(c, "/v1/sessions", {"prompt": "`slow"})
+        time.sleep(SLOW + 1.0)
+        assert c.get("/v1/usage").json()["sessions"] == sessions  # no session was made
+        # the session is free and whole: the next score commits as version 1
+        r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": "`slow", "commit": True})
+        assert r.status_code == 200 and r.json()["session"]["version"] == 1, r.text
+
+
+def test_a_score_that_asked_to_keep_its_work_commits_after_its_client_hung_up(faulty):
+    with faulty.client() as c:
+        sid = _session(c)
+        body = {"prompt": "`kept", "commit": True, "on_disconnect": "commit"}
+        _hung_up(c, f"/v1/sessions/{sid}/score", body)
+        meta = _settled(c, sid)
+        assert meta["version"] == 1
+        segments = c.get(f"/v1/sessions/{sid}/transcript").json()["segments"]
+        assert segments[-1]["kind"] == "score" and segments[-1]["text"] == "`kept"
 
 
 def _metric(text: str, line_start: str) -> float:
