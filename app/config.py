@@ -93,10 +93,12 @@ class Settings(BaseSettings):
         "per commit); past it the oldest commits' segments are dropped",
     )
     compile: bool = Field(
-        True,
+        False,
         description="torch.compile the decode step in the background while the eager one serves "
         "(CUDA graphs via mode reduce-overhead on CUDA), and use it for the batch sizes where "
-        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics)",
+        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics); off by "
+        "default: on a small CPU host the compile costs more than it earns in a server's first 10 minutes "
+        "(docs/BENCHMARKS.md, Background compile)",
     )
     engine_step_deadline: float = Field(
         60.0,
