@@ -63,7 +63,7 @@ test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
-# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk the README's
+# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
@@ -74,14 +74,15 @@ bench: $(STAMP)
 	$(PY) bench/chat_reuse.py --write
 
 lint: $(STAMP)
-	$(BIN)/ruff check app model tests bench
+	$(BIN)/ruff check app model tests bench docs
 	$(BIN)/mypy app model
 
 # redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it; stdlib only)
 # and list the files one traced generate runs (tests/test_request_path.py checks it; serves the model)
 docs: $(STAMP)
-	$(PY) docs/import_graph.py --write
-	$(PY) docs/request_path.py --write
+	$(PY) -m docs.tools.import_graph --write
+	$(PY) -m docs.tools.request_path --write
+	$(PY) -m docs.tools.config_reference --write
 
 clean:
 	rm -rf $(VENV) .venv-ref .venv-ref-current build *.egg-info

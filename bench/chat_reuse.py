@@ -219,7 +219,7 @@ def section(r: dict) -> str:
             "the RESULT line), not a cost that grows with the history.",
         ]
     if on["non_utf8_replies"]:
-        lines += ["", f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (README, Chat templates)."]
+        lines += ["", f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (docs/OPENAI.md, Chat templates)."]
     lines += ["", "Reproduce: `python bench/chat_reuse.py` (add `--write` to rewrite this section).", ""]
     return "\n".join(lines)
 

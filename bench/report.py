@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs"
-PLOTS = DOCS / "bench"
+PLOTS = DOCS / "results" / "bench"
 
 
 def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -75,11 +75,11 @@ def baseline(commit: str) -> dict | None:
 
 
 def _save(fig: plt.Figure, name: str) -> str:
-    """Write a plot under docs/bench/ and return its path relative to docs/."""
+    """Write a plot under docs/results/bench/ and return its path relative to docs/."""
     fig.tight_layout()
     fig.savefig(PLOTS / f"{name}.png", dpi=120)
     plt.close(fig)
-    return f"bench/{name}.png"
+    return f"results/bench/{name}.png"
 
 
 def plot_history(rows: list[dict]) -> str:
@@ -667,7 +667,7 @@ def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float |
         + ", or each script on its own: `python bench/model_step.py --threads 1`, "
         "`python bench/roofline.py`, `python bench/serving.py`, `python bench/persistence.py`. "
         "`python bench/report.py --rewrite` rewrites this page from the last run's "
-        "`docs/bench/results.json`.",
+        "`docs/results/bench/results.json`.",
         "",
     ]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(lines))

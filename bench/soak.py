@@ -411,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=5.0, help="seconds idle before each idle sample")
     p.add_argument("--delete", action="store_true", help="delete each session at the end of its conversation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "soak.png")
-    p.add_argument("--json", type=Path, default=ROOT / "docs" / "soak.json")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "soak" / "soak.png")
+    p.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "soak" / "soak.json")
     args = p.parse_args(argv)
 
     model_arg, model_desc = _model(args.model)

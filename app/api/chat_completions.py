@@ -11,7 +11,7 @@ string is left out of the message, OpenAI's way, though the session's state has 
 it. A template that renders every assistant message followed by exactly its turn stop
 (the shipped play-script one does) so renders, for a client that resends the whole
 conversation, the tokens the previous turn's state consumed followed by the new ones
-(README "Chat templates").
+(docs/OPENAI.md "Chat templates").
 """
 
 from __future__ import annotations
