@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install install-dev ref-env bench lint docs clean
+.PHONY: run test test-slow test-image install install-dev ref-env bench bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ test-image: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+
+# does the background compile pay for itself? (about an hour: not part of make bench)
+bench-compile: $(STAMP)
+	$(PY) bench/compile_payoff.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench docs

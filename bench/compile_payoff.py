@@ -8,8 +8,10 @@ generate, a 32-token chat completion). Requests completed per minute, side by si
 when the compile finished. Then the start times: to /readyz, and to the compiled step
 serving, with the cache cold and again warm, without load.
 
-Usage: python bench/compile_payoff.py [--minutes 10] [--models shakespeare,shakespeare-rlt]
-Prints a table per model and `RESULT {json}`.
+Usage: python bench/compile_payoff.py [--minutes 10] [--models shakespeare,shakespeare-rlt] [--write]
+Prints a table per model and `RESULT {json}`; `--write` also puts the "Background compile"
+section into docs/BENCHMARKS.md (`make bench-compile`; not part of `make bench`: it takes
+about an hour).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import time
 from pathlib import Path
 
 import httpx
-from harness import Redis, Server, emit
+from harness import Redis, Server, emit, write_section
 from serving import corpus_text
 
 CLIENTS = 4
 SCORE_CHARS = 5000
+SECTION = "## Background compile"
 
 
 def _client_loop(url: str, i: int, until: float, done: list[float], errors: list[str]) -> None:
@@ -113,10 +116,54 @@ def report(r: dict) -> None:
               f"{s[label]['compiled_s']:.1f} s")
 
 
+def section(results: list[dict], minutes: float) -> str:
+    lines = [
+        SECTION,
+        "",
+        "Is the background compile of the decode step (`RECUR_COMPILE`, app/engine/compiler.py) worth "
+        f"its default? A fresh server per case, four clients from the moment `/readyz` answers, for {minutes:g} "
+        "minutes, each on its own session, looping over a 5,000-character score that commits, a streamed "
+        "32-token generate and a 32-token chat completion; the compile starts from a cold inductor cache "
+        "(the first start of a version on a host). Requests completed:",
+        "",
+        "| model | with the compile | eager only | ratio | compile done after | start, cold cache: /readyz, compiled | warm cache |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c, e, st = r["compile"], r["eager"], r["starts"]
+        done = "not in the run" if c["compiled_s"] is None else f"{c['compiled_s']:.0f} s"
+        lines.append(
+            f"| `{r['model']}` | {sum(c['per_minute'])} | {sum(e['per_minute'])} | {r['ratio']:.2f} | {done} | "
+            f"{st['cold']['ready_s']:.0f} s, {st['cold']['compiled_s']:.0f} s ({st['cold']['state']}) | "
+            f"{st['warm']['ready_s']:.0f} s, {st['warm']['compiled_s']:.0f} s ({st['warm']['state']}) |"
+        )
+    lines += ["", "Per minute (with the compile / eager only):", ""]
+    for r in results:
+        pairs = zip(r["compile"]["per_minute"], r["eager"]["per_minute"], strict=True)
+        lines.append(f"* `{r['model']}`: " + ", ".join(f"{a}/{b}" for a, b in pairs))
+    lines += [
+        "",
+        "The compile is therefore off by default (`RECUR_COMPILE=false`): where the ratio is below 1 it "
+        "costs more requests in a server's first minutes than the compiled step wins back. Its work holds "
+        "Python's lock for most of its minutes (dynamo's tracing and inductor's lowering), which the "
+        "engine thread and the event loop need too, so a lower CPU priority for the compile thread does "
+        "not give the serving threads their time back. Turn it on where the steady state matters more "
+        "than the first minutes and the probe adopts the compiled step (`recur_decode_compiled` in "
+        "`/metrics`), or on a host with cores to spare. Start times are idle starts (no load): "
+        "`/readyz` does not wait for the compile; the eager step serves until the compiled one is ready.",
+        "",
+        f"Reproduce: `python bench/compile_payoff.py --minutes {minutes:g}` (add `--write` to rewrite this "
+        "section; `make bench-compile`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--models", default="shakespeare,shakespeare-rlt")
+    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="recur-compile-payoff-") as tmp:
@@ -126,6 +173,8 @@ def main() -> None:
             report(r)
             results.append(r)
     emit({"compile_payoff": results, "minutes": args.minutes})
+    if args.write:
+        write_section(SECTION, section(results, args.minutes))
 
 
 if __name__ == "__main__":

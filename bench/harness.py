@@ -155,6 +155,24 @@ class Server:
         self.log.close()
 
 
+BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
+
+
+def write_section(heading: str, section: str) -> None:
+    """Put `section` (starting with its `## ` `heading`) into docs/BENCHMARKS.md: in place of
+    the one there (up to the next `## `), else at the end. For the benchmarks that report.py
+    does not run, whose sections must survive its rewrite of the page."""
+    text = BENCHMARKS.read_text()
+    start = text.find(heading)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
+    BENCHMARKS.write_text(text)
+    print(f"wrote the section {heading!r} of {BENCHMARKS}")
+
+
 def emit(result: dict) -> None:
     """The last line of every benchmark's output: its figures as JSON (for bench/report.py)."""
     print("RESULT " + json.dumps(result))
