@@ -45,7 +45,11 @@ def _client_loop(url: str, i: int, until: float, done: list[float], errors: list
             else:
                 body = {"messages": [{"role": "user", "content": "Speak, friend."}], "max_tokens": 32}
                 r = c.post("/v1/chat/completions", json=body)
-            (done if r.status_code < 400 else errors).append(time.monotonic())
+            if r.status_code < 400:
+                done.append(time.monotonic())
+            else:
+                errors.append(f"{r.status_code} {r.text[:200]}")
+                print(f"client {i}: {r.request.method} {r.request.url.path}: {errors[-1]}", flush=True)
             k += 1
 
 
