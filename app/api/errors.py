@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from app import logs
-from app.engine import EmptyContext, EngineError, QueueFull
+from app.engine import EmptyContext, EngineError, NonFinite, QueueFull
 from app.sessions import ClientDisconnected, ModelMismatch, StateRejected
 from app.store import (
     CommitConflict,
@@ -79,6 +79,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (ModelMismatch, ErrorType.model_mismatch),
     (ClientDisconnected, ErrorType.client_disconnected),
     (StateRejected, ErrorType.invalid_state),
+    (NonFinite, ErrorType.invalid_state),  # a session whose (imported) state the model cannot continue
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation

@@ -129,19 +129,30 @@ class Engine:
                 out.put(req, Failed(exc))
         for size, rows in s.prefill_groups():
             try:
-                r.prefill(rows, size)
+                r.prefill(rows, size)  # (a row that fails alone is failed alone: below)
             except Exception as exc:
                 log.exception("prefill failed")
                 s.drop(rows)
                 for row in rows:
                     out.put(row.req, Failed(exc))
+        self._drop_failed()
         s.prefilled()
         s.publish()  # before any token of this step is sent
         rows = s.decode_batch()
         if rows:
             r.decode(rows)
+        self._drop_failed()
         for row in s.take_done():
             try:
                 out.put(row.req, r.finish(row))
             except Exception as exc:
                 out.put(row.req, Failed(exc))
+        self._drop_failed()
+
+    def _drop_failed(self) -> None:
+        """The rows whose own part of a step failed leave, each with its error; the others
+        go on (one bad row never fails the batch)."""
+        for row, exc in self.runner.take_failed():
+            log.warning("a request failed alone: %s", exc)
+            self.scheduler.drop([row])
+            self.outbox.put(row.req, Failed(exc))

@@ -36,6 +36,11 @@ class EmptyContext(EngineError):
     """Nothing to condition on: a fresh session of a model without BOS, and no prompt."""
 
 
+class NonFinite(EngineError):
+    """A session's state that this model's step turns non-finite (say, one imported with
+    values near float32's limit): the request fails, and nothing of it is committed."""
+
+
 class QueueFull(EngineError):
     """The scheduler's queue is at its configured limit; the client should retry later."""
 

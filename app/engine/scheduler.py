@@ -151,6 +151,7 @@ class Scheduler:
         gone = {id(r) for r in rows}
         self._prefilling = [r for r in self._prefilling if id(r) not in gone]
         self._decoding = [r for r in self._decoding if id(r) not in gone]
+        self._done = [r for r in self._done if id(r) not in gone]
 
     def drop_all(self) -> list[Row]:
         """Every admitted row leaves (after a failed step); returns them."""
