@@ -31,6 +31,9 @@ from .errors import ErrorType, response
 
 log = logging.getLogger("recur.access")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# the methods HTTP defines (RFC 9110): any other name a client sends is one label, `other`,
+# so that no client can add label values (each one a series kept for the process's life)
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 class RequestContext:
@@ -61,10 +64,11 @@ class RequestContext:
             route = scope.get("route")
             # the route template, never the raw path: session ids must not become label values
             template = getattr(route, "path", None) or "unmatched"
-            method = scope["method"]
+            method = logs.clip(scope["method"], 32)
+            label = method if method in _METHODS else "other"
             elapsed = time.perf_counter() - started
-            metrics.HTTP_REQUESTS.labels(method, template, str(status)).inc()
-            metrics.HTTP_REQUEST_DURATION.labels(method, template).observe(elapsed)
+            metrics.HTTP_REQUESTS.labels(label, template, str(status)).inc()
+            metrics.HTTP_REQUEST_DURATION.labels(label, template).observe(elapsed)
             path = logs.clip(scope["path"], 200)
             log.info(
                 "%s %s %d",
