@@ -205,9 +205,12 @@ class Sessions:
         self._seen(owner, await self._quota(owner, record))
 
     async def _touch(self, meta: SessionMeta, owner: str) -> None:
-        """A use re-arms the session's expiry: its tenant's ledger follows. Best effort: a
-        read never fails for the ledger (in a Cluster it lives on another primary than the
-        session), at worst the ledger forgets the session early and counts too little."""
+        """Every use of a session re-arms its expiry (each script that reads or writes it):
+        the ledger then takes that expiry, as Redis set it, and the session's size. Called
+        after every script that re-arms a session, so the ledger forgets a session only when
+        Redis does. Best effort: a read never fails for the ledger (in a Cluster it lives on
+        another primary than the session); a replica that dies, or a tenant's primary that
+        does not answer, between the two leaves the previous expiry until the next use."""
         try:
             self._seen(
                 owner, await self.store.record(owner, meta.id, meta.stored_bytes, meta.expires_at, None)
@@ -250,6 +253,7 @@ class Sessions:
         `tokens_hash`, only if that state's tokens are those (else VersionGone)."""
         at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
         source = at.meta
+        await self._touch(source, owner)
         if expected is not None and source.version != expected:
             raise VersionMismatch(session_id, expected, source.version)
         if tokens_hash is not None and at.tokens_hash != tokens_hash:
@@ -278,7 +282,7 @@ class Sessions:
             await self.store.forget(owner, new_id)
             raise
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
@@ -376,12 +380,13 @@ class Sessions:
             segment = Segment(session_id, writer.meta.version + 1, "rollback", res.n_tokens, restores=version)
             return await self._commit(writer, res, owner, segment, at.tokens_hash)
         finally:
-            await writer.release()
+            await self._release(writer, owner)
 
     async def _read_version(
         self, session_id: str, version: int, expected: int | None, owner: str
     ) -> AtVersion:
         at = await self.store.read_at(session_id, version, owner, state=True)
+        await self._touch(at.meta, owner)
         if expected is not None and at.meta.version != expected:
             raise VersionMismatch(session_id, expected, at.meta.version)
         self._same_model(at.meta)
@@ -456,7 +461,7 @@ class Sessions:
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
     async def score(
         self, session_id: str, ids: list[int], *, commit: bool, expected: int | None, owner: str
@@ -477,7 +482,7 @@ class Sessions:
             segment = Segment(session_id, writer.meta.version + 1, "score", writer.meta.n_tokens, ids)
             return await self._commit(writer, res, owner, segment), res.prompt_logprobs
         finally:
-            await writer.release()
+            await self._release(writer, owner)
 
     async def generate(
         self,
@@ -505,7 +510,7 @@ class Sessions:
             req.prompt_logprobs, req.top_logprobs = extra.prompt, extra.top
             self.engine.submit(req)
         except BaseException:
-            await writer.release()
+            await self._release(writer, owner)
             raise
         run = Run(self, req, writer, owner, ids, started)
         run.keep_on_disconnect = keep_on_disconnect
@@ -521,7 +526,7 @@ class Sessions:
         try:
             return writer, self._start(writer.meta, writer.state, held)
         except BaseException:
-            await writer.release()
+            await self._release(writer, owner)
             raise
 
     async def _read(
@@ -592,14 +597,25 @@ class Sessions:
         )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
-    async def _settle(self, owner: str, meta: SessionMeta, reserved: int) -> SessionMeta:
-        """The tenant's ledger takes the size the session has after a write, when the
-        history and transcript bounds made it smaller than the reservation."""
-        if meta.stored_bytes != reserved:
-            await self._touch(meta, owner)
+    async def _settle(self, owner: str, meta: SessionMeta) -> SessionMeta:
+        """The tenant's ledger takes the session as the write left it: its size (the history
+        and transcript bounds may have made it smaller than the reservation) and the expiry
+        the write set (the reservation's was this replica's estimate)."""
+        await self._touch(meta, owner)
         return meta
+
+    async def _release(self, writer: Writer, owner: str) -> None:
+        """Give up a writer's lock. A writer that did not commit had still re-armed its
+        session's expiry (`begin` does): the ledger follows. Shielded, as the release is: a
+        request cancelled by its client's hang-up still completes both."""
+
+        async def release() -> None:
+            if await writer.release():
+                await self._touch(writer.meta, owner)
+
+        await asyncio.shield(release())
 
     def _keep_loaded(self, meta: SessionMeta, res: Finished) -> None:
         """A read-only request loaded the current state from bytes: keep it hot."""
@@ -710,7 +726,7 @@ class Run:
             self._keeping = asyncio.ensure_future(self._keep())
         if self._keeping is not None:
             await asyncio.shield(self._keeping)
-        await self.writer.release()
+        await self.sessions._release(self.writer, self.owner)
 
     async def _keep(self) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
@@ -726,7 +742,7 @@ class Run:
         except Exception:
             log.warning("could not keep the tokens of a generation cut short", exc_info=True)
         finally:
-            await self.writer.release()
+            await s._release(self.writer, self.owner)
 
 
 def _lineage_bytes(stored: list[bytes], session_id: str, version: int) -> list[bytes]:

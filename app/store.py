@@ -396,14 +396,14 @@ return {'ok'}
 # '1' for the transcript. Returns {'ok', meta, n_tokens and commit time of the version,
 # snapshot, deltas (or false, false), transcript segments, trimmed flag (or false, false),
 # the version's tokens hash},
-# {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL.
+# {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL, only when it answers 'ok'
+# (a refused read is no use of the session).
 _READ_AT = (
     _LUA_TOUCH
     + """
 if not owned(KEYS[1], ARGV[1]) then
   return {'missing'}
 end
-touch(KEYS)
 local m = meta(KEYS[1])
 local current = tonumber(m[1])
 local v = current
@@ -413,6 +413,7 @@ if v == current then n, t = m[2], t or m[5] end  -- (a session older than the hi
 if v > current or v < oldest_kept(KEYS, current) or not n then
   return {'gone', tostring(oldest_kept(KEYS, current))}
 end
+m[6] = touch(KEYS)  -- (the meta's expires_at, as re-armed)
 local out = {'ok', m, n, t, false, false, false, false, redis.call('HGET', KEYS[4], 'h:' .. v) or ''}
 if v == current then out[9] = m[13] end
 if ARGV[3] == '1' then
@@ -1376,14 +1377,16 @@ class Writer:
         metrics.STATE_BYTES_WRITTEN.inc(len(blob))
         return _meta(sid, res[1:])
 
-    async def release(self) -> None:
-        """Give up the lock (a no-op after a successful commit, which released it)."""
+    async def release(self) -> bool:
+        """Give up the lock (a no-op after a successful commit, which released it); whether
+        this call gave it up (False: committed, or released before)."""
         self._renewer.cancel()
         if self._done:
-            return
+            return False
         self._done = True
         # shielded: a cancelled request must still free the lock (else it waits out the lease)
         with contextlib.suppress(StoreError):
             await asyncio.shield(
                 self.store._run(self.store._release, [self.store.lock_key(self.meta.id)], [self._token])
             )
+        return True
