@@ -38,6 +38,7 @@ runs the model, the store speaks to Redis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -181,16 +182,33 @@ class Sessions:
     def limits_for(self, owner: str) -> Limits:
         return self.tenants.get(owner, self.limits)
 
-    async def admit(self, owner: str, generates: bool) -> None:
-        """The tenant's request (and, for a generation, token) rate, shared by all replicas:
-        QuotaExceeded past it. Every /v1 request passes here first."""
+    async def admit(self, owner: str) -> None:
+        """The tenant's request rate, shared by all replicas: QuotaExceeded past it. Every
+        /v1 request passes here first."""
         metrics.TENANT_REQUESTS.labels(tenant_of(owner)).inc()
-        await self._quota(owner, self.store.admit(owner, self.limits_for(owner), generates))
+        await self._quota(owner, self.store.admit(owner, self.limits_for(owner)))
 
-    async def spend(self, owner: str, tokens: int) -> None:
-        """Charge generated tokens to the tenant (whether or not they are committed)."""
-        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(owner)).inc(tokens)
-        await self.store.spend(owner, self.limits_for(owner), tokens)
+    @contextlib.asynccontextmanager
+    async def reserving(self, owner: str, tokens: int) -> AsyncIterator[None]:
+        """Reserve `tokens` in the tenant's token bucket (max_tokens for each generation a
+        request starts) before they start: QuotaExceeded while the bucket is in debt, so
+        concurrent requests cannot overdraw it. If starting them fails, all are given
+        back; each started generation gives back what it does not draw (`Run.reserved`,
+        set once they have all started)."""
+        limits = self.limits_for(owner)
+        await self._quota(owner, self.store.reserve_tokens(owner, limits, tokens))
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(StoreUnavailable):  # (lost, the tokens only stay reserved)
+                await self.store.refund_tokens(owner, limits, tokens)
+            raise
+
+    async def spent(self, owner: str, used: int, reserved: int) -> None:
+        """A generation has ended: count its tokens, and give back what it reserved and did
+        not draw."""
+        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(owner)).inc(used)
+        await self.store.refund_tokens(owner, self.limits_for(owner), reserved - used)
 
     async def usage(self, owner: str) -> Usage:
         return self._seen(owner, await self.store.usage(owner))
@@ -640,6 +658,8 @@ class Run:
         self.meta: SessionMeta | None = None  # the committed session, once committed
         self.tokens: list[TokenEvent] = []  # as handed to the client
         self.keep_on_disconnect = False  # `close` before the commit commits the tokens sent
+        self.reserved = 0  # tokens reserved for it in its tenant's bucket (`Sessions.reserving`)
+        self._charged = False
         self._keeping: asyncio.Future[None] | None = None
         metrics.PROMPT_TOKENS.inc(self.prompt_tokens)
 
@@ -660,7 +680,7 @@ class Run:
             self.tokens.append(ev)
             yield ev
         res = self.result
-        await self.sessions.spend(self.owner, len(self.tokens))
+        await self._charge()
         self.meta = await self.sessions._commit(self.writer, res, self.owner, self.segment("generate"))
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
         metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
@@ -726,7 +746,15 @@ class Run:
             self._keeping = asyncio.ensure_future(self._keep())
         if self._keeping is not None:
             await asyncio.shield(self._keeping)
+        await asyncio.shield(self._charge())
         await self.sessions._release(self.writer, self.owner)
+
+    async def _charge(self) -> None:
+        """Once: the tokens handed out count against the tenant (committed or not), and what
+        was reserved for them and not drawn goes back."""
+        if not self._charged:
+            self._charged = True
+            await self.sessions.spent(self.owner, len(self.tokens), self.reserved)
 
     async def _keep(self) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
@@ -735,7 +763,7 @@ class Run:
         session stays as it was."""
         s = self.sessions
         try:
-            await s.spend(self.owner, len(self.tokens))
+            await self._charge()
             ids = self.prompt + [ev.id for ev in self.tokens]
             res = await s._run(Request(self.req.start, ids, persist=self.req.persist))
             self.meta = await s._commit(self.writer, res, self.owner, self.segment("keep"))

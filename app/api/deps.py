@@ -167,11 +167,9 @@ async def authenticate(request: Request) -> str:
 
 
 async def admit(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
-    """The tenant's request rate (and, for a route that generates, its token rate), shared
-    by all replicas: 429 quota_exceeded past it, with Retry-After."""
-    sessions = get_sessions(request)
-    generates = request.url.path.endswith(("/generate", "/completions"))
-    await sessions.admit(owner, generates)
+    """The tenant's request rate, shared by all replicas: 429 quota_exceeded past it, with
+    Retry-After. (Its token rate: `Sessions.reserving`, once a route knows its max_tokens.)"""
+    await get_sessions(request).admit(owner)
 
 
 async def bind_session(request: Request) -> None:

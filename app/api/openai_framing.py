@@ -199,17 +199,20 @@ async def start(
     _check_batch(settings, sid, len(prompts), n)
     made: list[str] = []  # every session this request creates, deleted if it fails to start
     try:
-        groups = await _gather(
-            *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
-        )
-        seed = generate.pop("seed")
-        runs = await _gather(
-            *(
-                sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
-                for ids, targets in groups
-                for j, (s, v) in enumerate(targets)
+        async with sessions.reserving(owner, generate["max_tokens"] * n * len(prompts)):
+            groups = await _gather(
+                *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
             )
-        )
+            seed = generate.pop("seed")
+            runs = await _gather(
+                *(
+                    sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
+                    for ids, targets in groups
+                    for j, (s, v) in enumerate(targets)
+                )
+            )
+        for r in runs:
+            r.reserved = r.req.max_tokens
     except BaseException as exc:
         await asyncio.gather(*(_forget(sessions, owner, s) for s in made))
         if isinstance(exc, VersionMismatch):  # only n > 1 expects a version: a commit came between

@@ -398,18 +398,20 @@ async def generate(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     max_tokens = min(body.max_tokens, settings.max_tokens)
-    run = await sessions.generate(
-        session_id,
-        ids,
-        params=sampling_params(body, engine, max_tokens),
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=list(body.stop),
-        expected=expected,
-        owner=owner,
-        keep_on_disconnect=body.stream and body.on_disconnect == "commit",
-        logprobs=Logprobs(top=body.top_logprobs),
-    )
+    async with sessions.reserving(owner, max_tokens):
+        run = await sessions.generate(
+            session_id,
+            ids,
+            params=sampling_params(body, engine, max_tokens),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=list(body.stop),
+            expected=expected,
+            owner=owner,
+            keep_on_disconnect=body.stream and body.on_disconnect == "commit",
+            logprobs=Logprobs(top=body.top_logprobs),
+        )
+    run.reserved = max_tokens
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
         return respond(run, guarded(run, _events(run, token), error_event="error"))
