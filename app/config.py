@@ -115,10 +115,17 @@ class Settings(BaseSettings):
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
     )
     max_import_mb: float = Field(
-        512.0,
-        gt=0,
-        description="largest state a client may import (POST /v1/sessions/import), in MiB: a state can be "
-        "far larger than any JSON body",
+        0.0,
+        ge=0,
+        description="largest state a client may import (POST /v1/sessions/import), in MiB; 0: twice the "
+        "largest state the served model can produce (a real export always fits; anything larger is 413 "
+        "before it is read)",
+    )
+    max_concurrent_imports: int = Field(
+        2,
+        ge=1,
+        description="state imports one replica reads and parses at once; more get 429 queue_full at once, "
+        "before their bodies are read (so imports bound the memory they take)",
     )
     log_format: LogFormat = Field(
         "auto",

@@ -44,12 +44,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
 from app import logs, metrics, prefixes
 from app.config import Limits, Settings
-from app.engine import Engine, EngineError, Finished, FinishReason, Logprobs, Request, Stored, TokenEvent
+from app.engine import (
+    Engine,
+    EngineError,
+    Finished,
+    FinishReason,
+    Logprobs,
+    QueueFull,
+    Request,
+    Stored,
+    TokenEvent,
+)
 from app.store import (
     AtVersion,
     QuotaExceeded,
@@ -71,7 +81,7 @@ from app.store import (
 from app.transcript import Kind, Segment, lineage
 from model import LanguageModel, State, StateError
 from model.sampling import SamplingParams
-from model.state import Persist, read_blob
+from model.state import Persist, peek
 
 T = TypeVar("T")
 log = logging.getLogger("recur.sessions")
@@ -165,8 +175,13 @@ class Sessions:
         history_versions: int,
         prefix_reuse: bool,
         stateless_ttl: int,
+        import_limit: int,
+        max_imports: int,
     ):
         self.store = store
+        self.import_limit = import_limit  # bytes: the largest state a client may import
+        self.max_imports = max_imports  # imports in progress at once on this replica
+        self._imports = 0
         self.history_versions = history_versions  # kept versions of a session that asks for no number
         self.prefix_reuse = prefix_reuse
         self.stateless_ttl = stateless_ttl
@@ -415,21 +430,40 @@ class Sessions:
         assert at.state is not None
         return Stored(at.state.snapshot, at.state.deltas, at.version.n_tokens)
 
-    async def import_state(self, blob: bytes, ttl: int, owner: str) -> SessionMeta:
-        """A new session, owned by `owner`, holding an exported state: verified (container,
-        checksum, the served model's fingerprint, shapes and sizes) and never unpickled."""
+    async def import_state(
+        self, body: Callable[[], Awaitable[bytes]], declared: int | None, ttl: int, owner: str
+    ) -> SessionMeta:
+        """A new session, owned by `owner`, holding an exported state that `body` reads.
+        Before a byte of it is read: a place among this replica's imports in progress
+        (QueueFull past `max_imports`) and one in the tenant's quota for its `declared` size
+        (QuotaExceeded). Then its headers are checked here (`model.state.peek`: bounded, so
+        cheap on the event loop) and the engine thread parses and verifies the rest
+        (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
+        never unpickled."""
+        if self._imports >= self.max_imports:
+            raise QueueFull(
+                f"{self._imports} state imports are in progress on this server, its limit; retry shortly"
+            )
+        self._imports += 1
+        session_id = new_session_id()
         try:
-            header, tensors = read_blob(blob)
-            n_tokens = tensors["n_tokens"]
-            if header.get("delta") is not None or n_tokens.shape != (1,):
-                raise StateError(
-                    "only a single-stream snapshot (as GET .../state exports it) can be imported"
-                )
-            start = Stored(blob, (), int(n_tokens[0]))
-            req = Request(start, [], persist=Persist(self.state_dtype))
-            return await self._create(req, ttl, owner, None, "import")
+            await self._reserve(owner, session_id, declared or 0, ttl, grows=True)
+            blob = await body()
+            head = peek(blob)
+            n_tokens = _one_count(head.header.get("n_tokens"))
+            shape = head.tensors.get("n_tokens", ("", []))[1]
+            if head.header.get("delta") is not None or shape != [1] or n_tokens is None:
+                raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
+            req = Request(Stored(blob, (), n_tokens), [], persist=Persist(self.state_dtype))
+            return await self._create(req, ttl, owner, None, "import", session_id)
         except StateError as exc:
+            await self.store.forget(owner, session_id)
             raise StateRejected(f"the state cannot be imported: {exc}") from None
+        except BaseException:
+            await self.store.forget(owner, session_id)
+            raise
+        finally:
+            self._imports -= 1
 
     # -- transactions ----------------------------------------------------------------------------
     async def create(self, ids: list[int], ttl: int, owner: str, keep: int | None = None) -> SessionMeta:
@@ -444,13 +478,21 @@ class Sessions:
         return ([bos] if bos is not None else []) + ids
 
     async def _create(
-        self, req: Request, ttl: int, owner: str, keep: int | None, kind: Kind = "create"
+        self,
+        req: Request,
+        ttl: int,
+        owner: str,
+        keep: int | None,
+        kind: Kind = "create",
+        session_id: str | None = None,
     ) -> SessionMeta:
-        """A new session holding the state `req` makes."""
+        """A new session holding the state `req` makes (under `session_id`, when the caller
+        has reserved its place in the tenant's quota)."""
         # a place in the tenant's quota first: Redis down, or the tenant at its limit, fails
         # fast, before any model time is spent
-        session_id = new_session_id()
-        await self._reserve(owner, session_id, 0, ttl, grows=True)
+        if session_id is None:
+            session_id = new_session_id()
+            await self._reserve(owner, session_id, 0, ttl, grows=True)
         try:
             res = await self._run(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
@@ -773,6 +815,13 @@ class Run:
             await s._release(self.writer, self.owner)
 
 
+def _one_count(claim: object) -> int | None:
+    """The count a state header's `n_tokens` claims for its one stream, if it claims one."""
+    if isinstance(claim, list) and len(claim) == 1 and type(claim[0]) is int and claim[0] >= 0:
+        return claim[0]
+    return None
+
+
 def _lineage_bytes(stored: list[bytes], session_id: str, version: int) -> list[bytes]:
     """The stored segments (as stored) of the lineage of `session_id` at `version`."""
     segments = [Segment.from_bytes(raw) for raw in stored]
@@ -809,4 +858,7 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         history_versions=settings.history_versions,
         prefix_reuse=settings.prefix_reuse,
         stateless_ttl=settings.stateless_session_ttl,
+        # a small multiple of the largest state the served model can produce, unless set
+        import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
+        max_imports=settings.max_concurrent_imports,
     )

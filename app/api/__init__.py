@@ -71,6 +71,12 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
     return _assemble(settings, lifespan)
 
 
+def _import_limit(app: FastAPI) -> int:
+    """The largest state import the app takes now (before the model is loaded, none)."""
+    sessions = app.state.sessions
+    return sessions.import_limit if sessions is not None else 0
+
+
 def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     """The routers, error handlers and middleware around `lifespan`."""
     app = FastAPI(
@@ -87,7 +93,8 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
-        by_path={"/v1/sessions/import": int(settings.max_import_mb * 2**20)},
+        # (sized by the served model, once it is loaded: `sessions.build`)
+        by_path={"/v1/sessions/import": lambda: _import_limit(app)},
     )
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id

@@ -6,8 +6,8 @@ one; it is echoed in the response header and set in `app.logs.request_id` for ev
 line of the request.
 
 `BodyLimit`: a request body over `Settings.max_body_bytes` gets 413, before it is read in
-full. A few routes take larger bodies (a state import, up to `Settings.max_import_mb`):
-their own limits, by path. A declared `Content-Length` over the limit is refused before the
+full. A few routes take larger bodies (a state import, up to `Settings.max_import_mb`, by
+default sized by the served model): their own limits, by path. A declared `Content-Length` over the limit is refused before the
 app runs; a chunked body is counted as it arrives and refused as soon as it passes the
 limit. The 413 carries `Connection: close`, so the server stops reading the rest.
 
@@ -21,6 +21,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -95,7 +96,9 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, by_path: dict[str, int] | None = None):
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, by_path: dict[str, int | Callable[[], int]] | None = None
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.by_path = by_path or {}
@@ -105,6 +108,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         limit = self.by_path.get(scope["path"], self.max_bytes)
+        if callable(limit):  # (a limit known only once the app has started)
+            limit = limit()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             err = BodyTooLarge(limit)

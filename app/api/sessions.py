@@ -164,6 +164,7 @@ async def list_sessions(
         ErrorType.redis_unavailable,
         ErrorType.storage_full,
         ErrorType.queue_full,
+        ErrorType.quota_exceeded,
     ),
 )
 async def import_session(
@@ -177,8 +178,10 @@ async def import_session(
     ttl = ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
-    blob = await request.body()
-    return _created(response, await sessions.import_state(blob, ttl, owner))
+    # (a declared length past the import limit got 413 already, from the middleware)
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+    return _created(response, await sessions.import_state(request.body, declared, ttl, owner))
 
 
 @router.get(

@@ -56,8 +56,9 @@ def tenants(
         yield s
 
 
-def as_key(server: ServerProcess, key: str, **kw: object) -> httpx.Client:
-    return server.client(headers={"Authorization": f"Bearer {key}"}, **kw)
+def as_key(server: ServerProcess, key: str, timeout: float = 60) -> httpx.Client:
+    """A client of `server` that sends `key`."""
+    return httpx.Client(base_url=server.url, timeout=timeout, headers={"Authorization": f"Bearer {key}"})
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from .conftest import assert_error
+from .conftest import ATTACKER, as_key, assert_error
 from .states import full_state
 
 SID = "0" * 32  # (validation runs before the route looks the session up)
@@ -55,8 +55,10 @@ def test_deep_json_on_every_json_route_is_a_4xx_and_the_connection_lives(http, d
         assert http.get("/healthz").status_code == 200
 
 
-def test_a_state_header_nested_deep_is_refused_as_invalid_state(http, hostile_models):
+def test_a_state_header_nested_deep_is_refused_as_invalid_state(tenants, hostile_models):
+    """(On the server whose import limit is raised: by default these blobs are 413 already.)"""
     _, state = full_state(hostile_models["txl"])
+    http = as_key(tenants, ATTACKER)
     tensors = {k: state[k].contiguous() for k in state.persistent}
     for depth in (5_000, 100_000):
         header = "[" * depth + "]" * depth
@@ -73,6 +75,7 @@ def test_a_state_header_nested_deep_is_refused_as_invalid_state(http, hostile_mo
     )
     assert_error(r, 422, "invalid_state")
     assert torch.isfinite(tensors["mem"]).all()  # (the tensors themselves were fine)
+    http.close()
 
 
 def test_unknown_methods_share_one_metrics_label(http):
