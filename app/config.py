@@ -23,6 +23,12 @@ class Settings(BaseSettings):
 
     model: str = Field("shakespeare", description="shipped model name or checkpoint directory")
     host: str = Field("127.0.0.1", description="address to listen on")
+    allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1",
+        description="comma-separated host names this server answers to (the Host header, port aside); "
+        "others get 403, so a web page cannot reach it through DNS rebinding. * answers to any: for a "
+        "server behind a proxy or a load balancer that checks the name itself",
+    )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     redis_url: str | None = Field(
         None,

@@ -29,7 +29,7 @@ from . import (
     usage,
 )
 from .deps import admit, authenticate, bind_session
-from .middleware import BodyLimit, RequestContext
+from .middleware import BodyLimit, BrowserGuard, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -96,6 +96,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
         # (sized by the served model, once it is loaded: `sessions.build`)
         by_path={"/v1/sessions/import": lambda: _import_limit(app)},
     )
+    app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id
     v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]

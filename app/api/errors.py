@@ -43,6 +43,7 @@ log = logging.getLogger("recur.api")
 STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
     ErrorType.unauthorized: 401,
+    ErrorType.forbidden: 403,  # a host this server does not answer to, or another site's request
     ErrorType.model_not_found: 404,
     ErrorType.no_chat_template: 400,  # the request is fine; the served checkpoint cannot chat
     ErrorType.not_found: 404,
