@@ -73,6 +73,39 @@ class Settings(BaseSettings):
     max_queued_tokens: int = Field(
         262_144, ge=1, description="prompt tokens waiting for the scheduler beyond which new requests get 429"
     )
+    max_streams_per_key: int = Field(
+        64,
+        ge=1,
+        description="generations one client (an API key; without keys, a client address) runs at once on "
+        "one replica; more get 429 quota_exceeded at once, before any work",
+    )
+    key_batch_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="most of the batch one client holds while a client with less work is active: past "
+        "it, its newest rows wait (their states kept) so the other's steps stay short; alone, a client "
+        "may fill the batch, and clients that all have much work split it evenly",
+    )
+    key_queue_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="most of the queue (max_queued_requests, max_queued_tokens) one client's requests "
+        "may fill; past it that client gets 429 queue_full while others still get in",
+    )
+    stream_buffer_tokens: int = Field(
+        256,
+        ge=0,
+        description="tokens a stream may leave unread by its client before its generation pauses (out of "
+        "the batch, its state kept) until the client reads; 0 = never pause",
+    )
+    stream_send_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a stream waits to write to a client that does not read before it is dropped "
+        "(as a disconnect: on_disconnect applies); 0 = never",
+    )
     hot_cache_mb: float = Field(
         256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
     )

@@ -38,7 +38,9 @@ runs the model, the store speaks to Redis.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import threading
@@ -52,6 +54,7 @@ from app.config import Limits, Settings
 from app.engine import (
     Engine,
     EngineError,
+    Fairness,
     Finished,
     FinishReason,
     Logprobs,
@@ -85,6 +88,11 @@ from model.state import Persist, peek
 
 T = TypeVar("T")
 log = logging.getLogger("recur.sessions")
+
+# The client a request serves, for the engine's fairness and the stream limit: its API key's
+# owner, or (without keys, where every client is one tenant) its address. Set by the API
+# for each request (`app.api.deps.bind_client`), as the log context is.
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("recur_client", default="")
 
 
 class ModelMismatch(Exception):
@@ -177,8 +185,11 @@ class Sessions:
         stateless_ttl: int,
         import_limit: int,
         max_imports: int,
+        max_streams: int,
     ):
         self.store = store
+        self.max_streams = max_streams  # generations one client may run at once on this replica
+        self._streams: collections.Counter[str] = collections.Counter()
         self.import_limit = import_limit  # bytes: the largest state a client may import
         self.max_imports = max_imports  # imports in progress at once on this replica
         self._imports = 0
@@ -204,26 +215,47 @@ class Sessions:
         await self._quota(owner, self.store.admit(owner, self.limits_for(owner)))
 
     @contextlib.asynccontextmanager
-    async def reserving(self, owner: str, tokens: int) -> AsyncIterator[None]:
-        """Reserve `tokens` in the tenant's token bucket (max_tokens for each generation a
-        request starts) before they start: QuotaExceeded while the bucket is in debt, so
-        concurrent requests cannot overdraw it. If starting them fails, all are given
-        back; each started generation gives back what it does not draw (`Run.reserved`,
-        set once they have all started)."""
+    async def starting(self, owner: str, runs: int, max_tokens: int) -> AsyncIterator[Callable[[Run], None]]:
+        """Admit a request that starts `runs` generations of up to `max_tokens` each: a place
+        for each among its client's streams on this replica (QuotaExceeded past
+        `max_streams`, before any work), and their tokens reserved in the tenant's bucket
+        (QuotaExceeded while it is in debt, so concurrent requests cannot overdraw it). If
+        starting them fails, both are given back. Yields `admitted`, to call on each run
+        once all have started: each then gives back its place, and the tokens it did not
+        draw, when it ends (`Run.close`)."""
+        client = CLIENT.get()
+        if self._streams[client] + runs > self.max_streams:
+            raise QuotaExceeded(
+                "streams",
+                f"this client runs {self._streams[client]} generations on this server, its limit of "
+                f"{self.max_streams}; retry when one has ended",
+                1,
+            )
         limits = self.limits_for(owner)
-        await self._quota(owner, self.store.reserve_tokens(owner, limits, tokens))
+        self._streams[client] += runs
         try:
-            yield
+            await self._quota(owner, self.store.reserve_tokens(owner, limits, runs * max_tokens))
+            try:
+                yield lambda run: run.admitted(client, max_tokens)
+            except BaseException:
+                with contextlib.suppress(StoreUnavailable):  # (lost, the tokens only stay reserved)
+                    await self.store.refund_tokens(owner, limits, runs * max_tokens)
+                raise
         except BaseException:
-            with contextlib.suppress(StoreUnavailable):  # (lost, the tokens only stay reserved)
-                await self.store.refund_tokens(owner, limits, tokens)
+            self._streams[client] -= runs
             raise
 
-    async def spent(self, owner: str, used: int, reserved: int) -> None:
-        """A generation has ended: count its tokens, and give back what it reserved and did
-        not draw."""
-        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(owner)).inc(used)
-        await self.store.refund_tokens(owner, self.limits_for(owner), reserved - used)
+    async def ended(self, run: Run) -> None:
+        """A generation admitted by `starting` has ended: its place among its client's
+        streams is free, its tokens count against its tenant, and what it reserved and did
+        not draw goes back."""
+        if run.client is not None:
+            self._streams[run.client] -= 1
+            if not self._streams[run.client]:
+                del self._streams[run.client]
+        used = len(run.tokens)
+        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(run.owner)).inc(used)
+        await self.store.refund_tokens(run.owner, self.limits_for(run.owner), run.reserved - used)
 
     async def usage(self, owner: str) -> Usage:
         return self._seen(owner, await self.store.usage(owner))
@@ -568,7 +600,7 @@ class Sessions:
             extra = logprobs or Logprobs()
             req = Request(start, ids, params, seed, max_tokens, stop, persist=self.persist_for(writer.meta))
             req.prompt_logprobs, req.top_logprobs = extra.prompt, extra.top
-            self.engine.submit(req)
+            self._submit(req)
         except BaseException:
             await self._release(writer, owner)
             raise
@@ -620,9 +652,14 @@ class Sessions:
                 f"this server runs {self.engine.name!r} ({self.engine.fingerprint})"
             )
 
+    def _submit(self, req: Request) -> Request:
+        """Queue `req` with the engine, as its client's (the scheduler shares it out by client)."""
+        req.tenant = CLIENT.get()
+        return self.engine.submit(req)
+
     async def _run(self, req: Request) -> Finished:
         """3, for a request whose tokens nobody streams."""
-        return await self.engine.submit(req).finished()
+        return await self._submit(req).finished()
 
     def persist_for(self, meta: SessionMeta) -> Persist:
         """The persistence policy: how a commit on top of `meta` stores its new state."""
@@ -700,8 +737,9 @@ class Run:
         self.meta: SessionMeta | None = None  # the committed session, once committed
         self.tokens: list[TokenEvent] = []  # as handed to the client
         self.keep_on_disconnect = False  # `close` before the commit commits the tokens sent
-        self.reserved = 0  # tokens reserved for it in its tenant's bucket (`Sessions.reserving`)
-        self._charged = False
+        self.client: str | None = None  # whose stream it is, once admitted (`Sessions.starting`)
+        self.reserved = 0  # tokens reserved for it in its tenant's bucket, once admitted
+        self._ended = False
         self._keeping: asyncio.Future[None] | None = None
         metrics.PROMPT_TOKENS.inc(self.prompt_tokens)
 
@@ -722,7 +760,7 @@ class Run:
             self.tokens.append(ev)
             yield ev
         res = self.result
-        await self._charge()
+        await self._end()
         self.meta = await self.sessions._commit(self.writer, res, self.owner, self.segment("generate"))
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
         metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
@@ -788,15 +826,19 @@ class Run:
             self._keeping = asyncio.ensure_future(self._keep())
         if self._keeping is not None:
             await asyncio.shield(self._keeping)
-        await asyncio.shield(self._charge())
+        await asyncio.shield(self._end())
         await self.sessions._release(self.writer, self.owner)
 
-    async def _charge(self) -> None:
-        """Once: the tokens handed out count against the tenant (committed or not), and what
-        was reserved for them and not drawn goes back."""
-        if not self._charged:
-            self._charged = True
-            await self.sessions.spent(self.owner, len(self.tokens), self.reserved)
+    def admitted(self, client: str, reserved: int) -> None:
+        """Its place among `client`'s streams and `reserved` tokens are now its own."""
+        self.client, self.reserved = client, reserved
+
+    async def _end(self) -> None:
+        """Once: the tokens handed out count against the tenant (committed or not); its
+        stream's place and the tokens reserved and not drawn go back."""
+        if not self._ended:
+            self._ended = True
+            await self.sessions.ended(self)
 
     async def _keep(self) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
@@ -805,7 +847,7 @@ class Run:
         session stays as it was."""
         s = self.sessions
         try:
-            await self._charge()
+            await self._end()
             ids = self.prompt + [ev.id for ev in self.tokens]
             res = await s._run(Request(self.req.start, ids, persist=self.req.persist))
             self.meta = await s._commit(self.writer, res, self.owner, self.segment("keep"))
@@ -841,6 +883,11 @@ def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
         cpu_threads=settings.cpu_threads,
         compile=settings.compile,
         malloc_trim_interval=settings.malloc_trim_interval,
+        fairness=Fairness(
+            batch_share=settings.key_batch_share,
+            queue_share=settings.key_queue_share,
+            buffer_tokens=settings.stream_buffer_tokens,
+        ),
     )
 
 
@@ -861,4 +908,5 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         # a small multiple of the largest state the served model can produce, unless set
         import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
         max_imports=settings.max_concurrent_imports,
+        max_streams=settings.max_streams_per_key,
     )

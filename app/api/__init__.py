@@ -28,7 +28,7 @@ from . import (
     tokens,
     usage,
 )
-from .deps import admit, authenticate, bind_session
+from .deps import admit, authenticate, bind_client, bind_session
 from .middleware import BodyLimit, BrowserGuard, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -99,7 +99,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id
-    v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]
+    v1 = [Depends(authenticate), Depends(bind_client), Depends(bind_session), Depends(admit)]
     routers = [
         (health.router, []),
         (metrics.router, []),

@@ -401,7 +401,7 @@ async def generate(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     max_tokens = min(body.max_tokens, settings.max_tokens)
-    async with sessions.reserving(owner, max_tokens):
+    async with sessions.starting(owner, 1, max_tokens) as admitted:
         run = await sessions.generate(
             session_id,
             ids,
@@ -414,10 +414,11 @@ async def generate(
             keep_on_disconnect=body.stream and body.on_disconnect == "commit",
             logprobs=Logprobs(top=body.top_logprobs),
         )
-    run.reserved = max_tokens
+    admitted(run)
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
-        return respond(run, guarded(run, _events(run, token), error_event="error"))
+        frames = guarded(run, _events(run, token), error_event="error")
+        return respond(run, frames, send_timeout=settings.stream_send_timeout)
     meta = await run.complete(until_disconnect(request))
     return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 

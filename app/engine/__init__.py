@@ -16,11 +16,13 @@ from .requests import (
     Stored,
     TokenEvent,
 )
+from .scheduler import Fairness
 
 __all__ = [
     "Alternatives",
     "EmptyContext",
     "Engine",
+    "Fairness",
     "EngineError",
     "Finished",
     "FinishReason",

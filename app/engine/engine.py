@@ -23,7 +23,7 @@ from .compiler import DecodeStep
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request
 from .runner import Counters, Runner
-from .scheduler import Scheduler
+from .scheduler import NO_FAIRNESS, Fairness, Scheduler
 
 log = logging.getLogger("recur.engine")
 
@@ -42,6 +42,7 @@ class Engine:
         cpu_threads: int,
         compile: bool,
         malloc_trim_interval: float,
+        fairness: Fairness = NO_FAIRNESS,
     ):
         if lm.tokenizer is None:
             raise ValueError("the model has no tokenizer")
@@ -57,6 +58,7 @@ class Engine:
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
             segment_len=lm.segment_len,
+            fairness=fairness,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step
         # eager until a compiled one is measured faster, per batch class
