@@ -79,7 +79,8 @@ class Redis:
 class Server:
     """`python -m app` as its own process; `settings` are `recur serve` flags."""
 
-    def __init__(self, model: str, redis_url: str, workdir: Path, **settings: object):
+    def __init__(self, model: str, redis_url: str, workdir: Path, root: Path = ROOT, **settings: object):
+        """`root`: the source tree the server runs (another worktree, for a before/after)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -102,7 +103,7 @@ class Server:
             else:
                 args += ["--" + flag, str(v)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "server.log", "ab")
         self.proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)

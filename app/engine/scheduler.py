@@ -20,8 +20,8 @@ either, so a tenant flooding the queue never shuts another out of it.
 Fairness between tenants (`Request.tenant`: an API key, or a client's address). Each
 tenant waits in its own line, and admission takes from the line of the tenant with the
 fewest rows running. A tenant alone may fill the batch. While a tenant with little work
-(less than `Fairness.batch_share` of the batch) is active beside it, a tenant holds at
-most that share: past it, its newest rows are parked, their states kept (a recurrent
+(less than `Fairness.batch_share` of the batch) is active beside it (or was, within the
+last LINGER_STEPS steps), a tenant holds at most that share: past it, its newest rows are parked, their states kept (a recurrent
 state is small, so parking costs nothing to resume), at the front of its line. So one
 tenant's flood never makes another's steps much longer than they are alone. Tenants that
 all have much work split the batch evenly.
@@ -46,6 +46,9 @@ from .requests import QueueFull, Request
 from .runner import Row
 
 _STOP = object()  # the inbox item that ends the engine thread
+# a client whose last request just ended still counts as active for this many steps: one that
+# sends request after request is not met by a batch that another client filled in between
+LINGER_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class Scheduler:
         self._done: list[Row] = []
         self._paused: list[Row] = []  # streams whose clients do not read
         self._num_running = 0
+        self._steps = 0  # admissions so far: the scheduler's clock
+        self._seen: dict[str, int] = {}  # each client's last step with work
 
     # -- the event loop's side ---------------------------------------------------------------
     @property
@@ -170,6 +175,9 @@ class Scheduler:
         self._resume_read()
         running = collections.Counter(r.req.tenant for r in self._running())
         waiting = {t for t, line in self._lines.items() if line}
+        self._steps += 1
+        for t in waiting | set(running):
+            self._seen[t] = self._steps
         self._park_past_share(running, waiting)
         out: list[Request] = []
         while sum(running.values()) < self.max_batch_size:
@@ -254,9 +262,14 @@ class Scheduler:
     def _running(self) -> list[Row]:
         return [*self._prefilling, *self._decoding, *self._done]
 
+    def _active(self, running: collections.Counter[str], waiting: set[str]) -> set[str]:
+        """The clients with work, and those that had some within LINGER_STEPS."""
+        self._seen = {t: at for t, at in self._seen.items() if self._steps - at <= LINGER_STEPS}
+        return waiting | {t for t, n in running.items() if n} | set(self._seen)
+
     def _next_tenant(self, running: collections.Counter[str], waiting: set[str]) -> str | None:
         """The waiting tenant with the fewest rows running, among those under their cap."""
-        active = waiting | {t for t, n in running.items() if n}
+        active = self._active(running, waiting)
         allowed = [t for t in waiting if running[t] < self._cap(t, running, active)]
         return min(allowed, key=lambda t: running[t], default=None)
 
@@ -276,7 +289,7 @@ class Scheduler:
     def _park_past_share(self, running: collections.Counter[str], waiting: set[str]) -> None:
         """Rows of a tenant past its cap go back to the front of its line, newest first
         out: a row still consuming its prompt before one that is decoding."""
-        active = waiting | {t for t, n in running.items() if n}
+        active = self._active(running, waiting)
         if len(active) < 2:
             return
         for tenant in list(running):
