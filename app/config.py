@@ -80,12 +80,14 @@ class Settings(BaseSettings):
         "one replica; more get 429 quota_exceeded at once, before any work",
     )
     key_batch_share: float = Field(
-        0.25,
+        0.0625,
         gt=0,
         le=1,
         description="most of the batch one client holds while a client with less work is active: past "
         "it, its newest rows wait (their states kept) so the other's steps stay short; alone, a client "
-        "may fill the batch, and clients that all have much work split it evenly",
+        "may fill the batch, and clients that all have much work split it evenly. The default keeps a "
+        "flooded CPU replica's other clients within 2x of their latency alone (bench/hostile.py); on a "
+        "GPU, where a larger batch costs little more, raise it",
     )
     key_queue_share: float = Field(
         0.75,

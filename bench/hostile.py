@@ -9,7 +9,7 @@
    empty tensors (the issue's event-loop attack) in a loop. Printed: its median and worst
    answer times in both, and their ratio.
 
-Usage: python bench/hostile.py [--model NAME|DIR] [--streams N] [--root DIR]
+Usage: python bench/hostile.py [--model NAME|DIR] [--streams N] [--root DIR] [--set NAME=VALUE]
 `--root` serves another source tree (a worktree of an older commit) with the same
 settings, for the "before" column: e.g. `git worktree add /tmp/b8 b8a1bec`.
 """
@@ -147,14 +147,16 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=320, help="the attacker's streams that never read")
     ap.add_argument("--requests", type=int, default=12, help="the victim's generations per phase")
     ap.add_argument("--root", type=Path, default=ROOT, help="the source tree to serve")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
     args = ap.parse_args()
+    extra = dict(item.split("=", 1) for item in args.set)
     model, described = model_dir(args.model)
     work = Path(tempfile.mkdtemp(prefix="recur-hostile-"))
     (work / "keys").write_text(f"{ATTACKER}\n{VICTIM}\n")
     redis = Redis(work / "redis")
     server = Server(
         model, redis.url, work / "server", root=args.root, compile=False, cpu_threads=1,
-        api_keys_file=work / "keys", max_import_mb=64,
+        api_keys_file=work / "keys", max_import_mb=64, **extra,
     )  # fmt: skip
     try:
         phases = {"alone": victim_latencies(server.url, args.requests)}
@@ -168,7 +170,9 @@ def main() -> None:
         time.sleep(3)
         phases["64 reading streams"] = victim_latencies(server.url, args.requests)
         busy.close()
-        time.sleep(2)
+        time.sleep(3)
+        # alone again: the machine's load drifts, so the unloaded figure is taken on both sides
+        phases["alone, after"] = victim_latencies(server.url, args.requests)
         idle = healthz_times(server.url, 20)
         stop = threading.Event()
         senders = import_flood(server.url, stop)
@@ -180,8 +184,11 @@ def main() -> None:
     finally:
         server.stop()
         redis.stop()
-    base = phases["alone"]
-    print(f"# one tenant against another: {described}, served from {args.root}")
+    base = {
+        k: statistics.mean(p[k] for p in (phases["alone"], phases["alone, after"]))
+        for k in ("latency_p50_s", "ttft_p50_s")
+    }
+    print(f"# one tenant against another: {described}, served from {args.root} {' '.join(args.set)}")
     print("| victim's phase | latency p50 | worst | TTFT p50 | errors | latency ÷ alone | TTFT ÷ alone |")
     print("|---|---|---|---|---|---|---|")
     for name, p in phases.items():

@@ -54,6 +54,7 @@ ERRORS = (
     ErrorType.queue_full,
     ErrorType.storage_full,
     ErrorType.redis_unavailable,
+    ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
 )
 
 

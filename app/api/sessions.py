@@ -63,9 +63,10 @@ _WRITE_ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.invalid_request,
 )
-# every route that runs the model can find the scheduler's queue full, and every one that
-# stores a state can find Redis full
-_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full, ErrorType.storage_full)
+# every route that runs the model can find the scheduler's queue full, or the session's state
+# one the model cannot continue (non-finite, 422 invalid_state), and every one that stores a
+# state can find Redis full
+_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full, ErrorType.storage_full, ErrorType.invalid_state)
 
 
 # -- translation helpers ----------------------------------------------------------------------
