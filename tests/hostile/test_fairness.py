@@ -27,7 +27,6 @@ import pytest
 
 import model
 from app.engine import QueueFull, Request, Stored
-from app.engine.scheduler import LINGER_STEPS
 from model.sampling import SamplingParams
 from model.state import Persist
 from tests.app.engine_requests import engine_for
@@ -84,6 +83,8 @@ class Stepper:
 
 
 def test_a_flood_fills_the_batch_alone_and_holds_its_share_beside_another(lm_and_start):
+    from app.engine.scheduler import LINGER_STEPS
+
     lm, start = lm_and_start
 
     async def go() -> None:
@@ -180,7 +181,9 @@ def test_a_flood_of_streams_that_never_read_leaves_another_key_served(tenants):
     try:
         time.sleep(2)
         with as_key(tenants, VICTIM) as c:
-            sid = c.post("/v1/sessions", json={"prompt": "x"}).json()["id"]
+            made = c.post("/v1/sessions", json={"prompt": "x"})
+            assert made.status_code == 201, made.text  # (the create goes through the engine's queue too)
+            sid = made.json()["id"]
             answers = [
                 c.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 16}) for _ in range(8)
             ]
