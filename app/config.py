@@ -23,6 +23,12 @@ class Settings(BaseSettings):
 
     model: str = Field("shakespeare", description="shipped model name or checkpoint directory")
     host: str = Field("127.0.0.1", description="address to listen on")
+    allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1",
+        description="comma-separated host names this server answers to (the Host header, port aside); "
+        "others get 403, so a web page cannot reach it through DNS rebinding. * answers to any: for a "
+        "server behind a proxy or a load balancer that checks the name itself",
+    )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     redis_url: str | None = Field(
         None,
@@ -66,6 +72,41 @@ class Settings(BaseSettings):
     )
     max_queued_tokens: int = Field(
         262_144, ge=1, description="prompt tokens waiting for the scheduler beyond which new requests get 429"
+    )
+    max_streams_per_key: int = Field(
+        64,
+        ge=1,
+        description="generations one client (an API key; without keys, a client address) runs at once on "
+        "one replica; more get 429 quota_exceeded at once, before any work",
+    )
+    key_batch_share: float = Field(
+        0.0625,
+        gt=0,
+        le=1,
+        description="most of the batch one client holds while a client with less work is active: past "
+        "it, its newest rows wait (their states kept) so the other's steps stay short; alone, a client "
+        "may fill the batch, and clients that all have much work split it evenly. The default keeps a "
+        "flooded CPU replica's other clients within 2x of their latency alone (bench/hostile.py); on a "
+        "GPU, where a larger batch costs little more, raise it",
+    )
+    key_queue_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="most of the queue (max_queued_requests, max_queued_tokens) one client's requests "
+        "may fill; past it that client gets 429 queue_full while others still get in",
+    )
+    stream_buffer_tokens: int = Field(
+        256,
+        ge=0,
+        description="tokens a stream may leave unread by its client before its generation pauses (out of "
+        "the batch, its state kept) until the client reads; 0 = never pause",
+    )
+    stream_send_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a stream waits to write to a client that does not read before it is dropped "
+        "(as a disconnect: on_disconnect applies); 0 = never",
     )
     hot_cache_mb: float = Field(
         256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
@@ -124,10 +165,17 @@ class Settings(BaseSettings):
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
     )
     max_import_mb: float = Field(
-        512.0,
-        gt=0,
-        description="largest state a client may import (POST /v1/sessions/import), in MiB: a state can be "
-        "far larger than any JSON body",
+        0.0,
+        ge=0,
+        description="largest state a client may import (POST /v1/sessions/import), in MiB; 0: twice the "
+        "largest state the served model can produce (a real export always fits; anything larger is 413 "
+        "before it is read)",
+    )
+    max_concurrent_imports: int = Field(
+        2,
+        ge=1,
+        description="state imports one replica reads and parses at once; more get 429 queue_full at once, "
+        "before their bodies are read (so imports bound the memory they take)",
     )
     log_format: LogFormat = Field(
         "auto",

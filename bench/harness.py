@@ -86,8 +86,12 @@ class Server:
         workdir: Path,
         env: dict[str, str] | None = None,
         wait_compiled: bool = True,
+        root: Path = ROOT,
         **settings: object,
     ):
+        """`env`: more of the server's environment; `wait_compiled`: with `compile`, return
+        once its background compile has finished; `root`: the source tree the server runs
+        (another worktree, for a before/after)."""
         self.port = free_port()
         self.started = time.monotonic()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -111,7 +115,7 @@ class Server:
             else:
                 args += ["--" + flag, str(v)]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}, **(env or {})}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "server.log", "ab")
         self.proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -111,7 +111,7 @@ async def create_chat_completion(
     framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return oai.stream(choices, framer, include_usage)
+        return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
     entries = [

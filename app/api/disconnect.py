@@ -35,14 +35,26 @@ class Hangup:
 
     def __init__(self, request: Request):
         self.request = request
+        self._body_read = asyncio.Event()
 
-    async def __call__(self, work: Awaitable[T], keep: bool = False) -> T:
+    async def body(self) -> bytes:
+        """The request's body, for a `work` that reads it itself (`reads_body`): the watch
+        starts once it is read, so that the two never take each other's messages."""
+        try:
+            return await self.request.body()
+        finally:
+            self._body_read.set()
+
+    async def __call__(self, work: Awaitable[T], keep: bool = False, reads_body: bool = False) -> T:
         """The result of `work`, unless the client hangs up first (then ClientDisconnected,
-        and `work` was cancelled). With `keep`, `work` runs to its end regardless."""
+        and `work` was cancelled). With `keep`, `work` runs to its end regardless. With
+        `reads_body`, `work` reads the body through `self.body`, and the watch waits for it."""
         if keep:
             return await work
+        if not reads_body:
+            self._body_read.set()
         task = asyncio.ensure_future(work)
-        hangup = asyncio.ensure_future(until_disconnect(self.request))
+        hangup = asyncio.ensure_future(self._watch())
         try:
             await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
@@ -54,6 +66,11 @@ class Hangup:
         finally:
             task.cancel()
             hangup.cancel()
+
+
+    async def _watch(self) -> None:
+        await self._body_read.wait()
+        await until_disconnect(self.request)
 
 
 HangupDep = Annotated[Hangup, Depends(Hangup)]

@@ -14,6 +14,7 @@ import enum
 class ErrorType(str, enum.Enum):
     invalid_request = "invalid_request"
     unauthorized = "unauthorized"
+    forbidden = "forbidden"
     model_not_found = "model_not_found"
     no_chat_template = "no_chat_template"
     not_found = "not_found"

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from app import logs
-from app.engine import EmptyContext, EngineError, EngineStalled, QueueFull
+from app.engine import EmptyContext, EngineError, EngineStalled, NonFinite, QueueFull
 from app.sessions import ClientDisconnected, ModelMismatch, StateRejected
 from app.store import (
     CommitConflict,
@@ -43,6 +43,7 @@ log = logging.getLogger("recur.api")
 STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
     ErrorType.unauthorized: 401,
+    ErrorType.forbidden: 403,  # a host this server does not answer to, or another site's request
     ErrorType.model_not_found: 404,
     ErrorType.no_chat_template: 400,  # the request is fine; the served checkpoint cannot chat
     ErrorType.not_found: 404,
@@ -80,6 +81,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (ModelMismatch, ErrorType.model_mismatch),
     (ClientDisconnected, ErrorType.client_disconnected),
     (StateRejected, ErrorType.invalid_state),
+    (NonFinite, ErrorType.invalid_state),  # a session whose (imported) state the model cannot continue
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation

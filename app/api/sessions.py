@@ -64,13 +64,15 @@ _WRITE_ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.invalid_request,
 )
-# every route that runs the model can find the scheduler's queue full, and every one that
-# stores a state can find Redis full
+# every route that runs the model can find the scheduler's queue full or its engine stalled,
+# or the session's state one the model cannot continue (non-finite, 422 invalid_state), and
+# every one that stores a state can find Redis full
 _MODEL_ERRORS = (
     ErrorType.prompt_too_long,
     ErrorType.queue_full,
     ErrorType.engine_stalled,
     ErrorType.storage_full,
+    ErrorType.invalid_state,
 )
 
 
@@ -173,6 +175,7 @@ async def list_sessions(
         ErrorType.storage_full,
         ErrorType.queue_full,
         ErrorType.engine_stalled,
+        ErrorType.quota_exceeded,
     ),
 )
 async def import_session(
@@ -187,8 +190,11 @@ async def import_session(
     ttl = ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
-    blob = await request.body()
-    return _created(response, await hangup(sessions.import_state(blob, ttl, owner)))
+    # (a declared length past the import limit got 413 already, from the middleware)
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+    imported = sessions.import_state(hangup.body, declared, ttl, owner)
+    return _created(response, await hangup(imported, reads_body=True))
 
 
 @router.get(
@@ -413,21 +419,24 @@ async def generate(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     max_tokens = min(body.max_tokens, settings.max_tokens)
-    run = await sessions.generate(
-        session_id,
-        ids,
-        params=sampling_params(body, engine, max_tokens),
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=list(body.stop),
-        expected=expected,
-        owner=owner,
-        keep_on_disconnect=body.stream and body.on_disconnect == "commit",
-        logprobs=Logprobs(top=body.top_logprobs),
-    )
+    async with sessions.starting(owner, 1, max_tokens) as admitted:
+        run = await sessions.generate(
+            session_id,
+            ids,
+            params=sampling_params(body, engine, max_tokens),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=list(body.stop),
+            expected=expected,
+            owner=owner,
+            keep_on_disconnect=body.stream and body.on_disconnect == "commit",
+            logprobs=Logprobs(top=body.top_logprobs),
+        )
+    admitted(run)
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
-        return respond(run, guarded(run, _events(run, token), error_event="error"))
+        frames = guarded(run, _events(run, token), error_event="error")
+        return respond(run, frames, send_timeout=settings.stream_send_timeout)
     meta = await run.complete(until_disconnect(request))  # (as `hangup`, for a Run: app/sessions.py)
     return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 

@@ -23,7 +23,7 @@ from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request
 from .runner import Counters, Runner
-from .scheduler import Scheduler
+from .scheduler import NO_FAIRNESS, Fairness, Scheduler
 from .watchdog import Watchdog
 
 log = logging.getLogger("recur.engine")
@@ -44,6 +44,7 @@ class Engine:
         compile: bool,
         malloc_trim_interval: float,
         step_deadline: float,
+        fairness: Fairness = NO_FAIRNESS,
     ):
         if lm.tokenizer is None:
             raise ValueError("the model has no tokenizer")
@@ -59,6 +60,7 @@ class Engine:
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
             segment_len=lm.segment_len,
+            fairness=fairness,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step
         # eager until a compiled one is measured faster, per batch class
@@ -140,19 +142,30 @@ class Engine:
                 out.put(req, Failed.of(exc))
         for size, rows in s.prefill_groups():
             try:
-                r.prefill(rows, size)
+                r.prefill(rows, size)  # (a row that fails alone is failed alone: below)
             except Exception as exc:
                 log.exception("prefill failed")
                 s.drop(rows)
                 for row in rows:
                     out.put(row.req, Failed.of(exc))
+        self._drop_failed()
         s.prefilled()
         s.publish()  # before any token of this step is sent
         rows = s.decode_batch()
         if rows:
             r.decode(rows)
+        self._drop_failed()
         for row in s.take_done():
             try:
                 out.put(row.req, r.finish(row))
             except Exception as exc:
                 out.put(row.req, Failed.of(exc))
+        self._drop_failed()
+
+    def _drop_failed(self) -> None:
+        """The rows whose own part of a step failed leave, each with its error; the others
+        go on (one bad row never fails the batch)."""
+        for row, exc in self.runner.take_failed():
+            log.warning("a request failed alone: %s", exc)
+            self.scheduler.drop([row])
+            self.outbox.put(row.req, Failed.of(exc))

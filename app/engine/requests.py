@@ -40,6 +40,11 @@ class ModelFailed(EngineError):
     """The model raised in a step that served this request: nothing of it was committed."""
 
 
+class NonFinite(EngineError):
+    """A session's state that this model's step turns non-finite (say, one imported with
+    values near float32's limit): the request fails, and nothing of it is committed."""
+
+
 class QueueFull(EngineError):
     """The scheduler's queue is at its configured limit; the client should retry later."""
 
@@ -131,15 +136,23 @@ class Request:
     prompt_logprobs: bool = False
     persist: Persist | None = None
     top_logprobs: int = 0  # alternatives per sampled token (and prompt token, with prompt_logprobs)
+    tenant: str = ""  # who asks (an API key's owner, or a client's address): the scheduler's fairness
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Finished | None = None
+    sent: int = 0  # events the engine has handed out (engine thread)
+    taken: int = 0  # events its consumer has taken (event loop)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     # -- engine thread side ------------------------------------------------------------------
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def unread(self) -> int:
+        """Events sent and not yet taken: what a stream's client has left unread."""
+        return self.sent - self.taken
 
     # -- event loop side ---------------------------------------------------------------------
     def cancel(self) -> None:
@@ -153,6 +166,7 @@ class Request:
         if self.result is not None:
             raise StopAsyncIteration
         event = await self.events.get()
+        self.taken += 1
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Finished):
@@ -189,6 +203,7 @@ class Outbox:
         self._batch: list[tuple[Request, Event]] = []
 
     def put(self, req: Request, event: Event) -> None:
+        req.sent += 1
         self._batch.append((req, event))
 
     def flush(self) -> None:
