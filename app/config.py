@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, on CPU too)"
+        "auto",
+        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, on CPU too)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"
@@ -162,7 +163,9 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="uvicorn log level")
     max_body_bytes: int = Field(
-        1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
+        1 << 20,
+        ge=1,
+        description="largest request body accepted; a larger one gets 413 before it is read in full",
     )
     max_import_mb: float = Field(
         0.0,
@@ -229,20 +232,20 @@ class Settings(BaseSettings):
         """Every configured key (the file is read now). Raises ValueError with a clear message."""
         return list(self.load_tenants())
 
-    def limits(self) -> Limits:
+    def quota(self) -> Quota:
         """The quota of a tenant whose key sets none of its own (and of all clients, without keys)."""
-        return Limits(
+        return Quota(
             sessions=self.quota_sessions,
             state_bytes=int(self.quota_state_mb * 2**20),
             requests_per_second=self.quota_requests_per_second,
             tokens_per_second=self.quota_tokens_per_second,
         )
 
-    def load_tenants(self) -> dict[str, Limits]:
+    def load_tenants(self) -> dict[str, Quota]:
         """Every configured key with its quota (the file is read now). A line of the keys
         file is `KEY [sessions=N] [state_mb=X] [requests_per_second=X] [tokens_per_second=X]`.
         Raises ValueError with a clear message."""
-        default = self.limits()
+        default = self.quota()
         keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
         tenants = {k: default for k in keys if k}
         if self.api_keys_file is not None:
@@ -261,7 +264,7 @@ class Settings(BaseSettings):
 
 
 @dataclass(frozen=True)
-class Limits:
+class Quota:
     """One tenant's quota."""
 
     sessions: int
@@ -273,7 +276,7 @@ class Limits:
 _OVERRIDES = {"sessions": int, "state_mb": float, "requests_per_second": float, "tokens_per_second": float}
 
 
-def _override(limits: Limits, overrides: list[str], source: Path) -> Limits:
+def _override(limits: Quota, overrides: list[str], source: Path) -> Quota:
     """`limits` with a key file line's `name=value` overrides applied."""
     changes: dict[str, Any] = {}
     for item in overrides:

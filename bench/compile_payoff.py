@@ -59,7 +59,9 @@ def _load(srv: Server, minutes: float) -> tuple[list[float], int, float | None]:
     until = time.monotonic() + minutes * 60
     done: list[float] = []
     errors: list[str] = []
-    threads = [threading.Thread(target=_client_loop, args=(srv.url, i, until, done, errors)) for i in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=_client_loop, args=(srv.url, i, until, done, errors)) for i in range(CLIENTS)
+    ]
     for t in threads:
         t.start()
     compiled = None
@@ -112,12 +114,16 @@ def report(r: dict) -> None:
     print(f"\n{r['model']}: requests completed per minute by 4 clients from /readyz (compile | eager)")
     for m, (a, b) in enumerate(zip(c["per_minute"], e["per_minute"], strict=True)):
         print(f"  minute {m + 1:2d}: {a:4d} | {b:4d}")
-    print(f"  total: {sum(c['per_minute'])} | {sum(e['per_minute'])}  (ratio {r['ratio']:.2f}); errors "
-          f"{c['errors']} | {e['errors']}; compile finished at {c['compiled_s']} s after start")
+    print(
+        f"  total: {sum(c['per_minute'])} | {sum(e['per_minute'])}  (ratio {r['ratio']:.2f}); errors "
+        f"{c['errors']} | {e['errors']}; compile finished at {c['compiled_s']} s after start"
+    )
     s = r["starts"]
     for label in ("cold", "warm"):
-        print(f"  {label} start, idle: /readyz {s[label]['ready_s']:.1f} s, compile {s[label]['state']} at "
-              f"{s[label]['compiled_s']:.1f} s")
+        print(
+            f"  {label} start, idle: /readyz {s[label]['ready_s']:.1f} s, compile {s[label]['state']} at "
+            f"{s[label]['compiled_s']:.1f} s"
+        )
 
 
 def section(results: list[dict], minutes: float) -> str:

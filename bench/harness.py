@@ -138,7 +138,11 @@ class Server:
         """The background compile's state (app/engine/compiler.py): off, compiling, ready, failed."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         prefix = "recur_decode_compile_state{state="
-        return next(ln[len(prefix) + 1 :].split('"')[0] for ln in text.splitlines() if ln.startswith(prefix) and ln.endswith(" 1.0"))
+        return next(
+            ln[len(prefix) + 1 :].split('"')[0]
+            for ln in text.splitlines()
+            if ln.startswith(prefix) and ln.endswith(" 1.0")
+        )
 
     def wait_compiled(self, deadline: float) -> float:
         """Until the background compile of the decode step has finished (it would take a core

@@ -160,7 +160,9 @@ def report(phases: dict, idle: list[float], loaded: list[float], described: str)
         )
     print("\n| /healthz | p50 | worst |\n|---|---|---|")
     print(f"| idle | {statistics.median(idle) * 1000:.1f} ms | {max(idle) * 1000:.1f} ms |")
-    print(f"| 4 clients importing 200k-tensor blobs | {statistics.median(loaded) * 1000:.1f} ms | {max(loaded) * 1000:.1f} ms |")
+    print(
+        f"| 4 clients importing 200k-tensor blobs | {statistics.median(loaded) * 1000:.1f} ms | {max(loaded) * 1000:.1f} ms |"
+    )
     print(f"worst /healthz under imports ÷ idle p50: {max(loaded) / statistics.median(idle):.1f}x")
 
 

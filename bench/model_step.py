@@ -185,7 +185,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams")
+    ap.add_argument(
+        "--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

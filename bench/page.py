@@ -203,8 +203,6 @@ def where_time_goes(roof: dict) -> list[str]:
     return out
 
 
-
-
 # -- the page ------------------------------------------------------------------------------------
 NAN = float("nan")
 
@@ -232,11 +230,16 @@ class Results:
         self.t1 = self.frac("txl-6x512-mem512", 1, "bandwidth_roofline")
         self.t2 = self.frac("txl-6x256-len3800", 1, "bandwidth_roofline")
         self.t3 = self.frac("shakespeare", 64, "compute_roofline")
-        self.rlt_dec, self.rlt_pre = decode_row(roof, "shakespeare-rlt", 1), prefill_row(roof, "shakespeare-rlt")
+        self.rlt_dec, self.rlt_pre = (
+            decode_row(roof, "shakespeare-rlt", 1),
+            prefill_row(roof, "shakespeare-rlt"),
+        )
         self.t4 = self.rlt_dec["tokens_per_s"] / self.base["decode_tokens_per_s"] if self.rlt_dec else NAN
         self.t5 = self.rlt_pre["tokens_per_s"] / self.base["prefill_tokens_per_s"] if self.rlt_pre else NAN
         self.one, self.sixteen = decode_row(roof, "shakespeare", 1), decode_row(roof, "shakespeare", 16)
-        self.model_16 = self.sixteen["tokens_per_s"] / self.one["tokens_per_s"] if self.one and self.sixteen else NAN
+        self.model_16 = (
+            self.sixteen["tokens_per_s"] / self.one["tokens_per_s"] if self.one and self.sixteen else NAN
+        )
 
     def frac(self, name: str, batch: int, key: str) -> float:
         row = decode_row(self.roof, name, batch)
@@ -391,7 +394,9 @@ DECODE_COLUMNS = [
 
 def decode(r: Results) -> list[str]:
     weights = " and ".join(
-        f"{x['weight_mb']:.0f} MB" for x in r.roof["decode"] if x["batch"] == 1 and x["model"].startswith("shakespeare")
+        f"{x['weight_mb']:.0f} MB"
+        for x in r.roof["decode"]
+        if x["batch"] == 1 and x["model"].startswith("shakespeare")
     )
     return [
         "## 2. Decode against the roofline",
@@ -485,7 +490,10 @@ def history(r: Results) -> list[str]:
         "baseline that re-sends the whole history and re-prefills it (a new session created with "
         "the history as its prompt, then the same request). Both over real HTTP.",
         "",
-        table(r.hist, ["history_tokens", "stateful_ms", "stateless_ms", "stateless_over_stateful", "stateful_vs_first"]),
+        table(
+            r.hist,
+            ["history_tokens", "stateful_ms", "stateless_ms", "stateless_over_stateful", "stateful_vs_first"],
+        ),
         "",
         f"![cost against history]({plots.plot_history(r.hist)})",
         "",
@@ -558,7 +566,10 @@ def persistence(r: Results) -> list[str]:
         "(memory full). Read = Redis round trip + bytes → state; write = state → bytes + fenced commit. "
         "Bytes are per request (mean), times are medians.",
         "",
-        table(r.pers, ["config", "read_bytes", "write_bytes", "read_ms", "write_ms", "request_ms", "persistence_share"]),
+        table(
+            r.pers,
+            ["config", "read_bytes", "write_bytes", "read_ms", "write_ms", "request_ms", "persistence_share"],
+        ),
         "",
         f"![persistence]({plots.plot_persistence(r.pers)})",
         "",

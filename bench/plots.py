@@ -84,9 +84,10 @@ def plot_roofline(roof: dict) -> str:
         gf = [r["mflop_per_step"] / r["step_ms"] for r in mine]  # MFLOP/ms = GFLOP/s
         ax.plot(ix, gf, "os^D"[i % 4] + "-", label=name)
         for j, (x, y, r) in enumerate(zip(ix, gf, mine, strict=True)):
-            ax.annotate(f"B{r['batch']}", (x, y), textcoords="offset points", xytext=(4, (-10, 4)[j % 2]), fontsize=7)
+            ax.annotate(
+                f"B{r['batch']}", (x, y), textcoords="offset points", xytext=(4, (-10, 4)[j % 2]), fontsize=7
+            )
     ax.set(xscale="log", yscale="log", xlabel="FLOPs per byte moved", ylabel="GFLOP/s achieved")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return _save(fig, "roofline")
-

@@ -91,12 +91,22 @@ def write(results: page.Results) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="shakespeare")
-    ap.add_argument("--rewrite", action="store_true", help="rewrite the document from the last run's results.json")
+    ap.add_argument(
+        "--rewrite", action="store_true", help="rewrite the document from the last run's results.json"
+    )
     args = ap.parse_args()
     PLOTS.mkdir(parents=True, exist_ok=True)
     if args.rewrite:
         last = json.loads((PLOTS / "results.json").read_text())
-        write(page.Results(last["model_step"], last["roofline"], last["serving"], last["persistence"], last.get("minutes")))
+        write(
+            page.Results(
+                last["model_step"],
+                last["roofline"],
+                last["serving"],
+                last["persistence"],
+                last.get("minutes"),
+            )
+        )
         return
     t0 = time.perf_counter()
     step = run("model_step.py", "--threads", "1")
@@ -105,7 +115,13 @@ def main() -> None:
     serving = run("serving.py", "--model", args.model)
     persist = run("persistence.py", "--model", args.model)
     minutes = (time.perf_counter() - t0) / 60
-    results = {"model_step": step, "roofline": roof, "serving": serving, "persistence": persist, "minutes": minutes}
+    results = {
+        "model_step": step,
+        "roofline": roof,
+        "serving": serving,
+        "persistence": persist,
+        "minutes": minutes,
+    }
     (PLOTS / "results.json").write_text(json.dumps(results, indent=1))
     write(page.Results(step, roof, serving, persist, minutes))
 

@@ -363,7 +363,9 @@ def decode(
     compiled where its probe adopted the compiled step, else eager) and eager; the profile
     is the eager step's (a compiled step's generated kernels hide where its time goes)."""
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     rows = []
     for B in batches:
         # the stacked batch, then the arena its first step copies it into (one window more)
@@ -401,7 +403,8 @@ def decode(
             f"{name:18s} batch {B:3d}  K {w.attention_length:5d}  {w.bytes / 1e6:8.2f} MB  "
             f"{w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms ({'compiled' if compiled else 'eager'}; "
             f"eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  kernels {prof['kernel_share']:5.1%}  "
-            f"{prof['ops_per_call']} ops  top: " + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
+            f"{prof['ops_per_call']} ops  top: "
+            + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
             flush=True,
         )
     return rows
@@ -476,7 +479,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed decode steps per figure")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument(
-        "--eager", action="store_true", help="time the eager step only (no compiled step; an older tree's baseline)"
+        "--eager",
+        action="store_true",
+        help="time the eager step only (no compiled step; an older tree's baseline)",
     )
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(MODELS)

@@ -1,10 +1,11 @@
 """The house in docs/ARCHITECTURE.md, asserted: imports point one way (app/api -> app/sessions ->
-app/store and app/engine -> model/), rooms keep to themselves, functions stay short, and the
+app/store and app/engine -> model/), rooms keep to themselves, functions stay short, classes and files stay narrow, and the
 picture in docs/ARCHITECTURE.md matches the code. The reading is docs/tools/import_graph.py's (ast only:
 nothing here imports app or model)."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import textwrap
 from pathlib import Path
@@ -12,7 +13,6 @@ from pathlib import Path
 from docs.tools import import_graph as ig
 
 ROOT = Path(__file__).resolve().parent.parent
-
 
 
 @functools.cache
@@ -70,6 +70,23 @@ def test_no_long_functions() -> None:
         "functions over 60 lines (def line to last line) in app/, model/ and bench/; split them:\n"
         + "\n".join(f"  {f}" for f in long)
     )
+
+
+def test_no_wide_classes_or_long_files() -> None:
+    """Width, as the 60-line rule bounds length: no class in app/ or model/ over 300 lines
+    (split its concerns into rooms), and no file in app/ over 700."""
+    wide = [
+        f"  {path.relative_to(ROOT)}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
+        for path in ig.sources(ROOT, ("app", "model"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno + 1 > 300
+    ]
+    long = [
+        f"  {path.relative_to(ROOT)}: {n} lines"
+        for path in ig.sources(ROOT, ("app",))
+        if (n := len(path.read_text().splitlines())) > 700
+    ]
+    assert not wide and not long, "classes over 300 lines, files over 700; split them:\n" + "\n".join(wide + long)
 
 
 def test_architecture_picture_is_current() -> None:

@@ -14,7 +14,7 @@ import model
 from app import metrics as service_metrics
 from app import sessions as sessions_service
 from app.config import Settings
-from app.store import SessionStore
+from app.store import Store
 
 from . import (
     chat_completions,
@@ -28,7 +28,7 @@ from . import (
     tokens,
     usage,
 )
-from .deps import admit, authenticate, bind_client, bind_session
+from .deps import authenticate, bind_client, bind_session, check_rate
 from .middleware import BodyLimit, BrowserGuard, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -46,7 +46,7 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = SessionStore.from_settings(settings)
+        store = Store.from_settings(settings)
         loaded = (
             lm
             if lm is not None
@@ -59,6 +59,8 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
         engine = sessions_service.build_engine(settings, loaded, model_name(settings.model))
         engine.start()
         sessions = sessions_service.build(settings, store, engine)
+        store.connection.watch_memory(settings.storage_guard)
+        app.state.store = store
         app.state.sessions = sessions
         service_metrics.bind_engine(engine, sessions.cache)
         try:
@@ -87,6 +89,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = None
+    app.state.store = None
     app.state.chat_template = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
@@ -99,7 +102,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id
-    v1 = [Depends(authenticate), Depends(bind_client), Depends(bind_session), Depends(admit)]
+    v1 = [Depends(authenticate), Depends(bind_client), Depends(bind_session), Depends(check_rate)]
     routers = [
         (health.router, []),
         (metrics.router, []),

@@ -4,7 +4,7 @@ A completion runs in a recur session: the body field `session_id` or the `X-Sess
 header continues one (its recurrent state is the context, so the prompt only needs the
 new text); without either, a new session is created. Either way the session's id comes
 back in the `X-Session-Id` header and the body, and the generation is committed to it
-exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions.py).
+exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions/).
 `prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
 (and one new session) per prompt; with `n`, n choices per prompt, the others in forks of
 its session. What the OpenAI routes share is in openai_framing.py.
@@ -47,16 +47,16 @@ from .deps import (
     served_model,
 )
 from .errors import ApiError, ErrorType, responses
-from .schemas import (
+from .openai_schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResult,
     CompletionUsage,
-    ErrorBody,
     ModelCard,
     ModelList,
 )
+from .schemas import ErrorBody
 from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -146,12 +146,18 @@ async def create_completion(
         owner,
         sid,
         prompts,
-        stop=oai.stop_strings(body.stop),
+        oai.generation(
+            body,
+            settings,
+            body.max_tokens,
+            engine,
+            stop=oai.stop_strings(body.stop),
+            logprobs=Logprobs(top=body.logprobs or 0, prompt=body.echo and body.logprobs is not None),
+            started=started,
+        ),
+        n=body.n or 1,
         keep_stop=body.include_stop_str_in_output,
         user=body.user,
-        started=started,
-        logprobs=Logprobs(top=body.logprobs or 0, prompt=body.echo and body.logprobs is not None),
-        **oai.generation(body, settings, body.max_tokens, engine),
     )
     lp = None if body.logprobs is None else _Logprobs(engine.tokenizer.token_text, body.logprobs)
     echoed = [_prompt_texts(engine, ids) if body.echo else [] for ids in prompts]

@@ -67,7 +67,6 @@ class Hangup:
             task.cancel()
             hangup.cancel()
 
-
     async def _watch(self) -> None:
         await self._body_read.wait()
         await until_disconnect(self.request)

@@ -221,7 +221,9 @@ def unexpected(exc: BaseException, id_header: bool = False) -> JSONResponse:
     rid = logs.request_id.get()
     if rid is None:
         return response(etype, message)
-    return response(etype, f"{message} (request id {rid})", headers={"X-Request-Id": rid} if id_header else None)
+    return response(
+        etype, f"{message} (request id {rid})", headers={"X-Request-Id": rid} if id_header else None
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -25,8 +25,9 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> Ready:
     sessions = get_sessions(request)  # 503 until the model is loaded
     sessions.engine.watchdog.check()  # 503 while a step has run past its deadline
-    await sessions.store.ping()
-    full = await sessions.store.storage_full(sessions.storage_guard)
+    store = request.app.state.store
+    await store.ping()
+    full = store.connection.memory_full  # the storage guard's last reading
     return Ready(
         status="ready", model=sessions.engine.name, fingerprint=sessions.engine.fingerprint, storage_full=full
     )

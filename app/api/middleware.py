@@ -138,7 +138,9 @@ class BrowserGuard:
             )
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if ctype in _SIMPLE_TYPES:
-            wanted = "application/octet-stream" if scope["path"] == "/v1/sessions/import" else "application/json"
+            wanted = (
+                "application/octet-stream" if scope["path"] == "/v1/sessions/import" else "application/json"
+            )
             return ErrorType.invalid_request, (
                 f"the body must be sent with Content-Type: {wanted} (not {ctype!r}, which any web page may send)"
             )

@@ -5,7 +5,7 @@ its history: the kept versions, rollback, the transcript, state export and impor
 parameters come in the query string, and it always streams.
 
 Routers only translate HTTP: they parse and check bodies, call the sessions service
-(app/sessions.py, where each request's transaction runs from lock to commit), and frame
+(app/sessions/, where each request's transaction runs from lock to commit), and frame
 its results as JSON or SSE. They never touch tensors or Redis and never build error
 bodies (see errors.py).
 """
@@ -21,7 +21,7 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.engine import Logprobs, TokenEvent
-from app.sessions import Run
+from app.sessions import Generation, Run
 from app.store import SessionMeta
 
 from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
@@ -419,25 +419,22 @@ async def generate(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     max_tokens = min(body.max_tokens, settings.max_tokens)
-    async with sessions.starting(owner, 1, max_tokens) as admitted:
-        run = await sessions.generate(
-            session_id,
-            ids,
-            params=sampling_params(body, engine, max_tokens),
-            seed=body.seed,
-            max_tokens=max_tokens,
-            stop=list(body.stop),
-            expected=expected,
-            owner=owner,
-            keep_on_disconnect=body.stream and body.on_disconnect == "commit",
-            logprobs=Logprobs(top=body.top_logprobs),
-        )
+    gen = Generation(
+        sampling_params(body, engine, max_tokens),
+        max_tokens,
+        body.seed,
+        list(body.stop),
+        keep_on_disconnect=body.stream and body.on_disconnect == "commit",
+        logprobs=Logprobs(top=body.top_logprobs),
+    )
+    async with sessions.tenants.starting(owner, 1, max_tokens) as admitted:
+        run = await sessions.generate(session_id, ids, gen, expected=expected, owner=owner)
     admitted(run)
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
         frames = guarded(run, _events(run, token), error_event="error")
         return respond(run, frames, send_timeout=settings.stream_send_timeout)
-    meta = await run.complete(until_disconnect(request))  # (as `hangup`, for a Run: app/sessions.py)
+    meta = await run.complete(until_disconnect(request))  # (as `hangup`, for a Run: app/sessions/run.py)
     return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 
 

@@ -112,7 +112,11 @@ def data_events(*models: type[BaseModel], last: str | None = "[DONE]") -> dict:
     data = json_of(*models)
     if last is not None:
         data = {"anyOf": [{"const": last}, data]}
-    return {"type": "object", "required": ["data"], "properties": {"event": {"const": "message"}, "data": data}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"const": "message"}, "data": data},
+    }
 
 
 def stream_response(description: str, item_schema: dict) -> dict:

@@ -159,7 +159,9 @@ class DecodeStep:
     """The one-token forward the runner calls: eager, or compiled where that was measured
     to be faster."""
 
-    def __init__(self, lm: LanguageModel, compile: bool, margin: float = MARGIN, max_rows: int = PROBE_ROWS[-1]):
+    def __init__(
+        self, lm: LanguageModel, compile: bool, margin: float = MARGIN, max_rows: int = PROBE_ROWS[-1]
+    ):
         self.lm = lm
         self.margin = margin
         # the classes a batch of at most max_rows rows can fall in
@@ -230,7 +232,9 @@ class DecodeStep:
             with torch.no_grad(), _host_lock():
                 compiled = _compile(self.lm)
                 states = _probe_states(self.lm)
-                verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes}
+                verdicts = {
+                    rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes
+                }
                 parts, prefill = _probe_parts(self.lm, self.margin)
         except Exception as exc:  # no compiler on this machine, say: the eager step serves on
             self.status.error = f"{type(exc).__name__}: {exc}"

@@ -196,7 +196,9 @@ class Runner:
             if ok:
                 self._on_token(r, tid, lp, alternatives[: r.req.top_logprobs])
             else:
-                self._fail(r, NonFinite("the session's state gives non-finite logits: it cannot be continued"))
+                self._fail(
+                    r, NonFinite("the session's state gives non-finite logits: it cannot be continued")
+                )
         # the tokens go out now, so the event loop streams them while the forward below
         # runs (its kernels release the GIL), rather than after it
         self.outbox.flush()
@@ -286,7 +288,9 @@ class Runner:
 
     def _split_row(self, batch: State, i: int) -> State | Exception:
         try:
-            return self.lm.split_state(batch.replace(**{k: t[i : i + 1] for k, t in batch.tensors.items()}))[0]
+            return self.lm.split_state(batch.replace(**{k: t[i : i + 1] for k, t in batch.tensors.items()}))[
+                0
+            ]
         except Exception as exc:
             return exc
 

@@ -30,7 +30,9 @@ LINES = ["Speak again, bright angel!", "With love's light wings did I o'erperch 
 
 @pytest.fixture(scope="module", params=["shakespeare", "shakespeare-rlt"])
 def server(request, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300) as srv:
+    with ServerProcess(
+        request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300
+    ) as srv:
         yield srv
 
 

@@ -15,7 +15,9 @@ only, so no setting or flag of the real server exposes them.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 
 from app import sessions
@@ -58,20 +60,24 @@ def _compiled_step_fails() -> None:
 
 
 def _route_fails() -> None:
-    get = sessions.Sessions.get
+    get = sessions.SessionService.get
 
     async def faulty(self, session_id, owner):  # type: ignore[no-untyped-def]
         if session_id == UNEXPECTED_ID:
             raise KeyError("injected fault: an error no handler knows")
         return await get(self, session_id, owner)
 
-    sessions.Sessions.get = faulty  # type: ignore[method-assign]
+    sessions.SessionService.get = faulty  # type: ignore[method-assign]
 
 
 def install(spec: str) -> None:
     faults = dict(f.partition("=")[::2] for f in spec.split(","))
     sleeps = {byte: float(faults[name]) for name, byte in (("hang", HANG), ("slow", SLOW)) if name in faults}
     _prefill_faults(sleeps, "raise" in faults)
+    if "compile" in faults or "compiled" in faults:
+        # an inductor cache (and so a host compile lock, app/engine/compiler.py) of its own:
+        # a compile in another process on this host must not hold the fault back
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="recur-faulty-inductor-")
     if "compile" in faults:
         _compile_fails()
     if "compiled" in faults:

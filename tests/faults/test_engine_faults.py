@@ -29,7 +29,12 @@ COMMON = dict(cpu_threads=1, max_tokens=64)
 
 def _faulty(model_dir: Path, redis_url: str, workdir: Path, faults: str, **settings: object) -> ServerProcess:
     return ServerProcess(
-        model_dir, workdir, redis_url, entry=("-m", "tests.faults.faulty_server", faults), **COMMON, **settings
+        model_dir,
+        workdir,
+        redis_url,
+        entry=("-m", "tests.faults.faulty_server", faults),
+        **COMMON,
+        **settings,
     )
 
 

@@ -52,7 +52,9 @@ def tenants(
     keyfile = tmp_path_factory.mktemp("hostile-keys") / "keys"
     keyfile.write_text(KEYS)
     workdir = tmp_path_factory.mktemp("hostile-tenants")
-    with ServerProcess(hostile_models["txl"], workdir, redis_url, api_keys_file=keyfile, **TENANT_SETTINGS) as s:
+    with ServerProcess(
+        hostile_models["txl"], workdir, redis_url, api_keys_file=keyfile, **TENANT_SETTINGS
+    ) as s:
         yield s
 
 

@@ -33,7 +33,9 @@ def blob_with(model_dir: Path, *, n_tokens: int | None = None, fill: float | Non
     if n_tokens is not None:
         changes["n_tokens"] = torch.tensor([n_tokens], dtype=torch.long)
     if fill is not None:
-        changes.update({k: torch.full_like(t, fill) for k, t in state.tensors.items() if t.is_floating_point()})
+        changes.update(
+            {k: torch.full_like(t, fill) for k, t in state.tensors.items() if t.is_floating_point()}
+        )
     return state.replace(**changes).to_bytes()
 
 

@@ -103,7 +103,9 @@ def test_an_import_claiming_2_63_tokens_is_refused_and_others_keep_generating(
 def test_a_state_whose_step_turns_non_finite_is_never_committed(hostile_servers, hostile_models, family):
     server = hostile_servers[family]
     with server.client() as c:
-        r = c.post("/v1/sessions/import", content=blob_with(hostile_models[family], fill=3e38), headers=IMPORT)
+        r = c.post(
+            "/v1/sessions/import", content=blob_with(hostile_models[family], fill=3e38), headers=IMPORT
+        )
         assert r.status_code == 201, r.text  # finite: a valid state, as far as anyone can tell
         sid = r.json()["id"]
         r = c.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 4})
@@ -118,8 +120,13 @@ def test_a_state_whose_step_turns_non_finite_is_never_committed(hostile_servers,
         exported = c.get(f"/v1/sessions/{sid}/state")
         assert exported.status_code == 200
         st = model.load(hostile_models[family], device="cpu").load_state(exported.content)
-        assert st.finite() and float(next(t for t in st.tensors.values() if t.is_floating_point()).max()) > 1e38
+        assert (
+            st.finite() and float(next(t for t in st.tensors.values() if t.is_floating_point()).max()) > 1e38
+        )
         assert c.post(f"/v1/sessions/{sid}/fork").status_code == 201
         # and the server serves everyone else as before
         other = c.post("/v1/sessions", json={"prompt": "Hi"}).json()["id"]
-        assert c.post(f"/v1/sessions/{other}/generate", json={"stream": False, "max_tokens": 4}).status_code == 200
+        assert (
+            c.post(f"/v1/sessions/{other}/generate", json={"stream": False, "max_tokens": 4}).status_code
+            == 200
+        )

@@ -53,7 +53,9 @@ def lm_and_start(hostile_models) -> tuple[model.LanguageModel, Stored]:
 
 
 def _req(start: Stored, tenant: str, max_tokens: int) -> Request:
-    return Request(start, [5], SamplingParams(temperature=0.0), None, max_tokens, [], persist=Persist(), tenant=tenant)
+    return Request(
+        start, [5], SamplingParams(temperature=0.0), None, max_tokens, [], persist=Persist(), tenant=tenant
+    )
 
 
 async def _read(req: Request) -> None:
@@ -185,7 +187,8 @@ def test_a_flood_of_streams_that_never_read_leaves_another_key_served(tenants):
             assert made.status_code == 201, made.text  # (the create goes through the engine's queue too)
             sid = made.json()["id"]
             answers = [
-                c.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 16}) for _ in range(8)
+                c.post(f"/v1/sessions/{sid}/generate", json={"stream": False, "max_tokens": 16})
+                for _ in range(8)
             ]
             answers.append(c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 16}))
         assert [r.status_code for r in answers] == [200] * 9, [r.text[:200] for r in answers]

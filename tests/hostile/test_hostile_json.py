@@ -63,7 +63,9 @@ def test_a_state_header_nested_deep_is_refused_as_invalid_state(tenants, hostile
     for depth in (5_000, 100_000):
         header = "[" * depth + "]" * depth
         blob = st_save(tensors, metadata={"recur": header})
-        r = http.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
+        r = http.post(
+            "/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"}
+        )
         assert_error(r, 422, "invalid_state")
         assert http.get("/healthz").status_code == 200
     # nested inside an otherwise well-formed header, too

@@ -64,7 +64,9 @@ def _answer(sock: socket.socket, timeout: float = 10) -> tuple[int, dict]:
         assert chunk, "the server closed the connection without answering"
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
-    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+    length = next(
+        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+    )
     while len(rest) < length:
         rest += sock.recv(65536)
     return int(head.split()[1]), json.loads(rest[:length])
@@ -109,7 +111,9 @@ def test_imports_in_progress_are_bounded_per_replica(tenants):
     _, state = full_state(Path(tenants.model_dir))
     with as_key(tenants, VICTIM) as c:
         deadline = time.monotonic() + 10
-        while (r := c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})).status_code == 429:
+        while (
+            r := c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})
+        ).status_code == 429:
             assert time.monotonic() < deadline, r.text  # (the hung-up imports free their slots)
             time.sleep(0.2)
         assert r.status_code == 201, r.text
@@ -150,7 +154,9 @@ def test_healthz_answers_while_hostile_imports_run(tenants):
     def attack() -> None:
         with as_key(tenants, ATTACKER, timeout=120) as c:
             for _ in range(2):
-                answers.append(c.post("/v1/sessions/import", content=blob, headers={"Content-Type": OCTETS}).status_code)
+                answers.append(
+                    c.post("/v1/sessions/import", content=blob, headers={"Content-Type": OCTETS}).status_code
+                )
 
     attackers = [threading.Thread(target=attack) for _ in range(4)]
     for t in attackers:

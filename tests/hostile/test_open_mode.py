@@ -43,7 +43,13 @@ def test_simple_cross_site_requests_change_nothing(http, server, hostile_models)
     blob = full_state(hostile_models["txl"])[1].to_bytes()
     attempts = [
         ("POST", "/v1/sessions/import", {"Content-Type": "text/plain"}, blob, 422),
-        ("POST", f"/v1/sessions/{made}/fork", {"Content-Type": "application/x-www-form-urlencoded"}, b"", 422),
+        (
+            "POST",
+            f"/v1/sessions/{made}/fork",
+            {"Content-Type": "application/x-www-form-urlencoded"},
+            b"",
+            422,
+        ),
         ("POST", "/v1/sessions", {"Content-Type": "multipart/form-data; boundary=x"}, b"--x--\r\n", 422),
         ("POST", f"/v1/sessions/{made}/fork", {"Origin": "http://evil.example"}, b"", 403),
         ("POST", "/v1/sessions", {"Origin": "null", "Content-Type": "application/json"}, b"{}", 403),

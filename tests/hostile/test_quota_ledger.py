@@ -54,12 +54,15 @@ def _mismatches(r: redis.Redis, prefix: str, key: str, c: httpx.Client) -> list[
     owner = owner_of(key)
     tenant = tenant_of(owner)
     ledger = {
-        m.decode(): score for m, score in r.zrange(f"{prefix}tenant:{{{tenant}}}:live", 0, -1, withscores=True)
+        m.decode(): score
+        for m, score in r.zrange(f"{prefix}tenant:{{{tenant}}}:live", 0, -1, withscores=True)
     }
     sizes = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}tenant:{{{tenant}}}:bytes").items()}
     held = {}
     for k in r.scan_iter(f"{prefix}session:*", count=1000):
-        o, exp, deltas, hist, trans = r.hmget(k, "owner", "expires_at", "delta_bytes", "history_bytes", "transcript_bytes")
+        o, exp, deltas, hist, trans = r.hmget(
+            k, "owner", "expires_at", "delta_bytes", "history_bytes", "transcript_bytes"
+        )
         if (o or b"").decode() == owner:
             stored = r.hstrlen(k, "state") + int(deltas or 0) + int(hist or 0) + int(trans or 0)
             held[k.decode().rsplit("{", 1)[1].rstrip("}")] = (float(exp), stored)
@@ -75,7 +78,9 @@ def _mismatches(r: redis.Redis, prefix: str, key: str, c: httpx.Client) -> list[
     usage = c.get("/v1/usage").json()
     total = sum(stored for _, stored in held.values())
     if (usage["sessions"], usage["state_bytes"]) != (len(held), total):
-        out.append(f"/v1/usage says {usage['sessions']} sessions, {usage['state_bytes']} bytes; Redis {len(held)}, {total}")
+        out.append(
+            f"/v1/usage says {usage['sessions']} sessions, {usage['state_bytes']} bytes; Redis {len(held)}, {total}"
+        )
     return out
 
 
@@ -105,16 +110,29 @@ def test_usage_equals_what_redis_holds_after_every_route(tenants, redis_url):
 
         def imported() -> None:
             blob = c.get(f"/v1/sessions/{ids['a']}/state").content
-            made = c.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
+            made = c.post(
+                "/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"}
+            )
             ids["d"] = made.json()["id"]
 
         steps: list[tuple[str, Callable[[], object]]] = [
             ("create", create),
             ("get", lambda: c.get(f"/v1/sessions/{ids['a']}")),
-            ("generate", lambda: c.post(f"/v1/sessions/{ids['a']}/generate", json={"prompt": " upon", **gen})),
-            ("generate (stream)", lambda: list(events(c.post(f"/v1/sessions/{ids['a']}/generate", json={**gen, "stream": True})))),
+            (
+                "generate",
+                lambda: c.post(f"/v1/sessions/{ids['a']}/generate", json={"prompt": " upon", **gen}),
+            ),
+            (
+                "generate (stream)",
+                lambda: list(
+                    events(c.post(f"/v1/sessions/{ids['a']}/generate", json={**gen, "stream": True}))
+                ),
+            ),
             ("score", lambda: c.post(f"/v1/sessions/{ids['a']}/score", json={"prompt": " a"})),
-            ("score (commit)", lambda: c.post(f"/v1/sessions/{ids['a']}/score", json={"prompt": " a", "commit": True})),
+            (
+                "score (commit)",
+                lambda: c.post(f"/v1/sessions/{ids['a']}/score", json={"prompt": " a", "commit": True}),
+            ),
             ("export", lambda: c.get(f"/v1/sessions/{ids['a']}/state")),
             ("export at a version", lambda: c.get(f"/v1/sessions/{ids['a']}/state", params={"version": 1})),
             ("versions", lambda: c.get(f"/v1/sessions/{ids['a']}/versions")),
@@ -124,12 +142,31 @@ def test_usage_equals_what_redis_holds_after_every_route(tenants, redis_url):
             ("rollback", lambda: c.post(f"/v1/sessions/{ids['a']}/rollback", json={"version": 2})),
             ("list", lambda: c.get("/v1/sessions")),
             ("import", imported),
-            ("completion in a session", lambda: c.post("/v1/completions", json={"model": "txl", "prompt": " the", "max_tokens": 3, "session_id": ids["a"]})),
-            ("stateless completion", lambda: c.post("/v1/completions", json={"model": "txl", "prompt": "Once upon a", "max_tokens": 3})),
-            ("stateless completion, reused", lambda: c.post("/v1/completions", json={"model": "txl", "prompt": "Once upon a time", "max_tokens": 3})),
+            (
+                "completion in a session",
+                lambda: c.post(
+                    "/v1/completions",
+                    json={"model": "txl", "prompt": " the", "max_tokens": 3, "session_id": ids["a"]},
+                ),
+            ),
+            (
+                "stateless completion",
+                lambda: c.post(
+                    "/v1/completions", json={"model": "txl", "prompt": "Once upon a", "max_tokens": 3}
+                ),
+            ),
+            (
+                "stateless completion, reused",
+                lambda: c.post(
+                    "/v1/completions", json={"model": "txl", "prompt": "Once upon a time", "max_tokens": 3}
+                ),
+            ),
             ("a stream cut short, discarded", lambda: _disconnect_after_first_token(c, ids["b"], "discard")),
             ("a stream cut short, kept", lambda: _disconnect_after_first_token(c, ids["c"], "commit")),
-            ("a refused write", lambda: c.post(f"/v1/sessions/{ids['a']}/generate", json=gen, headers={"If-Match": '"999"'})),
+            (
+                "a refused write",
+                lambda: c.post(f"/v1/sessions/{ids['a']}/generate", json=gen, headers={"If-Match": '"999"'}),
+            ),
             ("delete", lambda: c.delete(f"/v1/sessions/{ids['b']}")),
         ]
         for name, step in steps:

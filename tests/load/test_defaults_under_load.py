@@ -79,7 +79,9 @@ def _one(k: int, c: httpx.Client, oa: openai.OpenAI, sid: str, text: str) -> dic
     if k % 2:
         assert oa.chat.completions.create(model="shakespeare", messages=messages, max_tokens=16).choices
     else:
-        chunks = oa.chat.completions.create(model="shakespeare", messages=messages, max_tokens=16, stream=True)
+        chunks = oa.chat.completions.create(
+            model="shakespeare", messages=messages, max_tokens=16, stream=True
+        )
         assert any(ch.choices for ch in chunks)
     return None
 
@@ -141,7 +143,8 @@ def test_the_defaults_serve_a_mixed_load_on_two_replicas_without_a_failure(repli
     compiling = _compile_state(replicas[0]) != "off"
     tally, until = Tally(), threading.Event()
     threads = [
-        threading.Thread(target=_client, args=(i, replicas, until, tally), daemon=True) for i in range(CLIENTS)
+        threading.Thread(target=_client, args=(i, replicas, until, tally), daemon=True)
+        for i in range(CLIENTS)
     ]
     for t in threads:
         t.start()

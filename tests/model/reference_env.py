@@ -44,7 +44,9 @@ class ReferenceEnv:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"REFERENCE ENV MISSING: {self.path} is absent and `{' '.join(cmd)}` failed ({e}); run `make ref-env`")
+            pytest.skip(
+                f"REFERENCE ENV MISSING: {self.path} is absent and `{' '.join(cmd)}` failed ({e}); run `make ref-env`"
+            )
         if res.returncode != 0:
             pytest.skip(
                 f"REFERENCE ENV MISSING: {self.path} is absent and could not be built "
@@ -64,7 +66,11 @@ class ReferenceEnv:
             "PYTHONWARNINGS": "ignore",
         }
         res = subprocess.run(
-            [sys.executable, str(script), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, str(script), *map(str, args)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         assert res.returncode == 0, f"reference subprocess {script.name} failed:\n{res.stderr[-3000:]}"
         return res.stdout

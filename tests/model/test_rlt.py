@@ -98,7 +98,9 @@ def test_the_fixed_shape_recurrence_equals_the_loop(case, history):
     short = lm.new_state(1)
     if history:
         _, short = lm(torch.randint(0, 258, (1, history), generator=g), short)
-    start = lm.stack_states([short, lm(torch.randint(0, 258, (1, history + 7), generator=g), lm.new_state(1))[1]])
+    start = lm.stack_states(
+        [short, lm(torch.randint(0, 258, (1, history + 7), generator=g), lm.new_state(1))[1]]
+    )
     with torch.no_grad():
         loop, s_loop = run_chunks(lm, tokens, sizes, start)
         with lm.using(lm.parts()):

@@ -152,7 +152,9 @@ def test_pickle_payload_is_rejected_not_executed(txl_and_state):
 
 
 def test_fingerprint_is_stable_and_weight_sensitive(tmp_path):
-    lm = model.init(tmp_path / "a", n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, tgt_len=4)
+    lm = model.init(
+        tmp_path / "a", n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, tgt_len=4
+    )
     again = model.load(tmp_path / "a", device="cpu")
     assert lm.fingerprint == again.fingerprint
     with torch.no_grad():
@@ -300,7 +302,9 @@ def test_states_grown_from_one_state_never_write_the_same_rows(family):
         ra2, rsa = lm(torch.tensor([[9, 10]]), rsa)
     for name in base.tensors:
         assert torch.equal(base[name], before[name]), name  # untouched by its three children
-    shared = [n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()]
+    shared = [
+        n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()
+    ]
     assert shared, "the first child should have grown in place"
     assert not any(sb[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr() for n in shared)
     for got, want in [(a1, ra1), (b1, rb1), (a2, ra2), (c1, rb1)]:
