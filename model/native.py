@@ -24,13 +24,14 @@ from safetensors.torch import load_model, save_model
 
 from . import tokenizer as tokenizers
 from .family import LanguageModel
+from .llama import Llama
 from .rlt import RLT
 from .transformer_xl import TransformerXL
 
 
 def families() -> dict[str, type[LanguageModel]]:
     """Every model family, by name. The one registry."""
-    return {cls.family: cls for cls in (TransformerXL, RLT)}
+    return {cls.family: cls for cls in (TransformerXL, RLT, Llama)}
 
 
 def build(family: str, config: dict, tokenizer_spec: dict | None = None) -> LanguageModel:
