@@ -33,7 +33,8 @@ install: $(STAMP)
 # Reference environments for the parity tests (tests/model/reference_env.py), each an
 # isolated --target directory that only a test's reference subprocess puts on its path:
 # .venv-ref, transformers 4.37.2 (the last release whose Transformer-XL runs, numpy<2);
-# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA).
+# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA), and
+# accelerate (GGUF loading needs it) without its dependencies: torch is the main env's.
 REF_STAMP := .venv-ref/.installed
 REF_CURRENT_STAMP := .venv-ref-current/.installed
 
@@ -41,8 +42,9 @@ $(REF_STAMP): tests/model/reference-requirements.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
 	touch $@
 
-$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt | $(PY)
+$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt tests/model/reference-current-nodeps.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
+	$(PY) -m pip install -q --upgrade --target $(@D) --no-deps -r tests/model/reference-current-nodeps.txt
 	touch $@
 
 ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
