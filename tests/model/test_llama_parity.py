@@ -29,7 +29,7 @@ N_TOKENS = 300
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 TEXTS = [
     load_split("shakespeare", "test")[0][1][5000:6500],
-    "Ça va? Größe, 東京タワー, Москва — naïve café; ½ ≠ ∞. 🙂",
+    "Ça va? Größe, 東京タワー, Москва — naïve café; ≠ ∞. 🙂 Ελληνικά, עברית, العربية, हिन्दी, 한국어.",
     "def f(x: int) -> int:\n    return x ** 2 + 1024  # 3.14\n\nprint([f(i) for i in range(10)])\n",
 ]
 HF_CONFIG = dict(
