@@ -17,6 +17,7 @@ import pytest
 import model
 from model.replay import Rollout, replay
 from model.sampling import SamplingParams
+from tests.app.test_chat import STATUS, ChatProcess
 from tests.conftest import ServerProcess
 from tests.model.llama_files import random_weights, write_gguf
 
@@ -206,3 +207,29 @@ def test_chat_continues_a_session_with_only_the_new_message(oa: openai.OpenAI, h
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_recur_chat_speaks_through_the_chat_template(server, http, lm):
+    """`recur chat` sees the model's chat template (GET /v1/models) and sends each line as a
+    user message continuing its session, the system message first."""
+    chat = ChatProcess(server.url, "--max-tokens", "8", "--temperature", "0", "--system", "Be brief.")
+    try:
+        sid, version, n = chat.wait_for(STATUS).groups()
+        assert (version, n) == ("0", "0")
+        mark = chat.send("Good morrow.")
+        m = chat.wait_for(STATUS, mark)
+        assert m.groups()[:2] == (sid, "1")
+        assert chat.wait_for(STATUS, chat.send("And to you.")).group(2) == "2"
+        t = http.get(f"/v1/sessions/{sid}/transcript").json()
+        text = lm.tokenizer.decode([i for g in t["segments"] for i in g["ids"]])
+        assert text.startswith(
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGood morrow.<|im_end|>\n"
+        )
+        assert text.count("<|im_start|>assistant\n") == 2 and "<|im_start|>user\nAnd to you." in text
+        reply = (
+            text.split("<|im_start|>assistant\n")[1].split("<|im_start|>user")[0].removesuffix("<|im_end|>")
+        )
+        assert chat.output[mark : m.start()] == reply + "\n"  # the turn's text, its stop left out
+        assert chat.close() == 0
+    finally:
+        chat.proc.kill()
