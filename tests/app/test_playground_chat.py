@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import model
-from tests.app.test_playground import KEY, OTHER, _attr, _open, _set, _shown, _wait, browser, downloads  # noqa: F401
+from tests.app.test_playground import KEY, OTHER, _attr, _open, _set, _shown, _wait
 from tests.conftest import ServerProcess
 from tests.model.llama_files import random_weights, write_gguf
 
