@@ -52,12 +52,12 @@ def _status(driver) -> str:
     return driver.find_element("id", "status").text
 
 
-def _open(driver, server: ServerProcess, sid: str | None = None) -> None:
+def _open(driver, server: ServerProcess, sid: str | None = None, key: str = KEY) -> None:
     """Load the page, enter the key (the list loads), and open session `sid` from the list."""
     from selenium.webdriver.common.keys import Keys
 
     driver.get(server.url + "/")
-    driver.find_element("id", "api-key").send_keys(KEY, Keys.TAB)  # the change event
+    driver.find_element("id", "api-key").send_keys(key, Keys.TAB)  # the change event
     _wait(driver, lambda d: _attr(d, "sessions", "data-state") == "loaded" and "error" not in _status(d))
     if sid is not None:
         _wait(driver, lambda d: d.find_elements("css selector", f'#sessions button[data-id="{sid}"]'))
