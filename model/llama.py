@@ -38,6 +38,9 @@ State, per stream (batch-first; everything persistent):
                                       fills, then stops: `model.family.TimeAxis.fills`)
   last_hidden     [B, d]              the last position's output, for `next_logits`
   n_tokens        [B]                 the absolute position of the next token
+and a cache, never stored: `next_logits` [B, V], the head's output at the last position,
+which a forward computes anyway (the head is a fifth of a small model's weights: a decode
+step that computed it twice would read them twice); a state loaded from bytes recomputes it.
 Early in a stream a position can be both in the window and a sink: the window part masks
 it. Rows shorter than the batch's longest are left-padded; a key's position (negative for
 padding) decides every mask. The state is bounded, 2 L (S + W) kvh hd + d floats, whatever
@@ -357,7 +360,9 @@ class Llama(LanguageModel):
         tensors["sink_k"], tensors["sink_v"] = self._sinks(state, fresh, T)
         tensors["last_hidden"] = x[:, -1].to(dtype)
         tensors["n_tokens"] = n + T
-        return logits.float(), self._state(tensors, arenas)
+        logits = logits.float()
+        tensors["next_logits"] = logits[:, -1].clone() if T > 1 else logits[:, 0]
+        return logits, self._state(tensors, arenas)
 
     def _sinks(self, state: State, fresh: list[Pair], T: int) -> Pair:
         """The sinks after a chunk of T tokens: each row's first min(n_b + T, S) positions,
@@ -387,5 +392,8 @@ class Llama(LanguageModel):
         return out[0], out[1]
 
     def next_logits(self, state: State) -> torch.Tensor:
+        cached = state.tensors.get("next_logits")
+        if cached is not None:
+            return cached
         with self.autocast():
             return self.head(rms_norm(state["last_hidden"], self.norm_out)).float()

@@ -145,7 +145,9 @@ class State:
         """Concatenate single- or multi-stream states along the batch axis.
 
         Tensors in `seq_dims` are left-padded with zeros to the longest; the family's
-        validity counters (which are ordinary tensors) say which rows are real.
+        validity counters (which are ordinary tensors) say which rows are real. A tensor
+        that some of the states lack (a cache one holds and another, loaded from bytes, does
+        not yet) is left out: the family recomputes it.
         """
         states = list(states)
         if not states:
@@ -155,7 +157,7 @@ class State:
             if s.fingerprint != first.fingerprint:
                 raise StateError("cannot batch states of different models")
         out: dict[str, torch.Tensor] = {}
-        for name in first.tensors:
+        for name in [n for n in first.tensors if all(n in s.tensors for s in states)]:
             parts = [s.tensors[name] for s in states]
             dim = first.seq_dims.get(name)
             if dim is not None:
