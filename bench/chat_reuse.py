@@ -27,9 +27,9 @@ from pathlib import Path
 
 import httpx
 import openai
+import sections
 from harness import Redis, Server, emit, model_dir
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 SECTION = "## 8. Prefix reuse"
 SCENE = [{"role": "system", "content": "Enter Romeo and Juliet."}]
 USER = [
@@ -224,20 +224,6 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write(r: dict) -> None:
-    """Put the section into docs/BENCHMARKS.md: in place of the one there, else at the end."""
-    path = DOCS / "BENCHMARKS.md"
-    text = path.read_text()
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section(r)
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section(r) + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
-    path.write_text(text)
-    print(f"wrote the prefix reuse section of {path}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repetitions", type=int, default=5)
@@ -248,7 +234,7 @@ def main() -> None:
     r = measure(args.repetitions, args.turns, args.max_tokens)
     print(section(r))
     if args.write:
-        write(r)
+        sections.write(SECTION, section(r))
     emit(r)
 
 

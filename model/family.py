@@ -72,6 +72,27 @@ class LanguageModel(nn.Module):
         self.append_in_place = True
         self.register_state_dict_post_hook(_contiguous_state)
 
+    @classmethod
+    def without_init(cls, config: Any) -> LanguageModel:
+        """The model with its weights uninitialised, for a reader to load them into: built on
+        the meta device and given memory, which skips the random init (for a pretrained LLM,
+        seconds of random numbers about to be overwritten). Non-persistent buffers are made
+        again by each module's `reset_buffers`."""
+        with torch.device("meta"):
+            lm = cls(config)
+        first: dict[int, str] = {}  # a tied weight's first name (giving it memory unties it)
+        ties = [(name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)]
+        lm = lm.to_empty(device="cpu")
+        for name, owner in ties:
+            if name != owner:
+                path, _, attr = name.rpartition(".")
+                setattr(lm.get_submodule(path), attr, lm.get_parameter(owner))
+        for m in lm.modules():
+            reset = getattr(m, "reset_buffers", None)
+            if callable(reset):
+                reset()
+        return lm
+
     # -- to implement -------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
         """The state's time-axis tensors, by name (their time axis is dim 2)."""

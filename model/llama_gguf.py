@@ -31,7 +31,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .llama import Llama, serving_span
-from .native import build, fingerprint
+from .native import build
 from .tokenizer import BPETokenizer
 
 ARCHITECTURES = ("llama",)
@@ -240,9 +240,6 @@ def read(path: Path) -> Llama:
     """The model in the GGUF file `path` (on CPU, fp32, eval mode)."""
     f = GGUF(path)
     cfg = native_config(f)
-    tok = tokenizer(f)
-    lm = build("llama", cfg, tok.spec())
+    lm = build("llama", cfg, tokenizer(f).spec(), weights=state_dict(f, cfg))
     assert isinstance(lm, Llama)
-    lm.load_state_dict(state_dict(f, cfg), strict=True)
-    lm.fingerprint = fingerprint(lm)
     return lm.eval()

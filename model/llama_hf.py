@@ -27,7 +27,7 @@ import torch
 
 from .hf import read_weights
 from .llama import Llama, serving_span
-from .native import build, fingerprint
+from .native import build
 from .tokenizer import BPETokenizer
 
 MODEL_TYPES = ("llama", "mistral")
@@ -153,9 +153,6 @@ def read(path: Path) -> Llama:
     """The model in the HF directory `path` (on CPU, fp32, eval mode)."""
     hf = _json(path / "config.json")
     cfg = native_config(hf)
-    tok = tokenizer(path, hf)
-    lm = build("llama", cfg, tok.spec())
+    lm = build("llama", cfg, tokenizer(path, hf).spec(), weights=state_dict(read_weights(path), cfg))
     assert isinstance(lm, Llama)
-    lm.load_state_dict(state_dict(read_weights(path), cfg), strict=True)
-    lm.fingerprint = fingerprint(lm)
     return lm.eval()
