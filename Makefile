@@ -12,7 +12,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install ref-env bench lint docs clean
+.PHONY: run test test-slow test-image install ref-env bench bench-peers lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,10 +64,19 @@ test-slow: $(STAMP)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
-# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py then puts its section back, from its own run
+# report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
+# each from its own run: prefix reuse, the assistant's speed and its quality (long: an hour)
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/llm.py --write
+	$(PY) bench/llm_quality.py --write
+
+# llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);
+# builds llama-cpp-python and llama-server from the package index's sdist into .bench-peers/
+# (minutes), so it is not part of `make bench`
+bench-peers: $(STAMP)
+	$(PY) bench/llm_peers.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench
@@ -80,4 +89,4 @@ docs: $(STAMP)
 	$(PY) docs/request_path.py --write
 
 clean:
-	rm -rf $(VENV) .venv-ref .venv-ref-current build *.egg-info
+	rm -rf $(VENV) .venv-ref .venv-ref-current .bench-peers build *.egg-info

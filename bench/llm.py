@@ -91,7 +91,9 @@ def section(r: dict) -> str:
             f"{p['kernel_share']:.0%} |"
         )
     for s in r["skipped"]:
-        lines.append(f"\nBatch {s['batch']} of {s['model']} was skipped: its states need {s['gib']} GiB at the peak.")
+        lines.append(
+            f"\nBatch {s['batch']} of {s['model']} was skipped: its states need {s['gib']} GiB at the peak."
+        )
     lines += ["", *WHY, "", "Reproduce: `python bench/llm.py` (`--write` rewrites this section).", ""]
     return "\n".join(lines)
 

@@ -12,8 +12,8 @@ plays read in a row by one session, about 138,000 tokens).
    Target: with sinks, the perplexity past the first window stays within 10% of its level
    inside it.
 2. The window: perplexity against the state's size for W = 256, 512, 1024, 2048 (sinks +
-   window, the first `--sweep-tokens` tokens), and the state's bytes per session in each
-   state dtype (`--state-dtype`: float32, bfloat16, float16).
+   window, the first `--sweep-tokens` tokens), and a full state's bytes per session in each
+   state dtype (`recur serve --state-dtype`: float32, bfloat16, float16).
 3. The weight formats: perplexity of fp32 (the GGUF's Q4_1 weights dequantized), bf16
    (autocast) and int8 (model/int8.py) over the first `--precision-tokens` tokens.
 
@@ -84,7 +84,9 @@ def stream(lm: model.LanguageModel, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def reset_every(lm: model.LanguageModel, ids: list[int], every: int) -> torch.Tensor:
     """Log-probs [N] with the state reset every `every` tokens (each piece's first: NaN)."""
-    return torch.cat([lm.consume(ids[i : i + every], lm.new_state(1))[0][0] for i in range(0, len(ids), every)])
+    return torch.cat(
+        [lm.consume(ids[i : i + every], lm.new_state(1))[0][0] for i in range(0, len(ids), every)]
+    )
 
 
 def buckets(lp: torch.Tensor, skip: torch.Tensor) -> list[float]:
@@ -113,27 +115,44 @@ def study(ids: list[int], window: int) -> dict:
     for name, run in runs.items():
         t0 = time.perf_counter()
         lp = run()
-        cases[name] = {"buckets": buckets(lp, skip), "ppl": ppl(lp, skip), "seconds": round(time.perf_counter() - t0)}
+        cases[name] = {
+            "buckets": buckets(lp, skip),
+            "ppl": ppl(lp, skip),
+            "seconds": round(time.perf_counter() - t0),
+        }
         if name == "sinks + window":  # inside the first S + W + 1 positions: the original model, exactly
             first = 4 + window + 1
             cases[name]["first_window_ppl"] = ppl(lp[:first], skip[:first])
             cases[name]["past_window_ppl"] = ppl(lp[first:], skip[first:])
+            served = lp
         print(f"{name}: perplexity {cases[name]['ppl']:.3f} ({cases[name]['seconds']} s)", flush=True)
-    return {"tokens": len(ids), "window": window, "cases": cases}
+    return {"tokens": len(ids), "window": window, "cases": cases}, served
 
 
-def sweep(ids: list[int]) -> list[dict]:
-    """Part 2: perplexity and state bytes per W."""
+def sweep(ids: list[int], window: int, served: torch.Tensor) -> list[dict]:
+    """Part 2: perplexity and a full state's bytes per W (the default W's log-probs are the
+    study's, `served`)."""
     rows = []
     skip = torch.zeros(len(ids), dtype=torch.bool)
     skip[0] = True
     for w in WINDOWS:
         lm = load(w)
         t0 = time.perf_counter()
-        lp, state = _consume(lm, ids)
+        lp = served[: len(ids)] if w == window else stream(lm, ids)
+        _, state = _consume(lm, ids[: 4 + w + 1])  # sinks and window full
         sizes = {d: len(state.to_bytes(d)) for d in DTYPES}
-        rows.append({"window": w, "ppl": ppl(lp, skip), "state_bytes": sizes, "seconds": round(time.perf_counter() - t0)})
-        print(f"W {w}: perplexity {rows[-1]['ppl']:.3f}, state {sizes['float32'] / 2**20:.1f} MiB fp32", flush=True)
+        rows.append(
+            {
+                "window": w,
+                "ppl": ppl(lp, skip),
+                "state_bytes": sizes,
+                "seconds": round(time.perf_counter() - t0),
+            }
+        )
+        print(
+            f"W {w}: perplexity {rows[-1]['ppl']:.3f}, state {sizes['float32'] / 2**20:.1f} MiB fp32",
+            flush=True,
+        )
     return rows
 
 
@@ -143,16 +162,24 @@ def _consume(lm: model.LanguageModel, ids: list[int]) -> tuple[torch.Tensor, mod
     return lp[0], state
 
 
-def precisions(ids: list[int], window: int) -> list[dict]:
-    """Part 3: perplexity per weight format, and the largest log-prob change from fp32."""
-    rows, ref = [], None
+def precisions(ids: list[int], window: int, served: torch.Tensor) -> list[dict]:
+    """Part 3: perplexity per weight format (fp32's log-probs are the study's, `served`),
+    and the largest log-prob change from fp32."""
+    rows = []
     skip = torch.zeros(len(ids), dtype=torch.bool)
     skip[0] = True
+    ref = served[: len(ids)]
     for precision in ("fp32", "bf16", "int8"):
-        lp = stream(load(window, precision=precision), ids)
-        ref = lp if ref is None else ref
+        lp = ref if precision == "fp32" else stream(load(window, precision=precision), ids)
         diff = (lp - ref)[~skip].abs()
-        rows.append({"precision": precision, "ppl": ppl(lp, skip), "max_abs_dlogprob": diff.max().item(), "mean_abs_dlogprob": diff.mean().item()})
+        rows.append(
+            {
+                "precision": precision,
+                "ppl": ppl(lp, skip),
+                "max_abs_dlogprob": diff.max().item(),
+                "mean_abs_dlogprob": diff.mean().item(),
+            }
+        )
         print(f"{precision}: perplexity {rows[-1]['ppl']:.3f}", flush=True)
     return rows
 
@@ -211,14 +238,21 @@ def section(r: dict, image: str) -> str:
             f"{b['float16'] / 2**20:.1f} MiB |"
         )
     lines += ["", f"The weight formats (W = {W}, the first {r['precision_tokens']:,} tokens):", ""]
-    lines += ["| weights | perplexity | vs fp32 | max \\|Δ log-prob\\| | mean \\|Δ log-prob\\| |", "|---|---|---|---|---|"]
+    lines += [
+        "| weights | perplexity | vs fp32 | max \\|Δ log-prob\\| | mean \\|Δ log-prob\\| |",
+        "|---|---|---|---|---|",
+    ]
     base = r["precisions"][0]["ppl"]
     for row in r["precisions"]:
         lines.append(
             f"| {row['precision']} | {row['ppl']:.3f} | {row['ppl'] / base - 1:+.2%} | {row['max_abs_dlogprob']:.3f} | "
             f"{row['mean_abs_dlogprob']:.4f} |"
         )
-    lines += ["", "Reproduce: `python bench/llm_quality.py` (`--write` rewrites this section and the plot).", ""]
+    lines += [
+        "",
+        "Reproduce: `python bench/llm_quality.py` (`--write` rewrites this section and the plot).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -226,11 +260,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=0, help="read only this many tokens of the stream (0: all)")
-    ap.add_argument("--sweep-tokens", type=int, default=30_000)
-    ap.add_argument("--precision-tokens", type=int, default=20_000)
+    ap.add_argument("--sweep-tokens", type=int, default=20_000)
+    ap.add_argument("--precision-tokens", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write", action="store_true", help="put the section and the plot into docs/")
-    ap.add_argument("--rewrite", action="store_true", help="redraw the section from docs/bench/llm_quality.json")
+    ap.add_argument(
+        "--rewrite", action="store_true", help="redraw the section from docs/bench/llm_quality.json"
+    )
     args = ap.parse_args()
     if args.rewrite:
         r = json.loads(RAW.read_text())
@@ -238,11 +274,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         ids = held_out(load(args.window))
         ids = ids[: args.tokens] if args.tokens else ids
+        result, served = study(ids, args.window)
         r = {
-            "study": study(ids, args.window),
-            "sweep": sweep(ids[: args.sweep_tokens]),
+            "study": result,
+            "sweep": sweep(ids[: args.sweep_tokens], args.window, served),
             "sweep_tokens": min(args.sweep_tokens, len(ids)),
-            "precisions": precisions(ids[: args.precision_tokens], args.window),
+            "precisions": precisions(ids[: args.precision_tokens], args.window, served),
             "precision_tokens": min(args.precision_tokens, len(ids)),
             "threads": args.threads,
         }
