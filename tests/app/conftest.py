@@ -1,5 +1,6 @@
-"""Fixtures of the app tests that drive the playground page: a real headless Chromium
-(Debian's chromium and chromedriver, which .ci/run installs) and its downloads folder."""
+"""Fixtures of the app tests: a real headless Chromium (Debian's chromium and chromedriver,
+which .ci/run installs) and its downloads folder, for the playground page; and a tiny GGUF
+LLM file (BPE tokenizer, ChatML template), for the modules that serve an LLM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.model.llama_files import random_weights, write_gguf
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -55,3 +58,9 @@ def browser(downloads: Path):
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaMA GGUF file (Q8_0; `tests/model/llama_files.py`), served as a file."""
+    return write_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", random_weights(seed=3), "Q8_0")

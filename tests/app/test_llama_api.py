@@ -19,7 +19,6 @@ from model.replay import Rollout, replay
 from model.sampling import SamplingParams
 from tests.app.test_chat import STATUS, ChatProcess
 from tests.conftest import ServerProcess
-from tests.model.llama_files import random_weights, write_gguf
 
 SINKS, WINDOW = 2, 12
 SETTINGS = {
@@ -33,19 +32,14 @@ TEXT = "Now is the winter of our discontent made glorious summer by this sun of 
 
 
 @pytest.fixture(scope="module")
-def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", random_weights(seed=3), "Q8_0")
-
-
-@pytest.fixture(scope="module")
-def server(gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(gguf, tmp_path_factory.mktemp("llama-server"), redis_url, **SETTINGS) as srv:
+def server(tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_gguf, tmp_path_factory.mktemp("llama-server"), redis_url, **SETTINGS) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def lm(gguf: Path) -> model.LanguageModel:
-    return model.load(gguf, device="cpu", precision="fp32", options=SETTINGS["model_options"])
+def lm(tiny_gguf: Path) -> model.LanguageModel:
+    return model.load(tiny_gguf, device="cpu", precision="fp32", options=SETTINGS["model_options"])
 
 
 def create(http: httpx.Client, **body: object) -> dict:

@@ -15,19 +15,13 @@ import pytest
 import model
 from tests.app.test_playground import KEY, OTHER, _attr, _open, _set, _shown, _wait
 from tests.conftest import ServerProcess
-from tests.model.llama_files import random_weights, write_gguf
 
 SERVER_SETTINGS = {"max_tokens": 1000, "api_keys": f"{KEY}, {OTHER}", "cpu_threads": 1}
 
 
 @pytest.fixture(scope="module")
-def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_gguf(tmp_path_factory.mktemp("chat") / "tiny.gguf", random_weights(seed=5), "Q8_0")
-
-
-@pytest.fixture(scope="module")
-def server(gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(gguf, tmp_path_factory.mktemp("chat-server"), redis_url, **SERVER_SETTINGS) as srv:
+def server(tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_gguf, tmp_path_factory.mktemp("chat-server"), redis_url, **SERVER_SETTINGS) as srv:
         yield srv
 
 
@@ -51,7 +45,7 @@ def _send(d, text: str, turns: int) -> None:
     _shown(d, _attr(d, "info", "data-id"))
 
 
-def test_chat_view_streams_bubbles_and_continues_one_session(browser, server, http, gguf):
+def test_chat_view_streams_bubbles_and_continues_one_session(browser, server, http, tiny_gguf):
     d = browser
     _open(d, server)
     d.find_element("id", "view-chat").click()
@@ -69,7 +63,7 @@ def test_chat_view_streams_bubbles_and_continues_one_session(browser, server, ht
     assert s["version"] == 2
     # the session holds what the server's template rendered; the second turn sent only its
     # message, so its segment starts with that message's turn, not the whole conversation
-    lm = model.load(gguf, device="cpu")
+    lm = model.load(tiny_gguf, device="cpu")
     segments = http.get(f"/v1/sessions/{sid}/transcript").json()["segments"]
     by_version = {v: [i for seg in segments if seg["version"] == v for i in seg["ids"]] for v in (0, 1, 2)}
     assert by_version[0] == []  # the chat's session was made empty (this model has no BOS)

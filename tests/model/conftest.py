@@ -26,3 +26,13 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
 @pytest.fixture(scope="module")
 def txl() -> model.LanguageModel:
     return tiny_txl()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny per-token ops: intra-op threads only add wake-up latency on a shared CPU (a
+    module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

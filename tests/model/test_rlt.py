@@ -23,13 +23,7 @@ TINY_RLT = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny per-token ops: intra-op threads only add wake-up latency on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_rlt(seed: int = 0, **overrides: object) -> RLT:
