@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=0, help="read only this many tokens of the stream (0: all)")
     ap.add_argument("--sweep-tokens", type=int, default=20_000)
     ap.add_argument("--precision-tokens", type=int, default=10_000)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--write", action="store_true", help="put the section and the plot into docs/")
     ap.add_argument(
         "--rewrite", action="store_true", help="redraw the section from docs/bench/llm_quality.json"

@@ -171,29 +171,71 @@ def attend(
     kvh: int,
 ) -> torch.Tensor:
     """softmax over [sinks; window] of the scores plus the masks, times the values ->
-    (B, T, H*hd). The two parts are scored apart (their queries differ) and share one
-    softmax; the cached keys and values are read where they lie, never copied together."""
+    (B, T, H*hd). The two parts' queries differ (their rotations), and two layouts serve:
+    a chunk (T > 1) scores both parts in one product (`_joined`); one query per stream (a
+    decode step) scores them apart, reading the cached keys and values where they lie
+    (`_apart`), since joining them would copy the whole window every step."""
     B, T, D = q.shape
     hd = window[0].shape[-1] // kvh
-    g = D // (kvh * hd)
-    kw, vw = _heads(window[0], kvh), _heads(window[1], kvh)  # (B, kvh, K, hd)
-    scores = _grouped(q, kvh, hd) @ kw.transpose(-1, -2)  # (B, kvh, g*T, Kw)
-    if span.window is not None:
-        scores = (scores.view(B, kvh, g, T, -1) + span.window).view(B, kvh, g * T, -1)
     Ks = sinks[0].shape[1] if q_sink is not None else 0
-    if q_sink is not None and Ks:
-        ks, vs = _heads(sinks[0], kvh), _heads(sinks[1], kvh)
-        s_sink = _grouped(q_sink, kvh, hd) @ ks.transpose(-1, -2)  # (B, kvh, g*T, Ks)
-        if span.sink is not None:
-            s_sink = (s_sink.view(B, kvh, g, T, -1) + span.sink).view(B, kvh, g * T, -1)
-        scores = torch.cat([s_sink, scores], -1)
-    p = scores.float().softmax(-1).to(vw.dtype)
-    out = p[..., Ks:] @ vw  # (B, kvh, g*T, hd)
-    if Ks:
-        out = torch.baddbmm(
-            out.view(B * kvh, g * T, hd), p[..., :Ks].reshape(B * kvh, g * T, Ks), vs.reshape(B * kvh, Ks, hd)
-        )
+    qg = _grouped(q, kvh, hd)  # (B, kvh, g*T, hd)
+    if Ks and q_sink is not None:
+        qs, sk = _grouped(q_sink, kvh, hd), (_heads(sinks[0], kvh), _heads(sinks[1], kvh))
+        join = _joined if T > 1 else _apart
+        out = join(qg, qs, (_heads(window[0], kvh), _heads(window[1], kvh)), sk, (span.sink, span.window), T)
+    else:
+        out = _apart(qg, None, (_heads(window[0], kvh), _heads(window[1], kvh)), None, (None, span.window), T)
+    g = D // (kvh * hd)
     return out.view(B, kvh, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, D)
+
+
+Masks = tuple[torch.Tensor | None, torch.Tensor | None]  # the sinks', the window's (B, 1, 1, T, K)
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None, T: int) -> torch.Tensor:
+    """scores (B, kvh, g*T, K) plus an additive mask (B, 1, 1, T, K), in place."""
+    if mask is None:
+        return scores
+    B, kvh, gT, K = scores.shape
+    return scores.view(B, kvh, gT // T, T, K).add_(mask).view(B, kvh, gT, K)
+
+
+def _apart(
+    qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
+) -> torch.Tensor:
+    """Each part scored by its own product, one softmax over both -> (B, kvh, g*T, hd)."""
+    scores = _masked(qg @ win[0].transpose(-1, -2), masks[1], T)  # (B, kvh, g*T, Kw)
+    Ks = 0
+    if qs is not None and sk is not None:
+        Ks = sk[0].shape[2]
+        scores = torch.cat([_masked(qs @ sk[0].transpose(-1, -2), masks[0], T), scores], -1)
+    p = scores.float().softmax(-1).to(win[1].dtype)
+    out = p[..., Ks:] @ win[1]
+    if sk is not None and Ks:
+        B, kvh, gT, hd = out.shape
+        out = torch.baddbmm(
+            out.view(B * kvh, gT, hd), p[..., :Ks].reshape(B * kvh, gT, Ks), sk[1].reshape(B * kvh, Ks, hd)
+        )
+    return out.view(p.shape[0], p.shape[1], -1, win[1].shape[-1])
+
+
+def _joined(qg: torch.Tensor, qs: torch.Tensor, win: Pair, sk: Pair, masks: Masks, T: int) -> torch.Tensor:
+    """Both parts in one product: the head dimension doubled, a query [q; q_sink], a sink's
+    key [0; k], a window key [k; 0], so each part meets its own rotation of the query and
+    the scores come out joined (no copy of them); the keys are copied instead, which a
+    chunk's many queries repay -> (B, kvh, g*T, hd)."""
+    ks, kw = sk[0], win[0]
+    keys = torch.cat(
+        [torch.cat([torch.zeros_like(ks), ks], -1), torch.cat([kw, torch.zeros_like(kw)], -1)], 2
+    )
+    scores = torch.cat([qg, qs], -1) @ keys.transpose(-1, -2)  # (B, kvh, g*T, Ks+Kw)
+    if masks[0] is not None or masks[1] is not None:
+        B, Ks, Kw = kw.shape[0], ks.shape[2], kw.shape[2]
+        sink = masks[0] if masks[0] is not None else scores.new_zeros(B, 1, 1, T, Ks)
+        wind = masks[1] if masks[1] is not None else scores.new_zeros(B, 1, 1, T, Kw)
+        scores = _masked(scores, torch.cat([sink, wind], -1), T)
+    p = scores.float().softmax(-1).to(win[1].dtype)
+    return p @ torch.cat([sk[1], win[1]], 2)
 
 
 class Attention(nn.Module):
