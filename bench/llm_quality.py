@@ -19,8 +19,8 @@ plays read in a row by one session, about 138,000 tokens).
 
 `--write` puts the section "## 10. The assistant: quality" into docs/BENCHMARKS.md and the
 plot into docs/llm_perplexity.png; `make bench` does. The raw figures go to
-docs/bench/llm_quality.json; `--rewrite` redraws the section from them. Long: about an hour
-on two busy cores (`--tokens` shortens it).
+docs/bench/llm_quality.json; `--rewrite` redraws the section from them. Long: about 500,000
+tokens of prefill, an hour or more on one core (`--tokens` shortens it).
 """
 
 from __future__ import annotations
