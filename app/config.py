@@ -32,6 +32,12 @@ class Settings(BaseSettings):
         "sinks, window, tgt_len); each family lists its own",
     )
     host: str = Field("127.0.0.1", description="address to listen on")
+    allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1",
+        description="comma-separated host names this server answers to (the Host header, port aside); "
+        "others get 403, so a web page cannot reach it through DNS rebinding. * answers to any: for a "
+        "server behind a proxy or a load balancer that checks the name itself",
+    )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     redis_url: str | None = Field(
         None,
@@ -78,6 +84,41 @@ class Settings(BaseSettings):
     max_queued_tokens: int = Field(
         262_144, ge=1, description="prompt tokens waiting for the scheduler beyond which new requests get 429"
     )
+    max_streams_per_key: int = Field(
+        64,
+        ge=1,
+        description="generations one client (an API key; without keys, a client address) runs at once on "
+        "one replica; more get 429 quota_exceeded at once, before any work",
+    )
+    key_batch_share: float = Field(
+        0.0625,
+        gt=0,
+        le=1,
+        description="most of the batch one client holds while a client with less work is active: past "
+        "it, its newest rows wait (their states kept) so the other's steps stay short; alone, a client "
+        "may fill the batch, and clients that all have much work split it evenly. The default keeps a "
+        "flooded CPU replica's other clients within 2x of their latency alone (bench/hostile.py); on a "
+        "GPU, where a larger batch costs little more, raise it",
+    )
+    key_queue_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="most of the queue (max_queued_requests, max_queued_tokens) one client's requests "
+        "may fill; past it that client gets 429 queue_full while others still get in",
+    )
+    stream_buffer_tokens: int = Field(
+        256,
+        ge=0,
+        description="tokens a stream may leave unread by its client before its generation pauses (out of "
+        "the batch, its state kept) until the client reads; 0 = never pause",
+    )
+    stream_send_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a stream waits to write to a client that does not read before it is dropped "
+        "(as a disconnect: on_disconnect applies); 0 = never",
+    )
     hot_cache_mb: float = Field(
         256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
     )
@@ -104,10 +145,19 @@ class Settings(BaseSettings):
         "per commit); past it the oldest commits' segments are dropped",
     )
     compile: bool = Field(
-        True,
+        False,
         description="torch.compile the decode step in the background while the eager one serves "
         "(CUDA graphs via mode reduce-overhead on CUDA), and use it for the batch sizes where "
-        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics)",
+        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics); off by "
+        "default: on a small CPU host the compile costs more than it earns in a server's first 10 minutes "
+        "(docs/BENCHMARKS.md, Background compile)",
+    )
+    engine_step_deadline: float = Field(
+        60.0,
+        gt=0,
+        description="seconds one engine step (a prompt chunk, or one token for every decoding stream) may "
+        "take: past it the requests in the step fail with 503 engine_stalled, nothing of them committed, and "
+        "the replica answers /readyz and new requests with 503 until the step ends",
     )
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"
@@ -126,10 +176,17 @@ class Settings(BaseSettings):
         1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
     )
     max_import_mb: float = Field(
-        512.0,
-        gt=0,
-        description="largest state a client may import (POST /v1/sessions/import), in MiB: a state can be "
-        "far larger than any JSON body",
+        0.0,
+        ge=0,
+        description="largest state a client may import (POST /v1/sessions/import), in MiB; 0: twice the "
+        "largest state the served model can produce (a real export always fits; anything larger is 413 "
+        "before it is read)",
+    )
+    max_concurrent_imports: int = Field(
+        2,
+        ge=1,
+        description="state imports one replica reads and parses at once; more get 429 queue_full at once, "
+        "before their bodies are read (so imports bound the memory they take)",
     )
     log_format: LogFormat = Field(
         "auto",

@@ -168,14 +168,23 @@ def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFam
         "more than the class below), 0 where the eager one does",
         labels=["batch"],
     )
-    for rows, verdict in sorted(status.verdicts.items()):
-        compiled.add_metric([str(rows)], 1.0 if verdict.adopted else 0.0)
+    for rows in sorted(status.verdicts):
+        compiled.add_metric([str(rows)], 1.0 if step.serves_compiled(rows) else 0.0)
     yield compiled
     yield GaugeMetricFamily(
         "recur_prefill_compiled",
         "1 where prefills run the model's compiled per-token parts (RLT's recurrence), 0 where they run eagerly",
-        value=1.0 if status.prefill is not None and status.prefill.adopted else 0.0,
+        value=1.0 if step.prefill_compiled else 0.0,
     )
+    state = GaugeMetricFamily(
+        "recur_decode_compile_state",
+        "1 for the background compile's state: off, compiling, ready (the probe's verdicts serve) or failed "
+        "(the eager step serves; the log says why)",
+        labels=["state"],
+    )
+    for name in ("off", "compiling", "ready", "failed"):
+        state.add_metric([name], 1.0 if status.state == name else 0.0)
+    yield state
 
 
 _ENGINE = _EngineCollector()

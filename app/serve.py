@@ -61,10 +61,17 @@ def run(settings: Settings) -> int:
 
     logs.configure(settings.log_level, settings.log_format)
     try:
-        settings.load_api_keys()
+        keys = settings.load_api_keys()
     except ValueError as exc:
         print(f"recur serve: {exc}", file=sys.stderr)
         return 2
+    if not keys:
+        log.warning(
+            "no API keys are set (RECUR_API_KEYS, RECUR_API_KEYS_FILE): every /v1 route is open to "
+            "anyone who can reach %s:%d, and all clients share one quota",
+            settings.host,
+            settings.port,
+        )
     try:
         lm = model.load(
             settings.model, device=settings.device, precision=settings.precision, options=settings.model_options

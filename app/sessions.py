@@ -38,17 +38,31 @@ runs the model, the store speaks to Redis.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple, TypeVar
 
 from app import logs, metrics, prefixes
 from app.config import Limits, Settings
-from app.engine import Engine, EngineError, Finished, FinishReason, Logprobs, Request, Stored, TokenEvent
+from app.engine import (
+    Engine,
+    EngineError,
+    Fairness,
+    Finished,
+    FinishReason,
+    Logprobs,
+    QueueFull,
+    Request,
+    Stored,
+    TokenEvent,
+)
 from app.store import (
     AtVersion,
     QuotaExceeded,
@@ -70,10 +84,15 @@ from app.store import (
 from app.transcript import Kind, Segment, lineage
 from model import LanguageModel, State, StateError
 from model.sampling import SamplingParams
-from model.state import Persist, read_blob
+from model.state import Persist, peek
 
 T = TypeVar("T")
 log = logging.getLogger("recur.sessions")
+
+# The client a request serves, for the engine's fairness and the stream limit: its API key's
+# owner, or (without keys, where every client is one tenant) its address. Set by the API
+# for each request (`app.api.deps.bind_client`), as the log context is.
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("recur_client", default="")
 
 
 class ModelMismatch(Exception):
@@ -164,8 +183,16 @@ class Sessions:
         history_versions: int,
         prefix_reuse: bool,
         stateless_ttl: int,
+        import_limit: int,
+        max_imports: int,
+        max_streams: int,
     ):
         self.store = store
+        self.max_streams = max_streams  # generations one client may run at once on this replica
+        self._streams: collections.Counter[str] = collections.Counter()
+        self.import_limit = import_limit  # bytes: the largest state a client may import
+        self.max_imports = max_imports  # imports in progress at once on this replica
+        self._imports = 0
         self.history_versions = history_versions  # kept versions of a session that asks for no number
         self.prefix_reuse = prefix_reuse
         self.stateless_ttl = stateless_ttl
@@ -181,16 +208,54 @@ class Sessions:
     def limits_for(self, owner: str) -> Limits:
         return self.tenants.get(owner, self.limits)
 
-    async def admit(self, owner: str, generates: bool) -> None:
-        """The tenant's request (and, for a generation, token) rate, shared by all replicas:
-        QuotaExceeded past it. Every /v1 request passes here first."""
+    async def admit(self, owner: str) -> None:
+        """The tenant's request rate, shared by all replicas: QuotaExceeded past it. Every
+        /v1 request passes here first."""
         metrics.TENANT_REQUESTS.labels(tenant_of(owner)).inc()
-        await self._quota(owner, self.store.admit(owner, self.limits_for(owner), generates))
+        await self._quota(owner, self.store.admit(owner, self.limits_for(owner)))
 
-    async def spend(self, owner: str, tokens: int) -> None:
-        """Charge generated tokens to the tenant (whether or not they are committed)."""
-        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(owner)).inc(tokens)
-        await self.store.spend(owner, self.limits_for(owner), tokens)
+    @contextlib.asynccontextmanager
+    async def starting(self, owner: str, runs: int, max_tokens: int) -> AsyncIterator[Callable[[Run], None]]:
+        """Admit a request that starts `runs` generations of up to `max_tokens` each: a place
+        for each among its client's streams on this replica (QuotaExceeded past
+        `max_streams`, before any work), and their tokens reserved in the tenant's bucket
+        (QuotaExceeded while it is in debt, so concurrent requests cannot overdraw it). If
+        starting them fails, both are given back. Yields `admitted`, to call on each run
+        once all have started: each then gives back its place, and the tokens it did not
+        draw, when it ends (`Run.close`)."""
+        client = CLIENT.get()
+        if self._streams[client] + runs > self.max_streams:
+            raise QuotaExceeded(
+                "streams",
+                f"this client runs {self._streams[client]} generations on this server, its limit of "
+                f"{self.max_streams}; retry when one has ended",
+                1,
+            )
+        limits = self.limits_for(owner)
+        self._streams[client] += runs
+        try:
+            await self._quota(owner, self.store.reserve_tokens(owner, limits, runs * max_tokens))
+            try:
+                yield lambda run: run.admitted(client, max_tokens)
+            except BaseException:
+                with contextlib.suppress(StoreUnavailable):  # (lost, the tokens only stay reserved)
+                    await self.store.refund_tokens(owner, limits, runs * max_tokens)
+                raise
+        except BaseException:
+            self._streams[client] -= runs
+            raise
+
+    async def ended(self, run: Run) -> None:
+        """A generation admitted by `starting` has ended: its place among its client's
+        streams is free, its tokens count against its tenant, and what it reserved and did
+        not draw goes back."""
+        if run.client is not None:
+            self._streams[run.client] -= 1
+            if not self._streams[run.client]:
+                del self._streams[run.client]
+        used = len(run.tokens)
+        metrics.TENANT_GENERATED_TOKENS.labels(tenant_of(run.owner)).inc(used)
+        await self.store.refund_tokens(run.owner, self.limits_for(run.owner), run.reserved - used)
 
     async def usage(self, owner: str) -> Usage:
         return self._seen(owner, await self.store.usage(owner))
@@ -205,9 +270,12 @@ class Sessions:
         self._seen(owner, await self._quota(owner, record))
 
     async def _touch(self, meta: SessionMeta, owner: str) -> None:
-        """A use re-arms the session's expiry: its tenant's ledger follows. Best effort: a
-        read never fails for the ledger (in a Cluster it lives on another primary than the
-        session), at worst the ledger forgets the session early and counts too little."""
+        """Every use of a session re-arms its expiry (each script that reads or writes it):
+        the ledger then takes that expiry, as Redis set it, and the session's size. Called
+        after every script that re-arms a session, so the ledger forgets a session only when
+        Redis does. Best effort: a read never fails for the ledger (in a Cluster it lives on
+        another primary than the session); a replica that dies, or a tenant's primary that
+        does not answer, between the two leaves the previous expiry until the next use."""
         try:
             self._seen(
                 owner, await self.store.record(owner, meta.id, meta.stored_bytes, meta.expires_at, None)
@@ -250,6 +318,7 @@ class Sessions:
         `tokens_hash`, only if that state's tokens are those (else VersionGone)."""
         at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
         source = at.meta
+        await self._touch(source, owner)
         if expected is not None and source.version != expected:
             raise VersionMismatch(session_id, expected, source.version)
         if tokens_hash is not None and at.tokens_hash != tokens_hash:
@@ -278,7 +347,7 @@ class Sessions:
             await self.store.forget(owner, new_id)
             raise
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
@@ -376,12 +445,13 @@ class Sessions:
             segment = Segment(session_id, writer.meta.version + 1, "rollback", res.n_tokens, restores=version)
             return await self._commit(writer, res, owner, segment, at.tokens_hash)
         finally:
-            await writer.release()
+            await self._release(writer, owner)
 
     async def _read_version(
         self, session_id: str, version: int, expected: int | None, owner: str
     ) -> AtVersion:
         at = await self.store.read_at(session_id, version, owner, state=True)
+        await self._touch(at.meta, owner)
         if expected is not None and at.meta.version != expected:
             raise VersionMismatch(session_id, expected, at.meta.version)
         self._same_model(at.meta)
@@ -392,21 +462,40 @@ class Sessions:
         assert at.state is not None
         return Stored(at.state.snapshot, at.state.deltas, at.version.n_tokens)
 
-    async def import_state(self, blob: bytes, ttl: int, owner: str) -> SessionMeta:
-        """A new session, owned by `owner`, holding an exported state: verified (container,
-        checksum, the served model's fingerprint, shapes and sizes) and never unpickled."""
+    async def import_state(
+        self, body: Callable[[], Awaitable[bytes]], declared: int | None, ttl: int, owner: str
+    ) -> SessionMeta:
+        """A new session, owned by `owner`, holding an exported state that `body` reads.
+        Before a byte of it is read: a place among this replica's imports in progress
+        (QueueFull past `max_imports`) and one in the tenant's quota for its `declared` size
+        (QuotaExceeded). Then its headers are checked here (`model.state.peek`: bounded, so
+        cheap on the event loop) and the engine thread parses and verifies the rest
+        (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
+        never unpickled."""
+        if self._imports >= self.max_imports:
+            raise QueueFull(
+                f"{self._imports} state imports are in progress on this server, its limit; retry shortly"
+            )
+        self._imports += 1
+        session_id = new_session_id()
         try:
-            header, tensors = read_blob(blob)
-            n_tokens = tensors["n_tokens"]
-            if header.get("delta") is not None or n_tokens.shape != (1,):
-                raise StateError(
-                    "only a single-stream snapshot (as GET .../state exports it) can be imported"
-                )
-            start = Stored(blob, (), int(n_tokens[0]))
-            req = Request(start, [], persist=Persist(self.state_dtype))
-            return await self._create(req, ttl, owner, None, "import")
+            await self._reserve(owner, session_id, declared or 0, ttl, grows=True)
+            blob = await body()
+            head = peek(blob)
+            n_tokens = _one_count(head.header.get("n_tokens"))
+            shape = head.tensors.get("n_tokens", ("", []))[1]
+            if head.header.get("delta") is not None or shape != [1] or n_tokens is None:
+                raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
+            req = Request(Stored(blob, (), n_tokens), [], persist=Persist(self.state_dtype))
+            return await self._create(req, ttl, owner, None, "import", session_id)
         except StateError as exc:
+            await self.store.forget(owner, session_id)
             raise StateRejected(f"the state cannot be imported: {exc}") from None
+        except BaseException:
+            await self.store.forget(owner, session_id)
+            raise
+        finally:
+            self._imports -= 1
 
     # -- transactions ----------------------------------------------------------------------------
     async def create(self, ids: list[int], ttl: int, owner: str, keep: int | None = None) -> SessionMeta:
@@ -421,13 +510,21 @@ class Sessions:
         return ([bos] if bos is not None else []) + ids
 
     async def _create(
-        self, req: Request, ttl: int, owner: str, keep: int | None, kind: Kind = "create"
+        self,
+        req: Request,
+        ttl: int,
+        owner: str,
+        keep: int | None,
+        kind: Kind = "create",
+        session_id: str | None = None,
     ) -> SessionMeta:
-        """A new session holding the state `req` makes."""
+        """A new session holding the state `req` makes (under `session_id`, when the caller
+        has reserved its place in the tenant's quota)."""
         # a place in the tenant's quota first: Redis down, or the tenant at its limit, fails
         # fast, before any model time is spent
-        session_id = new_session_id()
-        await self._reserve(owner, session_id, 0, ttl, grows=True)
+        if session_id is None:
+            session_id = new_session_id()
+            await self._reserve(owner, session_id, 0, ttl, grows=True)
         try:
             res = await self._run(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
@@ -456,7 +553,7 @@ class Sessions:
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
     async def score(
         self, session_id: str, ids: list[int], *, commit: bool, expected: int | None, owner: str
@@ -477,7 +574,7 @@ class Sessions:
             segment = Segment(session_id, writer.meta.version + 1, "score", writer.meta.n_tokens, ids)
             return await self._commit(writer, res, owner, segment), res.prompt_logprobs
         finally:
-            await writer.release()
+            await self._release(writer, owner)
 
     async def generate(
         self,
@@ -503,9 +600,9 @@ class Sessions:
             extra = logprobs or Logprobs()
             req = Request(start, ids, params, seed, max_tokens, stop, persist=self.persist_for(writer.meta))
             req.prompt_logprobs, req.top_logprobs = extra.prompt, extra.top
-            self.engine.submit(req)
+            self._submit(req)
         except BaseException:
-            await writer.release()
+            await self._release(writer, owner)
             raise
         run = Run(self, req, writer, owner, ids, started)
         run.keep_on_disconnect = keep_on_disconnect
@@ -521,7 +618,7 @@ class Sessions:
         try:
             return writer, self._start(writer.meta, writer.state, held)
         except BaseException:
-            await writer.release()
+            await self._release(writer, owner)
             raise
 
     async def _read(
@@ -555,9 +652,14 @@ class Sessions:
                 f"this server runs {self.engine.name!r} ({self.engine.fingerprint})"
             )
 
+    def _submit(self, req: Request) -> Request:
+        """Queue `req` with the engine, as its client's (the scheduler shares it out by client)."""
+        req.tenant = CLIENT.get()
+        return self.engine.submit(req)
+
     async def _run(self, req: Request) -> Finished:
         """3, for a request whose tokens nobody streams."""
-        return await self.engine.submit(req).finished()
+        return await self._submit(req).finished()
 
     def persist_for(self, meta: SessionMeta) -> Persist:
         """The persistence policy: how a commit on top of `meta` stores its new state."""
@@ -592,14 +694,25 @@ class Sessions:
         )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         await self._index(owner, meta)
-        return await self._settle(owner, meta, size)
+        return await self._settle(owner, meta)
 
-    async def _settle(self, owner: str, meta: SessionMeta, reserved: int) -> SessionMeta:
-        """The tenant's ledger takes the size the session has after a write, when the
-        history and transcript bounds made it smaller than the reservation."""
-        if meta.stored_bytes != reserved:
-            await self._touch(meta, owner)
+    async def _settle(self, owner: str, meta: SessionMeta) -> SessionMeta:
+        """The tenant's ledger takes the session as the write left it: its size (the history
+        and transcript bounds may have made it smaller than the reservation) and the expiry
+        the write set (the reservation's was this replica's estimate)."""
+        await self._touch(meta, owner)
         return meta
+
+    async def _release(self, writer: Writer, owner: str) -> None:
+        """Give up a writer's lock. A writer that did not commit had still re-armed its
+        session's expiry (`begin` does): the ledger follows. Shielded, as the release is: a
+        request cancelled by its client's hang-up still completes both."""
+
+        async def release() -> None:
+            if await writer.release():
+                await self._touch(writer.meta, owner)
+
+        await asyncio.shield(release())
 
     def _keep_loaded(self, meta: SessionMeta, res: Finished) -> None:
         """A read-only request loaded the current state from bytes: keep it hot."""
@@ -624,6 +737,9 @@ class Run:
         self.meta: SessionMeta | None = None  # the committed session, once committed
         self.tokens: list[TokenEvent] = []  # as handed to the client
         self.keep_on_disconnect = False  # `close` before the commit commits the tokens sent
+        self.client: str | None = None  # whose stream it is, once admitted (`Sessions.starting`)
+        self.reserved = 0  # tokens reserved for it in its tenant's bucket, once admitted
+        self._ended = False
         self._keeping: asyncio.Future[None] | None = None
         metrics.PROMPT_TOKENS.inc(self.prompt_tokens)
 
@@ -644,7 +760,7 @@ class Run:
             self.tokens.append(ev)
             yield ev
         res = self.result
-        await self.sessions.spend(self.owner, len(self.tokens))
+        await self._end()
         self.meta = await self.sessions._commit(self.writer, res, self.owner, self.segment("generate"))
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - self.started)
         metrics.REQUESTS_FINISHED.labels(res.finish_reason).inc()
@@ -710,7 +826,19 @@ class Run:
             self._keeping = asyncio.ensure_future(self._keep())
         if self._keeping is not None:
             await asyncio.shield(self._keeping)
-        await self.writer.release()
+        await asyncio.shield(self._end())
+        await self.sessions._release(self.writer, self.owner)
+
+    def admitted(self, client: str, reserved: int) -> None:
+        """Its place among `client`'s streams and `reserved` tokens are now its own."""
+        self.client, self.reserved = client, reserved
+
+    async def _end(self) -> None:
+        """Once: the tokens handed out count against the tenant (committed or not); its
+        stream's place and the tokens reserved and not drawn go back."""
+        if not self._ended:
+            self._ended = True
+            await self.sessions.ended(self)
 
     async def _keep(self) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
@@ -719,14 +847,21 @@ class Run:
         session stays as it was."""
         s = self.sessions
         try:
-            await s.spend(self.owner, len(self.tokens))
+            await self._end()
             ids = self.prompt + [ev.id for ev in self.tokens]
             res = await s._run(Request(self.req.start, ids, persist=self.req.persist))
             self.meta = await s._commit(self.writer, res, self.owner, self.segment("keep"))
         except Exception:
             log.warning("could not keep the tokens of a generation cut short", exc_info=True)
         finally:
-            await self.writer.release()
+            await s._release(self.writer, self.owner)
+
+
+def _one_count(claim: object) -> int | None:
+    """The count a state header's `n_tokens` claims for its one stream, if it claims one."""
+    if isinstance(claim, list) and len(claim) == 1 and type(claim[0]) is int and claim[0] >= 0:
+        return claim[0]
+    return None
 
 
 def _lineage_bytes(stored: list[bytes], session_id: str, version: int) -> list[bytes]:
@@ -748,6 +883,12 @@ def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
         cpu_threads=settings.cpu_threads,
         compile=settings.compile,
         malloc_trim_interval=settings.malloc_trim_interval,
+        step_deadline=settings.engine_step_deadline,
+        fairness=Fairness(
+            batch_share=settings.key_batch_share,
+            queue_share=settings.key_queue_share,
+            buffer_tokens=settings.stream_buffer_tokens,
+        ),
     )
 
 
@@ -765,4 +906,8 @@ def build(settings: Settings, store: SessionStore, engine: Engine) -> Sessions:
         history_versions=settings.history_versions,
         prefix_reuse=settings.prefix_reuse,
         stateless_ttl=settings.stateless_session_ttl,
+        # a small multiple of the largest state the served model can produce, unless set
+        import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
+        max_imports=settings.max_concurrent_imports,
+        max_streams=settings.max_streams_per_key,
     )

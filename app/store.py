@@ -396,14 +396,14 @@ return {'ok'}
 # '1' for the transcript. Returns {'ok', meta, n_tokens and commit time of the version,
 # snapshot, deltas (or false, false), transcript segments, trimmed flag (or false, false),
 # the version's tokens hash},
-# {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL.
+# {'missing'}, or {'gone', the oldest kept version}. Re-arms the TTL, only when it answers 'ok'
+# (a refused read is no use of the session).
 _READ_AT = (
     _LUA_TOUCH
     + """
 if not owned(KEYS[1], ARGV[1]) then
   return {'missing'}
 end
-touch(KEYS)
 local m = meta(KEYS[1])
 local current = tonumber(m[1])
 local v = current
@@ -413,6 +413,7 @@ if v == current then n, t = m[2], t or m[5] end  -- (a session older than the hi
 if v > current or v < oldest_kept(KEYS, current) or not n then
   return {'gone', tostring(oldest_kept(KEYS, current))}
 end
+m[6] = touch(KEYS)  -- (the meta's expires_at, as re-armed)
 local out = {'ok', m, n, t, false, false, false, false, redis.call('HGET', KEYS[4], 'h:' .. v) or ''}
 if v == current then out[9] = m[13] end
 if ARGV[3] == '1' then
@@ -549,26 +550,28 @@ return {'ok', count, total}
 """
 )
 
-# KEYS: rate. ARGV: requests/s, tokens/s (0 = no limit), '1' if the request generates,
-# tokens to spend (a finished generation's debt). Two token buckets holding one second's
-# worth each, refilled from the Redis clock. A request takes one request token; one that
-# generates also needs the token bucket out of debt. Returns {'ok'} or
-# {'requests'|'tokens', seconds until it would pass}.
+# KEYS: rate. ARGV: requests/s, tokens/s (0 = no limit), what to do, a number of tokens. Two
+# token buckets holding one second's worth each, refilled from the Redis clock. 'request'
+# takes one request token. 'reserve' takes the tokens a request's generations may draw
+# (max_tokens x n), only while the token bucket is out of debt: so concurrent requests can
+# never overdraw it by more than one request's reservation. 'refund' gives back what a
+# generation reserved and did not draw. Returns {'ok'} or {'requests'|'tokens', seconds
+# until it would pass}.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local b = redis.call('HMGET', KEYS[1], 'r', 't', 'at')
-local rps, tps = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rps, tps, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
 local at = tonumber(b[3] or now)
 local r = math.min(rps, tonumber(b[1] or rps) + (now - at) * rps)
 local k = math.min(tps, tonumber(b[2] or tps) + (now - at) * tps)
 local verdict = {'ok'}
-if tonumber(ARGV[4]) > 0 then
-  k = k - tonumber(ARGV[4])
+if ARGV[3] == 'refund' then
+  k = math.min(tps, k + n)
+elseif ARGV[3] == 'reserve' then
+  if k <= 0 then verdict = {'tokens', tostring((1 - k) / tps)} else k = k - n end
 elseif rps > 0 and r < 1 then
   verdict = {'requests', tostring((1 - r) / rps)}
-elseif tps > 0 and ARGV[3] == '1' and k <= 0 then
-  verdict = {'tokens', tostring((1 - k) / tps)}
 else
   r = r - 1
 end
@@ -1251,30 +1254,34 @@ class SessionStore:
         res = await self._run(self._usage, self.ledger_keys(tenant_of(owner)), [])
         return Usage(int(res[1]), int(res[2]))
 
-    async def admit(self, owner: str, limits: Limits, generates: bool) -> None:
-        """Take one request from the tenant's request bucket (and, for a generation, require
-        its token bucket out of debt), shared by every replica: else QuotaExceeded."""
-        if not (limits.requests_per_second or (generates and limits.tokens_per_second)):
-            return
+    async def admit(self, owner: str, limits: Limits) -> None:
+        """Take one request from the tenant's request bucket, shared by every replica: else
+        QuotaExceeded."""
+        if limits.requests_per_second:
+            await self._bucket(owner, limits, "request", 0)
+
+    async def reserve_tokens(self, owner: str, limits: Limits, tokens: int) -> None:
+        """Reserve the tokens a request's generations may draw from the tenant's token
+        bucket, only while it is out of debt: else QuotaExceeded, and nothing is taken."""
+        if limits.tokens_per_second:
+            await self._bucket(owner, limits, "reserve", tokens)
+
+    async def refund_tokens(self, owner: str, limits: Limits, tokens: int) -> None:
+        """Give back reserved tokens a generation did not draw."""
+        if limits.tokens_per_second and tokens > 0:
+            await self._bucket(owner, limits, "refund", tokens)
+
+    async def _bucket(self, owner: str, limits: Limits, op: str, tokens: int) -> None:
         res = await self._run(
             self._admit,
             [self.rate_key(tenant_of(owner))],
-            [limits.requests_per_second, limits.tokens_per_second, "1" if generates else "0", 0],
+            [limits.requests_per_second, limits.tokens_per_second, op, int(tokens)],
         )
         status = res[0].decode()
         if status != "ok":
             what = "requests per second" if status == "requests" else "generated tokens per second"
             limit = limits.requests_per_second if status == "requests" else limits.tokens_per_second
             raise QuotaExceeded(status, f"this key is at its limit of {limit:g} {what}", float(res[1]))
-
-    async def spend(self, owner: str, limits: Limits, tokens: int) -> None:
-        """Charge a finished generation's tokens to the tenant's token bucket."""
-        if limits.tokens_per_second and tokens:
-            await self._run(
-                self._admit,
-                [self.rate_key(tenant_of(owner))],
-                [0, limits.tokens_per_second, "1", int(tokens)],
-            )
 
     async def _memory_info(self) -> list[dict]:
         """INFO memory of the server, or of every primary of a Cluster that answers (a dead
@@ -1376,14 +1383,16 @@ class Writer:
         metrics.STATE_BYTES_WRITTEN.inc(len(blob))
         return _meta(sid, res[1:])
 
-    async def release(self) -> None:
-        """Give up the lock (a no-op after a successful commit, which released it)."""
+    async def release(self) -> bool:
+        """Give up the lock (a no-op after a successful commit, which released it); whether
+        this call gave it up (False: committed, or released before)."""
         self._renewer.cancel()
         if self._done:
-            return
+            return False
         self._done = True
         # shielded: a cancelled request must still free the lock (else it waits out the lease)
         with contextlib.suppress(StoreError):
             await asyncio.shield(
                 self.store._run(self.store._release, [self.store.lock_key(self.meta.id)], [self._token])
             )
+        return True

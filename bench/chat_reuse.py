@@ -27,8 +27,7 @@ from pathlib import Path
 
 import httpx
 import openai
-import sections
-from harness import Redis, Server, emit, model_dir
+from harness import Redis, Server, emit, model_dir, write_section
 
 SECTION = "## 8. Prefix reuse"
 SCENE = [{"role": "system", "content": "Enter Romeo and Juliet."}]
@@ -219,7 +218,7 @@ def section(r: dict) -> str:
             "the RESULT line), not a cost that grows with the history.",
         ]
     if on["non_utf8_replies"]:
-        lines += ["", f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (README, Chat templates)."]
+        lines += ["", f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (docs/OPENAI.md, Chat templates)."]
     lines += ["", "Reproduce: `python bench/chat_reuse.py` (add `--write` to rewrite this section).", ""]
     return "\n".join(lines)
 
@@ -234,7 +233,7 @@ def main() -> None:
     r = measure(args.repetitions, args.turns, args.max_tokens)
     print(section(r))
     if args.write:
-        sections.write(SECTION, section(r))
+        write_section(SECTION, section(r))
     emit(r)
 
 

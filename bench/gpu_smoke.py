@@ -29,6 +29,7 @@ import time
 import torch
 
 import model
+from model import LanguageModel, State
 from model.checkpoint import build
 
 BATCH_256_TARGET = 20_000  # tokens/s, the shipped model at batch 256 (issue 14)
@@ -39,7 +40,7 @@ TINY_LLAMA = dict(
 )
 
 
-def load(name: str, dev: str, small: bool) -> model.LanguageModel:
+def load(name: str, dev: str, small: bool) -> LanguageModel:
     if small and name == "smollm2":
         torch.manual_seed(0)
         return build("llama", TINY_LLAMA).to(dev).eval()
@@ -52,38 +53,13 @@ def check(name: str, ok: bool, figure: str) -> bool:
 
 
 @torch.no_grad()
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="shakespeare,smollm2")
-    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
-    ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
-    args = ap.parse_args()
-    dev = args.device
-    if dev == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
-        return 2
-    print(
-        torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
-        "torch",
-        torch.__version__,
-        flush=True,
-    )
-    ok = True
-    for name in args.models.split(","):
-        print(f"-- {name}", flush=True)
-        ok &= smoke(name, dev, args.small)
-    ok &= roofline(dev, args.hbm_gbs, args.small)
-    return 0 if ok else 1
-
-
-def smoke(name: str, dev: str, small: bool) -> bool:
-    """Every correctness check and the throughput sweep for one model."""
-    lm = load(name, dev, small)
+def correctness(lm: LanguageModel, cpu_lm: LanguageModel, dev: str) -> tuple[bool, list[State]]:
+    """Chunk invariance, the device against the CPU, batched against alone, bf16 (reported),
+    and the state's bytes round trip; and the three states (5, 50, 300 tokens) they used."""
     ok = True
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (2, 3 * lm.segment_len), generator=g).to(dev)
-    cpu_logits, _ = load(name, "cpu", small)(x.cpu(), None)
+    cpu_logits, _ = cpu_lm(x.cpu(), None)
     whole, _ = lm(x, lm.new_state(2))
     st, parts = lm.new_state(2), []
     for t in range(x.shape[1]):
@@ -115,20 +91,55 @@ def smoke(name: str, dev: str, small: bool) -> bool:
     back = lm.load_state(blob)
     d = (lm.next_logits(back) - lm.next_logits(states[2])).abs().max().item()
     ok &= check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
+    return ok, states
 
+
+def compiled_matches_eager(lm: LanguageModel, state: State, dev: str) -> bool:
+    """The compiled decode step (CUDA graphs on a GPU) against the eager one, 16 greedy steps."""
     lm.append_in_place = False  # as the engine runs a compiled step: state built functionally
     step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default")
     tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    s_e = s_c = states[1]
+    s_e = s_c = state
     diffs = []
     for _ in range(16):
         le, s_e = lm(tok, s_e)
         lc, s_c = step(tok, s_c)
         diffs.append((le - lc).abs().max().item())
         tok = le[:, -1:].argmax(-1)
-    ok &= check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
     lm.append_in_place = True
+    return check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="shakespeare,smollm2")
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
+    ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
+    args = ap.parse_args()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
+        return 2
+    print(
+        torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+        "torch",
+        torch.__version__,
+        flush=True,
+    )
+    ok = True
+    for name in args.models.split(","):
+        print(f"-- {name}", flush=True)
+        ok &= smoke(name, dev, args.small)
+    ok &= roofline(dev, args.hbm_gbs, args.small)
+    return 0 if ok else 1
+
+
+def smoke(name: str, dev: str, small: bool) -> bool:
+    """Every correctness check and the throughput sweep for one model."""
+    lm = load(name, dev, small)
+    ok, states = correctness(lm, load(name, "cpu", small), dev)
+    ok &= compiled_matches_eager(lm, states[1], dev)
     batch_256 = throughput(lm, states[2], dev)
     if name == "shakespeare":
         ok &= check(

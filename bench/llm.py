@@ -27,8 +27,8 @@ import argparse
 import json
 import os
 
-import sections
 import torch
+from harness import write_section
 from roofline import WORK, Machine, Work, against, decode, prefill, served_step
 from torch.profiler import profile
 
@@ -141,7 +141,7 @@ def main() -> None:
     result["threads"], result["cpus"] = 1, os.cpu_count()
     print(section(result))
     if args.write:
-        sections.write(SECTION, section(result))
+        write_section(SECTION, section(result))
     print("RESULT " + json.dumps(result))
 
 

@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 
 import httpx
-import sections
 import torch
-from harness import Redis, Server, emit
+from harness import Redis, Server, emit, write_section
 
 import model
 from app.embedded_redis import free_port
@@ -307,7 +306,7 @@ def main() -> None:
     r = {"threads": T, "cpus": os.cpu_count(), "batch_1": b1, "streams": st}
     print(section(r))
     if args.write:
-        sections.write(SECTION, section(r))
+        write_section(SECTION, section(r))
     emit(r)
 
 

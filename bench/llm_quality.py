@@ -19,7 +19,7 @@ plays read in a row by one session, about 138,000 tokens).
 
 `--write` puts the section "## 10. The assistant: quality" into docs/BENCHMARKS.md and the
 plot into docs/llm_perplexity.png; `make bench` does. The raw figures go to
-docs/bench/llm_quality.json; `--rewrite` redraws the section from them. Long: about 500,000
+docs/results/bench/llm_quality.json; `--rewrite` redraws the section from them. Long: about 500,000
 tokens of prefill, an hour or more on one core (`--tokens` shortens it).
 """
 
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import matplotlib
-import sections
 import torch
+from harness import write_section
 
 import model
 from model.corpus import load_split
@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SECTION = "## 10. The assistant: quality"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-RAW = DOCS / "bench" / "llm_quality.json"
+RAW = DOCS / "results" / "bench" / "llm_quality.json"
 BUCKET = 1000
 WINDOWS = (256, 512, 1024, 2048)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--write", action="store_true", help="put the section and the plot into docs/")
     ap.add_argument(
-        "--rewrite", action="store_true", help="redraw the section from docs/bench/llm_quality.json"
+        "--rewrite", action="store_true", help="redraw the section from docs/results/bench/llm_quality.json"
     )
     args = ap.parse_args()
     if args.rewrite:
@@ -288,7 +288,7 @@ def main() -> None:
     text = section(r, plot(r) if (args.write or args.rewrite) else "llm_perplexity.png")
     print(text)
     if args.write or args.rewrite:
-        sections.write(SECTION, text)
+        write_section(SECTION, text)
     print("RESULT " + json.dumps({k: v for k, v in r.items() if k != "study"}))
 
 

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from model import LanguageModel
 from model.checkpoint import build, resolve_device
 
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9
@@ -100,6 +101,78 @@ def profile_step(lm, streams: int, steps: int = 50) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
+def history_cost(lm: LanguageModel, steps: int) -> tuple[float, float]:
+    """Per-token decode time (ms) with 1k and with 100k tokens of history."""
+    short, long_ = history_state(lm, 1_000), history_state(lm, 100_000)
+    decode_ms(lm, short, 20)  # warm-up
+    # interleave the two measurements so machine noise hits both alike
+    a, b = [], []
+    for _ in range(5):
+        a.append(decode_ms(lm, short, steps // 5))
+        b.append(decode_ms(lm, long_, steps // 5))
+    t1k, t100k = statistics.median(a), statistics.median(b)
+    print(
+        f"decode per token, history 1k: {t1k:.3f} ms   100k: {t100k:.3f} ms   ratio 100k/1k = {t100k / t1k:.3f}"
+    )
+    return t1k, t100k
+
+
+def speedups(args: argparse.Namespace) -> list[dict]:
+    """The stateful decode step against recomputing the whole window, per attention length."""
+    out = []
+    for window in (int(w) for w in args.windows.split(",")):
+        lm2, _ = make(args, window)
+        st = history_state(lm2, window)
+        decode_ms(lm2, st, 5)
+        t_dec = decode_ms(lm2, st, 50)
+        t_full = recompute_ms(lm2, window, 3)
+        out.append(
+            {
+                "attention_length": window,
+                "stateful_decode_ms": round(t_dec, 3),
+                "recompute_window_ms": round(t_full, 1),
+                "speedup": round(t_full / t_dec, 1),
+                "paper": PAPER.get(window),
+            }
+        )
+        print(
+            f"attention length {window}: stateful decode {t_dec:.3f} ms vs recompute {t_full:.1f} ms"
+            f"   speedup = {t_full / t_dec:.0f}x   (paper: {PAPER.get(window, '-')}x)",
+            flush=True,
+        )
+    return out
+
+
+def growth(args: argparse.Namespace) -> list[dict]:
+    """The decode step with the state grown in place against building it functionally."""
+    out = []
+    for window in (int(w) for w in args.growth_windows.split(",")):
+        lm3, _ = make(args, window)
+        for batch in (1, 16):
+            st = lm3.stack_states([history_state(lm3, window)] * batch)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(3):  # interleaved, so machine noise hits both alike
+                for in_place in (True, False):
+                    lm3.append_in_place = in_place
+                    times[in_place].append(decode_ms(lm3, st, args.steps // 10))
+            t_in, t_fn = min(times[True]), min(times[False])
+            out.append(
+                {
+                    "attention_length": window,
+                    "streams": batch,
+                    "in_place_ms": round(t_in, 3),
+                    "functional_ms": round(t_fn, 3),
+                    "speedup": round(t_fn / t_in, 2),
+                }
+            )
+            print(
+                f"attention length {window}, {batch} streams: in place {t_in:.3f} ms vs functional "
+                f"{t_fn:.3f} ms   = {t_fn / t_in:.2f}x",
+                flush=True,
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -119,68 +192,8 @@ def main() -> None:
     if args.profile:
         profile_step(make(args, args.mem_len)[0], args.profile)
         return
-
     lm, cfg = make(args, args.mem_len)
-    short, long_ = history_state(lm, 1_000), history_state(lm, 100_000)
-    decode_ms(lm, short, 20)  # warm-up
-    # interleave the two measurements so machine noise hits both alike
-    a, b = [], []
-    for _ in range(5):
-        a.append(decode_ms(lm, short, args.steps // 5))
-        b.append(decode_ms(lm, long_, args.steps // 5))
-    t1k, t100k = statistics.median(a), statistics.median(b)
-    print(
-        f"decode per token, history 1k: {t1k:.3f} ms   100k: {t100k:.3f} ms   ratio 100k/1k = {t100k / t1k:.3f}"
-    )
-
-    speedups = []
-    for window in (int(w) for w in args.windows.split(",")):
-        lm2, _ = make(args, window)
-        st = history_state(lm2, window)
-        decode_ms(lm2, st, 5)
-        t_dec = decode_ms(lm2, st, 50)
-        t_full = recompute_ms(lm2, window, 3)
-        speedups.append(
-            {
-                "attention_length": window,
-                "stateful_decode_ms": round(t_dec, 3),
-                "recompute_window_ms": round(t_full, 1),
-                "speedup": round(t_full / t_dec, 1),
-                "paper": PAPER.get(window),
-            }
-        )
-        print(
-            f"attention length {window}: stateful decode {t_dec:.3f} ms vs recompute {t_full:.1f} ms"
-            f"   speedup = {t_full / t_dec:.0f}x   (paper: {PAPER.get(window, '-')}x)",
-            flush=True,
-        )
-
-    growth = []
-    for window in (int(w) for w in args.growth_windows.split(",")):
-        lm3, _ = make(args, window)
-        for batch in (1, 16):
-            st = lm3.stack_states([history_state(lm3, window)] * batch)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(3):  # interleaved, so machine noise hits both alike
-                for in_place in (True, False):
-                    lm3.append_in_place = in_place
-                    times[in_place].append(decode_ms(lm3, st, args.steps // 10))
-            t_in, t_fn = min(times[True]), min(times[False])
-            growth.append(
-                {
-                    "attention_length": window,
-                    "streams": batch,
-                    "in_place_ms": round(t_in, 3),
-                    "functional_ms": round(t_fn, 3),
-                    "speedup": round(t_fn / t_in, 2),
-                }
-            )
-            print(
-                f"attention length {window}, {batch} streams: in place {t_in:.3f} ms vs functional "
-                f"{t_fn:.3f} ms   = {t_fn / t_in:.2f}x",
-                flush=True,
-            )
-
+    t1k, t100k = history_cost(lm, args.steps)
     result = {
         "model": cfg,
         "device": str(lm.device),
@@ -188,8 +201,8 @@ def main() -> None:
         "decode_ms_history_1k": round(t1k, 3),
         "decode_ms_history_100k": round(t100k, 3),
         "ratio_100k_over_1k": round(t100k / t1k, 3),
-        "speedups": speedups,
-        "growth": growth,
+        "speedups": speedups(args),
+        "growth": growth(args),
     }
     print("RESULT " + json.dumps(result))
 

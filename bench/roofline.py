@@ -414,7 +414,7 @@ def decode(
 
 @torch.no_grad()
 def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> dict:
-    """A prompt's prefill, as the server runs it (`served.prefilling()`: the model's compiled
+    """A prompt's prefill, as the server runs it (`served.prefill`: the model's compiled
     parts where the engine's probe adopted them) and eager; the profile is the eager one's."""
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
     lm.consume(ids[: lm.segment_len], lm.new_state(1))  # warm-up
@@ -424,8 +424,7 @@ def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> di
     if compiled:
 
         def run() -> None:
-            with served.prefilling():
-                lm.consume(ids, lm.new_state(1))
+            served.prefill(lambda: lm.consume(ids, lm.new_state(1)))
 
         run()  # warm-up
         t = best_of(run, 3)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .state import Arena, State, StateError, merge
+from .state import Arena, Declared, State, StateError, merge
 from .tokenizer import Tokenizer
 
 # the parts a forward in this thread runs in place of its own (`LanguageModel.using`): the
@@ -51,6 +51,10 @@ class TimeAxis(NamedTuple):
     fills: bool = False
 
 
+# safetensors' names of the dtypes a stored state's tensors may have
+_STORED_FLOATS = ("F32", "BF16", "F16")
+
+
 class LanguageModel(nn.Module):
     family: ClassVar[str]
     config_class: ClassVar[type]
@@ -59,6 +63,10 @@ class LanguageModel(nn.Module):
     # config fields a server may set at load time (`with_options`): they change how the
     # weights are served (a span, a chunk size), never the weights
     serving_options: ClassVar[tuple[str, ...]] = ()
+    # the most tokens a stream may have consumed: positions stay exact in float64 (RoPE's
+    # angles) and n_tokens plus any chunk stays far from int64's overflow. A family whose
+    # positions are bounded tighter says so here.
+    max_stream_tokens: ClassVar[int] = 2**53
 
     def __init__(self, config: Any):
         super().__init__()
@@ -152,6 +160,11 @@ class LanguageModel(nn.Module):
         n = tensors["n_tokens"]
         if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
             raise StateError("state n_tokens must be a non-negative int64 vector")
+        if (n > self.max_stream_tokens).any():
+            raise StateError(
+                f"state n_tokens {int(n.max())} is past the most a stream of this model may consume "
+                f"({self.max_stream_tokens})"
+            )
         B = n.shape[0]
         if B < 1:
             raise StateError("state has an empty batch")
@@ -162,12 +175,53 @@ class LanguageModel(nn.Module):
             t = tensors[name]
             if not t.is_floating_point():
                 raise StateError(f"state {name} must be floating point")
-            if name in axes:
-                _check_time_axis(name, t, axes[name], n)
-            elif list(t.shape) != [B, *fixed[name]]:
-                raise StateError(f"state {name} has shape {list(t.shape)}, expected {[B, *fixed[name]]}")
+            _check_layout(name, list(t.shape), B, axes, fixed)
+            if name in axes and t.shape[2] < int(n.clamp(max=axes[name].bound).max()):
+                raise StateError(
+                    f"state {name}: memory length {t.shape[2]} does not fit the bound {axes[name].bound} and n_tokens"
+                )
         if not all(torch.isfinite(t).all() for name, t in tensors.items() if name != "n_tokens"):
             raise StateError("state holds non-finite values")
+
+    def check_declared(self, declared: Declared) -> None:
+        """Raise StateError unless the tensors a blob's header declares (a snapshot or a
+        delta) could be this model's state: its names, a stored dtype, and shapes within the
+        layout (a time axis's rows within its bound). Checked before the payload is loaded,
+        so a blob's size cannot exceed what its batch of this model's states needs."""
+        header = declared.header
+        if header.get("family") != self.family:
+            raise StateError(f"state is for model family {header.get('family')!r}, this model is {self.family!r}")
+        if header.get("fingerprint") != self.fingerprint:
+            raise StateError(
+                f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
+            )
+        t = declared.tensors
+        if set(t) != set(self.persistent):
+            raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(self.persistent)}")
+        dtype, shape = t["n_tokens"]
+        if dtype != "I64" or len(shape) != 1:
+            raise StateError("state n_tokens must be a non-negative int64 vector")
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        for name, (dtype, shape) in t.items():
+            if name == "n_tokens":
+                continue
+            if dtype not in _STORED_FLOATS:
+                raise StateError(f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}")
+            _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
+
+    def max_state_bytes(self) -> int:
+        """The size of the largest snapshot of one stream this model can produce (float32,
+        every time axis at its bound, its headers included): what a state import is sized by."""
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        tensors = {
+            name: torch.zeros(1, axes[name].layers, axes[name].bound, axes[name].width)
+            if name in axes
+            else torch.zeros(1, *fixed[name])
+            for name in self.persistent
+            if name != "n_tokens"
+        }
+        tensors["n_tokens"] = torch.full((1,), self.max_stream_tokens, dtype=torch.long)
+        return len(State(self.family, self.fingerprint, tensors, {}, self.persistent).to_bytes())
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
@@ -276,13 +330,7 @@ class LanguageModel(nn.Module):
         Raises StateError with a clear message for a state of another model, or truncated,
         corrupted or malformed bytes.
         """
-        header, tensors = merge(blob, deltas)
-        if header.get("family") != self.family:
-            raise StateError(f"state is for model family {header.get('family')!r}, this model is {self.family!r}")
-        if header.get("fingerprint") != self.fingerprint:
-            raise StateError(
-                f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
-            )
+        _, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
         param_dtype = self.param_dtype
         on_gpu = self.device.type == "cuda"
@@ -360,11 +408,17 @@ def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_me
             state_dict[name] = t.contiguous()
 
 
-def _check_time_axis(name: str, t: torch.Tensor, axis: TimeAxis, n_tokens: torch.Tensor) -> None:
-    """Raise StateError unless `t` is [B, layers, M, width] with M rows in reach: no more
-    than the bound, and no fewer than the tokens consumed give (up to the bound)."""
-    B = n_tokens.shape[0]
-    if t.dim() != 4 or t.shape[0] != B or t.shape[1] != axis.layers or t.shape[3] != axis.width:
-        raise StateError(f"state {name} has shape {list(t.shape)}, expected [{B}, {axis.layers}, M, {axis.width}]")
-    if t.shape[2] > axis.bound or t.shape[2] < int(n_tokens.clamp(max=axis.bound).max()):
-        raise StateError(f"state {name}: memory length {t.shape[2]} does not fit the bound {axis.bound} and n_tokens")
+def _check_layout(
+    name: str, shape: list[int], B: int, axes: dict[str, TimeAxis], fixed: dict[str, tuple[int, ...]]
+) -> None:
+    """Raise StateError unless a state tensor of `shape` fits the layout for a batch of B:
+    a time axis [B, layers, M, width] with M within its bound, a fixed tensor its shape."""
+    if name not in axes:
+        if shape != [B, *fixed[name]]:
+            raise StateError(f"state {name} has shape {shape}, expected {[B, *fixed[name]]}")
+        return
+    axis = axes[name]
+    if len(shape) != 4 or shape[0] != B or shape[1] != axis.layers or shape[3] != axis.width:
+        raise StateError(f"state {name} has shape {shape}, expected [{B}, {axis.layers}, M, {axis.width}]")
+    if shape[2] > axis.bound:
+        raise StateError(f"state {name}: memory length {shape[2]} does not fit the bound {axis.bound} and n_tokens")

@@ -130,6 +130,11 @@ class State:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def finite(self) -> bool:
+        """Whether every float tensor holds only finite values (a step can turn huge but
+        finite values into infinities and NaN: such a state must never be committed)."""
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors.values() if t.is_floating_point())
+
     def compact(self) -> State:
         """This state, or a copy whose tensors own exactly their memory. A row split off a
         batch (or a window narrowed out of an arena) is a view that keeps the whole storage
@@ -380,23 +385,77 @@ def kv_appender(
     return lambda k_new, v_new: (k.append(i, k_new), v.append(i, v_new))
 
 
-def read_blob(blob: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Parse and verify a state blob: returns (header, tensors). Raises StateError.
+# Caps a blob must meet before its payload is parsed: a real state's safetensors header is
+# about a kilobyte and holds a few tensors, and a header past these is refused before the
+# parser (whose time and memory grow with it) ever sees it.
+MAX_HEADER_BYTES = 1 << 16
+MAX_TENSORS = 64
+MAX_JSON_DEPTH = 8  # the recur header nests 3 deep; the safetensors header 2
 
-    Checks the container, the header's claims against the tensors actually present, and
-    the checksum. It does not check that the tensors fit a particular model: that is
-    `LanguageModel.load_state`'s job.
-    """
+
+@dataclass(frozen=True)
+class Declared:
+    """What a blob's safetensors header declares, read without parsing its payload: the
+    recur header, and each tensor's dtype (safetensors' name, e.g. "F32") and shape."""
+
+    header: dict
+    tensors: dict[str, tuple[str, list[int]]]
+
+
+def peek(blob: bytes) -> Declared:
+    """The headers of a state blob, checked against the caps above, without loading a
+    tensor: cheap enough for any thread. Raises StateError."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise StateError(f"state must be bytes, not {type(blob).__name__}")
-    blob = bytes(blob)
     if len(blob) < 8:
         raise StateError("state blob is truncated (shorter than its length prefix)")
+    n = int.from_bytes(blob[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise StateError(f"state blob's header is {n} bytes; a state's is at most {MAX_HEADER_BYTES}")
+    if 8 + n > len(blob):
+        raise StateError("state blob is truncated (shorter than its header)")
+    outer = _json_object(bytes(blob[8 : 8 + n]), "safetensors header")
+    meta = outer.pop("__metadata__", None) or {}
+    if len(outer) > MAX_TENSORS:
+        raise StateError(f"state blob holds {len(outer)} tensors; a state holds at most {MAX_TENSORS}")
+    tensors = {}
+    for name, info in outer.items():
+        dtype, shape = info.get("dtype") if isinstance(info, dict) else None, None
+        if isinstance(info, dict):
+            shape = info.get("shape")
+        if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
+            isinstance(d, int) and d >= 0 for d in shape
+        ):
+            raise StateError(f"state blob's header describes tensor {name!r} badly")
+        tensors[name] = (dtype, shape)
+    if not isinstance(meta, dict) or not isinstance(meta.get("recur"), str):
+        raise StateError("state blob has no recur header")
+    header = _json_object(meta["recur"].encode(), "state header")
+    if header.get("format") != FORMAT_VERSION:
+        raise StateError(f"unsupported state format {header.get('format')!r} (this build reads {FORMAT_VERSION})")
+    return Declared(header, tensors)
+
+
+def read_blob(
+    blob: bytes, expect: Callable[[Declared], None] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse and verify a state blob: returns (header, tensors). Raises StateError.
+
+    Checks the caps on its header (`peek`), then what `expect` demands of the declared
+    tensors (a model's layout: so a blob that could never fit is refused before its
+    payload is loaded), then the container, the header's claims against the tensors
+    actually present, and the checksum. Whether the tensors fit a particular model is
+    `LanguageModel.load_state`'s job.
+    """
+    declared = peek(blob)
+    if expect is not None:
+        expect(declared)
+    blob = bytes(blob)
     try:
         tensors = st_load(blob)
     except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
         raise StateError(f"state blob is not a valid safetensors payload: {exc}") from None
-    header = _read_header(blob)
+    header = declared.header
     shapes = header.get("shapes")
     if not isinstance(shapes, dict) or set(shapes) != set(tensors):
         raise StateError("state header lists different tensors than the payload holds")
@@ -412,13 +471,16 @@ def read_blob(blob: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     return header, tensors
 
 
-def merge(snapshot: bytes, deltas: Iterable[bytes] = ()) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Rebuild (header, tensors) of the state a snapshot plus its deltas, in order, describe."""
-    header, tensors = read_blob(snapshot)
+def merge(
+    snapshot: bytes, deltas: Iterable[bytes] = (), expect: Callable[[Declared], None] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Rebuild (header, tensors) of the state a snapshot plus its deltas, in order, describe
+    (each blob's declared tensors first checked by `expect`, as `read_blob` does)."""
+    header, tensors = read_blob(snapshot, expect)
     if header.get("delta") is not None:
         raise StateError("the first blob of a state must be a snapshot, not a delta")
     for blob in deltas:
-        dh, dt = read_blob(blob)
+        dh, dt = read_blob(blob, expect)
         delta = dh.get("delta")
         if delta is None:
             raise StateError("expected a delta blob, got a snapshot")
@@ -445,18 +507,31 @@ def merge(snapshot: bytes, deltas: Iterable[bytes] = ()) -> tuple[dict, dict[str
     return header, tensors
 
 
-def _read_header(blob: bytes) -> dict:
-    n = int.from_bytes(blob[:8], "little")
+def _json_object(raw: bytes, what: str) -> dict:
+    """A JSON object nested at most MAX_JSON_DEPTH deep, or StateError (never a RecursionError:
+    the text is bounded by MAX_HEADER_BYTES, and the depth is checked before parsing)."""
+    if _nesting(raw) > MAX_JSON_DEPTH:
+        raise StateError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
-        header = json.loads(meta["recur"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise StateError("state blob has no recur header") from None
-    if not isinstance(header, dict):
-        raise StateError("state header is not a JSON object")
-    if header.get("format") != FORMAT_VERSION:
-        raise StateError(f"unsupported state format {header.get('format')!r} (this build reads {FORMAT_VERSION})")
-    return header
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise StateError(f"{what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise StateError(f"{what} is not a JSON object")
+    return value
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep the brackets of JSON text nest (those inside strings included: an upper
+    bound, which is all a refusal needs)."""
+    depth = deepest = 0
+    for c in raw.translate(None, _NOT_BRACKETS):
+        depth += 1 if c in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
 def _left_pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

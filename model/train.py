@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -403,7 +404,8 @@ class Report:
         append_log(self.out / "log.csv", row)
         self.running, self.running_n = 0.0, 0
         self.t_last, self.step_last = time.perf_counter(), step
-        if valid_bpb is not None:
+        if valid_bpb is not None and importlib.util.find_spec("matplotlib") is not None:
+            # (the curve is a convenience: without the `train` extra, log.csv alone is kept)
             title = f"{self.cfg.family} on {Path(self.cfg.corpus).name}"
             plot_curve(self.out / "log.csv", self.out / "loss.png", title=title)
 

@@ -28,8 +28,8 @@ from . import (
     tokens,
     usage,
 )
-from .deps import admit, authenticate, bind_session
-from .middleware import BodyLimit, RequestContext
+from .deps import admit, authenticate, bind_client, bind_session
+from .middleware import BodyLimit, BrowserGuard, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -75,6 +75,12 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
     return _assemble(settings, lifespan)
 
 
+def _import_limit(app: FastAPI) -> int:
+    """The largest state import the app takes now (before the model is loaded, none)."""
+    sessions = app.state.sessions
+    return sessions.import_limit if sessions is not None else 0
+
+
 def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     """The routers, error handlers and middleware around `lifespan`."""
     app = FastAPI(
@@ -91,11 +97,13 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
-        by_path={"/v1/sessions/import": int(settings.max_import_mb * 2**20)},
+        # (sized by the served model, once it is loaded: `sessions.build`)
+        by_path={"/v1/sessions/import": lambda: _import_limit(app)},
     )
+    app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id
-    v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]
+    v1 = [Depends(authenticate), Depends(bind_client), Depends(bind_session), Depends(admit)]
     routers = [
         (health.router, []),
         (metrics.router, []),

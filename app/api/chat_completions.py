@@ -11,7 +11,7 @@ string is left out of the message, OpenAI's way, though the session's state has 
 it. A template that renders every assistant message followed by exactly its turn stop
 (the shipped play-script one does) so renders, for a client that resends the whole
 conversation, the tokens the previous turn's state consumed followed by the new ones
-(README "Chat templates").
+(docs/OPENAI.md "Chat templates").
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ async def create_chat_completion(
     framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return oai.stream(choices, framer, include_usage)
+        return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
     entries = [

@@ -159,7 +159,7 @@ async def create_completion(
     framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), lp, echoed)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return oai.stream(choices, framer, include_usage)
+        return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
     entries = [framer.whole(c) for c in choices.items]

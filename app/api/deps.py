@@ -13,7 +13,7 @@ from fastapi import Depends, Header, Request
 from app import logs
 from app.config import Settings
 from app.engine import Engine
-from app.sessions import Sessions
+from app.sessions import CLIENT, Sessions
 from app.store import owner_of
 from model.sampling import SamplingParams
 
@@ -167,11 +167,16 @@ async def authenticate(request: Request) -> str:
 
 
 async def admit(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
-    """The tenant's request rate (and, for a route that generates, its token rate), shared
-    by all replicas: 429 quota_exceeded past it, with Retry-After."""
-    sessions = get_sessions(request)
-    generates = request.url.path.endswith(("/generate", "/completions"))
-    await sessions.admit(owner, generates)
+    """The tenant's request rate, shared by all replicas: 429 quota_exceeded past it, with
+    Retry-After. (Its token rate: `Sessions.reserving`, once a route knows its max_tokens.)"""
+    await get_sessions(request).admit(owner)
+
+
+async def bind_client(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
+    """Name the client this request serves, for the engine's fairness and the stream limit:
+    its key's owner, or without keys (every client one tenant) its address. (async, as
+    `bind_session`: the value sticks for the rest of the request.)"""
+    CLIENT.set(owner or "address:" + (request.client.host if request.client else "unknown"))
 
 
 async def bind_session(request: Request) -> None:

@@ -19,11 +19,12 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Ready,
-    summary="The model is loaded and Redis answers",
-    responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready),
+    summary="The model is loaded, its engine is not stalled, and Redis answers",
+    responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready, ErrorType.engine_stalled),
 )
 async def readyz(request: Request) -> Ready:
     sessions = get_sessions(request)  # 503 until the model is loaded
+    sessions.engine.watchdog.check()  # 503 while a step has run past its deadline
     await sessions.store.ping()
     full = await sessions.store.storage_full(sessions.storage_guard)
     return Ready(

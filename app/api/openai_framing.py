@@ -31,9 +31,10 @@ from app.store import VersionMismatch
 from model.sampling import SamplingParams
 
 from .deps import sampling_params
+from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType
 from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails, SessionRef
-from .sse import guarded, respond, sse_json, until_disconnect
+from .sse import guarded, respond, sse_json
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -52,8 +53,10 @@ ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.prompt_too_long,
     ErrorType.queue_full,
+    ErrorType.engine_stalled,
     ErrorType.storage_full,
     ErrorType.redis_unavailable,
+    ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
 )
 
 
@@ -199,17 +202,20 @@ async def start(
     _check_batch(settings, sid, len(prompts), n)
     made: list[str] = []  # every session this request creates, deleted if it fails to start
     try:
-        groups = await _gather(
-            *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
-        )
-        seed = generate.pop("seed")
-        runs = await _gather(
-            *(
-                sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
-                for ids, targets in groups
-                for j, (s, v) in enumerate(targets)
+        async with sessions.starting(owner, n * len(prompts), generate["max_tokens"]) as admitted:
+            groups = await _gather(
+                *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
             )
-        )
+            seed = generate.pop("seed")
+            runs = await _gather(
+                *(
+                    sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
+                    for ids, targets in groups
+                    for j, (s, v) in enumerate(targets)
+                )
+            )
+        for r in runs:
+            admitted(r)
     except BaseException as exc:
         await asyncio.gather(*(_forget(sessions, owner, s) for s in made))
         if isinstance(exc, VersionMismatch):  # only n > 1 expects a version: a commit came between
@@ -340,12 +346,12 @@ class Framer(Protocol):
     def closing(self, choice: Choice) -> BaseModel: ...
 
 
-def stream(choices: Choices, framer: Framer, include_usage: bool) -> EventSourceResponse:
+def stream(choices: Choices, framer: Framer, include_usage: bool, send_timeout: float = 0) -> EventSourceResponse:
     """The SSE response: each choice's chunks as its tokens come, a closing chunk per choice
     once it has committed (its finish_reason and session), the usage chunk if asked, then
     `data: [DONE]` (after an error chunk too: the SDK raises `{"error": ...}` chunks)."""
     frames = guarded(choices, _frames(choices, framer, include_usage), error_event=None)
-    return respond(choices, _then_done(frames), headers=session_header(choices))
+    return respond(choices, _then_done(frames), headers=session_header(choices), send_timeout=send_timeout)
 
 
 async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> AsyncIterator[ServerSentEvent]:

@@ -134,7 +134,7 @@ def _calls(dependant: Dependant) -> Iterator[Callable[..., Any]]:
 
 
 def _document_errors(op: dict, calls: list[Callable[..., Any]], keys: bool) -> None:
-    types = [ErrorType.internal_error]
+    types = [ErrorType.internal_error, ErrorType.forbidden]  # (app/api/middleware.py's BrowserGuard)
     if op.get("parameters") or "requestBody" in op:
         types.append(ErrorType.invalid_request)
     if "requestBody" in op:

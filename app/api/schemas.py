@@ -41,8 +41,27 @@ Prompt = Annotated[
 ]
 
 
+# JSON nested deeper than this is refused (422) before anything walks it: no body of this API
+# nests more than a few levels, and a walk of deeper JSON could exhaust Python's stack
+MAX_JSON_DEPTH = 32
+
+
+def _nesting(value: Any) -> int:
+    """How deep dicts and lists nest in `value` (walked without recursion)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            if depth + 1 > MAX_JSON_DEPTH:
+                return depth + 1
+            deepest = max(deepest, depth + 1)
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _integral_floats(value: Any) -> Any:
-    """`value` with every float that has no fractional part made an int, in dicts and lists."""
+    """`value` with every float that has no fractional part made an int, in dicts and lists
+    (nested at most MAX_JSON_DEPTH deep: `Request` checks that first)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
@@ -60,6 +79,8 @@ class Request(BaseModel):
     def _json_integers(cls, data: Any) -> Any:
         # JSON has one number type, and JSON Schema's `integer` is any number without a
         # fractional part, 1938.0 too; strict mode would refuse it where an int is expected
+        if _nesting(data) > MAX_JSON_DEPTH:
+            raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
         return _integral_floats(data)
 
 
@@ -78,8 +99,16 @@ class ErrorBody(Response):
 
 
 # -- sessions -------------------------------------------------------------------------------
+OnDisconnect = Literal["discard", "commit"]
+_KEEP_WORK = (
+    "a client that hangs up before the commit: `discard` commits nothing (the work is cancelled); `commit` "
+    "runs to the commit anyway (fenced, as any commit)"
+)
+
+
 class CreateSession(Request):
     prompt: Prompt = ""
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
     ttl_seconds: int | None = Field(
         None,
         ge=1,
@@ -248,7 +277,7 @@ class Generate(SamplingFields):
         description="each token also lists this many most probable tokens, under the distribution it was "
         "drawn from (and its logprob: implies logprobs)",
     )
-    on_disconnect: Literal["discard", "commit"] = Field(
+    on_disconnect: OnDisconnect = Field(
         "discard",
         description="a streamed generation whose client hangs up: `discard` commits nothing; `commit` "
         "commits exactly the tokens sent before the hang-up (fenced, as any commit)",
@@ -270,7 +299,7 @@ class GenerateQuery(BaseModel):
         default_factory=list, max_length=16
     )
     logprobs: bool = False
-    on_disconnect: Literal["discard", "commit"] = "discard"
+    on_disconnect: OnDisconnect = "discard"
     access_token: str | None = Field(
         None, description="the API key, for clients that cannot send headers (EventSource)"
     )
@@ -313,6 +342,7 @@ class GenerateResult(GenerateDone):
 class Score(Request):
     prompt: Prompt
     commit: bool = False
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
 
 
 class ScoredToken(Response):

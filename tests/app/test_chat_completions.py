@@ -53,7 +53,7 @@ def _tokenize(http: httpx.Client, text: str) -> list[int]:
 def _reply(oa: openai.OpenAI, server: ServerProcess, messages: list, finish: str = "stop", **body: object):
     """A reply that ends as `finish` says, in valid UTF-8, from the first seed that gives
     one. (A byte-level model may sample bytes that are no UTF-8: the text returned holds
-    U+FFFD for them, and a client sending it back sends other bytes; README.)"""
+    U+FFFD for them, and a client sending it back sends other bytes; docs/OPENAI.md.)"""
     for seed in range(20):
         c = oa.chat.completions.create(model=server.model_dir, messages=messages, seed=seed, **body)  # type: ignore[call-overload]
         if c.choices[0].finish_reason == finish and "\ufffd" not in c.choices[0].message.content:

@@ -7,7 +7,7 @@ another key never hits the first key's prefixes; index entries expire with their
 
 The replies are greedy, so they are fixed by the weights: the prompts below give replies in
 valid UTF-8 (a byte-level model may sample bytes that are not, and such a reply, sent back
-as U+FFFD, no longer renders what the state consumed: README "Chat templates"). Each test
+as U+FFFD, no longer renders what the state consumed: docs/OPENAI.md "Chat templates"). Each test
 asserts that too, so a change of weights that breaks it fails loudly instead of missing."""
 
 from __future__ import annotations

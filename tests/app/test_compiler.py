@@ -93,7 +93,7 @@ def test_off_means_the_eager_step_and_no_thread():
 
 def test_prefills_run_the_models_compiled_parts_once_adopted():
     """RLT's per-token recurrence (`LanguageModel.parts`), compiled in the same background
-    thread: a prefill inside `prefilling()` runs it once the probe adopted it, with the
+    thread: a prefill run by `DecodeStep.prefill` runs it once the probe adopted it, with the
     eager log-probs (1e-4), alone and as two rows of unequal history."""
     lm, step = _compiled("shakespeare-rlt")
     with torch.no_grad():
@@ -114,10 +114,14 @@ def test_prefills_run_the_models_compiled_parts_once_adopted():
         for state in (long, lm.stack_states([short, long])):
             x = ids[: state.batch_size]
             eager, _ = lm.prefill(x, state, logprobs=True)
-            with step.prefilling():
+
+            def both(x=x, state=state):  # the served prefill, then once more counting the part's calls
                 compiled, _ = lm.prefill(x, state, logprobs=True)
                 with lm.using({"decode_token": counted}):
                     lm.prefill(x, state)
+                return compiled
+
+            compiled = step.prefill(both)
             assert (compiled - eager).abs().nan_to_num().max() <= TOLERANCE
             assert len(calls) == x.shape[1]  # one call per token: the fixed-shape loop ran
             calls.clear()
