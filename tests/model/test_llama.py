@@ -17,7 +17,9 @@ import model
 from model.checkpoint import build
 from model.llama import Llama
 from model.rlt import apply_rope, rope_angles
-from model.state import State, StateError
+from model.state import StateError
+
+from .conftest import run_chunks
 
 S, W = 2, 5  # sinks, window
 TINY = dict(
@@ -38,17 +40,6 @@ def tiny(seed: int = 0, **overrides: object) -> Llama:
                 p.uniform_(0.5, 1.5)
     lm.fingerprint = model.fingerprint(lm)
     return lm.eval()  # type: ignore[return-value]
-
-
-def run_chunks(lm: Llama, tokens: torch.Tensor, sizes: list[int], state: State | None = None):
-    state = state or lm.new_state(tokens.shape[0])
-    out, i = [], 0
-    for n in sizes:
-        logits, state = lm(tokens[:, i : i + n], state)
-        out.append(logits)
-        i += n
-    assert i == tokens.shape[1]
-    return torch.cat(out, 1), state
 
 
 # -- the definition, in float64 -------------------------------------------------------------
