@@ -104,7 +104,10 @@ WHY = [
     "int8 units (`torch._int_mm`, model/int8.py), whose batch-1 kernel reads its weights more slowly than "
     "fp32's matrix-vector product does, so int8 gains less than 4x. As the batch grows the same weights serve "
     "more rows, and the step moves toward the compute roofline; the attention over the window (K keys a row) "
-    "grows with the batch and, at W = 1024, is a large share of the bytes at batch 64.",
+    "grows with the batch and, at W = 1024, is a large share of the bytes at batch 64. Measured, the step at "
+    "batch 16 and 64 is not there yet: its largest op is `copy_` (about half the step at batch 16, more at 64), "
+    "which grows with the batch's state, not its weights, most likely the full window's keys and values moved "
+    "each step as it slides. That copy, not the roofline, is what batched decode of this family must shed first.",
 ]
 
 
