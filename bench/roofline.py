@@ -88,6 +88,7 @@ KERNELS = {
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "mkldnn::_linear_pointwise",
+    "aten::_int_mm",
 }
 
 
@@ -221,8 +222,12 @@ def rlt_work(lm: LanguageModel, state: State) -> Work:
     return Work(weights + reads, weights, 2 * B * (macs + attn), 2 * B * attn, K_e)
 
 
+# family -> what its decode step must do (bench/llm.py adds the LLM family's)
+WORK: dict[str, Callable[[LanguageModel, State], Work]] = {"transformer-xl": txl_work, "rlt": rlt_work}
+
+
 def work(lm: LanguageModel, state: State) -> Work:
-    return txl_work(lm, state) if lm.family == "transformer-xl" else rlt_work(lm, state)
+    return WORK[lm.family](lm, state)
 
 
 # -- timing and profiling ------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import evaluate, hf, train
+from . import checkpoint, evaluate, hf, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -39,13 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
     train.add_subcommand(sub)
     evaluate.add_subcommand(sub)
-    hf.add_subcommand(sub)  # recur convert (issue 9)
+    hf.add_subcommand(sub, [(checkpoint.converts, checkpoint.convert)])  # recur convert (issues 9, 28)
 
 
 def _init(args: argparse.Namespace) -> int:
     import dataclasses
-
-    from . import checkpoint
 
     cls = checkpoint.families()[args.family]
     fields = {f.name for f in dataclasses.fields(cls.config_class)}

@@ -40,12 +40,15 @@ _PARTS: contextvars.ContextVar[tuple[int, dict[str, Callable]]] = contextvars.Co
 
 
 class TimeAxis(NamedTuple):
-    """A state tensor [B, layers, M, width] along a time axis (dim 2): a sliding window of
-    at most `bound` rows that gains one row per consumed token (`model.state`)."""
+    """A state tensor [B, layers, M, width] along a time axis (dim 2) of at most `bound`
+    rows, one per consumed token (`model.state`): a sliding window of the last tokens' rows,
+    or, where it `fills`, the first tokens' rows, kept once the axis is full (attention
+    sinks)."""
 
     layers: int
     width: int
     bound: int
+    fills: bool = False
 
 
 # safetensors' names of the dtypes a stored state's tensors may have
@@ -57,6 +60,9 @@ class LanguageModel(nn.Module):
     config_class: ClassVar[type]
     # the state tensors that are serialised; the others are caches `rebuild_state` recomputes
     persistent: ClassVar[tuple[str, ...]]
+    # config fields a server may set at load time (`with_options`): they change how the
+    # weights are served (a span, a chunk size), never the weights
+    serving_options: ClassVar[tuple[str, ...]] = ()
     # the most tokens a stream may have consumed: positions stay exact in float64 (RoPE's
     # angles) and n_tokens plus any chunk stays far from int64's overflow. A family whose
     # positions are bounded tighter says so here.
@@ -73,6 +79,27 @@ class LanguageModel(nn.Module):
         # builds every step functionally (the benchmarks' baseline; the same results)
         self.append_in_place = True
         self.register_state_dict_post_hook(_contiguous_state)
+
+    @classmethod
+    def without_init(cls, config: Any) -> LanguageModel:
+        """The model with its weights uninitialised, for a reader to load them into: built on
+        the meta device and given memory, which skips the random init (for a pretrained LLM,
+        seconds of random numbers about to be overwritten). Non-persistent buffers are made
+        again by each module's `reset_buffers`."""
+        with torch.device("meta"):
+            lm = cls(config)
+        first: dict[int, str] = {}  # a tied weight's first name (giving it memory unties it)
+        ties = [(name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)]
+        lm = lm.to_empty(device="cpu")
+        for name, owner in ties:
+            if name != owner:
+                path, _, attr = name.rpartition(".")
+                setattr(lm.get_submodule(path), attr, lm.get_parameter(owner))
+        for m in lm.modules():
+            reset = getattr(m, "reset_buffers", None)
+            if callable(reset):
+                reset()
+        return lm
 
     # -- to implement -------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -103,8 +130,10 @@ class LanguageModel(nn.Module):
 
     # -- the state, from the family's layout ----------------------------------------------
     def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
-        seq_dims = dict.fromkeys(self.time_axes(), 2)
-        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {})
+        axes = self.time_axes()
+        seq_dims = dict.fromkeys(axes, 2)
+        fills = tuple(name for name, axis in axes.items() if axis.fills)
+        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {}, fills)
 
     def new_state(self, batch_size: int = 1) -> State:
         """A state for `batch_size` streams that have consumed nothing: empty time axes,
@@ -221,6 +250,18 @@ class LanguageModel(nn.Module):
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)
 
+    def with_options(self, options: dict[str, Any]) -> None:
+        """Set serving options (`serving_options`; a string value is parsed as its field's
+        type). The config is checked again; the caller refreshes the fingerprint, which
+        covers the config, so a state made under other options is refused. Raises ValueError."""
+        unknown = sorted(set(options) - set(self.serving_options))
+        if unknown:
+            known = ", ".join(self.serving_options) or "none"
+            raise ValueError(f"{self.family} has no serving option {', '.join(unknown)} (it has: {known})")
+        types = {f.name: type(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
+        parsed = {name: _parse_option(name, value, types[name]) for name, value in options.items()}
+        self.config = dataclasses.replace(self.config, **parsed)
+
     def train(self, mode: bool = True) -> LanguageModel:
         super().train(mode)
         if not mode and self.device.type == "cpu":
@@ -240,6 +281,11 @@ class LanguageModel(nn.Module):
                 n_out, n_in = w.shape
                 if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
                     w.data = w.data.t().contiguous().t()
+
+    def quantize(self) -> None:
+        """Serve with int8 weights (`model/int8.py`, `precision` "int8") where the family has
+        such a path, on CPU. Raises ValueError where it has none."""
+        raise ValueError(f"the {self.family} family has no int8 path: serve it in fp32 or bf16")
 
     def parts(self) -> dict[str, Callable]:
         """Pure tensor functions a forward runs many times over with inputs of one shape (a
@@ -338,6 +384,20 @@ class LanguageModel(nn.Module):
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
+
+
+def _parse_option(name: str, value: Any, typ: type) -> Any:
+    """A serving option's value as its config field's type (`LanguageModel.with_options`)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if typ is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        return typ(value)
+    except ValueError:
+        raise ValueError(f"serving option {name} must be a {typ.__name__}, not {value!r}") from None
 
 
 def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,14 +189,21 @@ def convert(src: str | Path, dst: str | Path, vocab: str | Path | None = None, *
     return lm
 
 
-def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
+# another reader of `recur convert`: whether it reads SRC, and its convert(SRC, DST)
+Source = tuple[Callable[[str], bool], Callable[[str, str], Any]]
+
+
+def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argparse._SubParsersAction
+    """`recur convert`; a SRC that one of `sources` reads goes to it, any other is an original
+    / HF Transformer-XL checkpoint."""
     import argparse
 
     p = sub.add_parser(
         "convert",
-        help="convert an original / HF Transformer-XL checkpoint to the native format",
-        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt. "
-        "Flags override the serving settings (the native config).",
+        help="convert a checkpoint (original / HF Transformer-XL, GGUF, HF LLaMA or Mistral) to the native format",
+        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL; "
+        "flags override the serving settings, the native config), or is a GGUF file or a HF LLaMA / Mistral "
+        "directory (its weights, tokenizer and chat template).",
     )
     p.add_argument("src")
     p.add_argument("dst")
@@ -204,12 +212,16 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
     p.add_argument("--mem-len", dest="mem_len", type=int, default=None)
     p.add_argument("--clamp-len", dest="clamp_len", type=int, default=None)
     p.add_argument("--same-length", dest="same_length", action=argparse.BooleanOptionalAction, default=None)
-    p.set_defaults(func=_convert_main)
+    p.set_defaults(func=_convert_main, sources=tuple(sources))
 
 
 def _convert_main(args) -> int:
-    overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
-    lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
+    reader = next((convert_with for claims, convert_with in args.sources if claims(args.src)), None)
+    if reader is not None:
+        lm = reader(args.src, args.dst)
+    else:
+        overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
+        lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dst, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))
     return 0

@@ -187,6 +187,10 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(d, eps=eps)
         self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Make eps_tensor again (`LanguageModel.without_init` leaves buffers uninitialised)."""
+        self.eps_tensor = torch.tensor(self.eps if self.eps is not None else 0.0, device=self.weight.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self)
 

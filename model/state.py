@@ -15,8 +15,10 @@ A *snapshot* (`delta` null) holds the whole persistent state. A *delta* holds on
 changed since the stream had consumed `base_n_tokens` tokens: the rows appended to each
 time-axis tensor and the small fixed-size tensors in full, so its size grows with the
 number of new tokens, never with the state's size. `merge(snapshot, deltas)` rebuilds the
-exact state. This relies on the one rule every family's time-axis tensors keep: each is a
-sliding window that gains exactly one row per consumed token (older rows fall off).
+exact state. This relies on the one rule every family's time-axis tensors keep: each gains
+exactly one row per consumed token up to its bound, and then either slides (older rows fall
+off) or, for the tensors named in `fills`, stops (it keeps the first tokens' rows: attention
+sinks). Either way the rows a delta carries are the tensor's last ones.
 
 Appending without copying (`Window`, `Growth`): a decode step adds one row to every
 time-axis tensor. Built functionally (`torch.cat`, then slice the window) that step copies
@@ -86,6 +88,8 @@ class State:
     # arenas the time-axis tensors are views of (see `Window`): never serialised, and
     # dropped by every operation that makes new tensors
     arenas: dict[str, Arena] = field(default_factory=dict, repr=False, compare=False)
+    # the time-axis tensors that fill and then stop rather than slide (see the module's docstring)
+    fills: tuple[str, ...] = ()
 
     # -- basic properties -------------------------------------------------------------
     @property
@@ -106,7 +110,9 @@ class State:
 
     def _holding(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
         """A state of the same model and layout holding `tensors` (new tensors: no arenas)."""
-        return State(self.family, self.fingerprint, tensors, self.seq_dims, self.persistent, arenas or {})
+        return State(
+            self.family, self.fingerprint, tensors, self.seq_dims, self.persistent, arenas or {}, self.fills
+        )
 
     def replace(self, **tensors: torch.Tensor) -> State:
         return self._holding({**self.tensors, **tensors}, self.arenas)
@@ -144,7 +150,9 @@ class State:
         """Concatenate single- or multi-stream states along the batch axis.
 
         Tensors in `seq_dims` are left-padded with zeros to the longest; the family's
-        validity counters (which are ordinary tensors) say which rows are real.
+        validity counters (which are ordinary tensors) say which rows are real. A tensor
+        that some of the states lack (a cache one holds and another, loaded from bytes, does
+        not yet) is left out: the family recomputes it.
         """
         states = list(states)
         if not states:
@@ -154,7 +162,7 @@ class State:
             if s.fingerprint != first.fingerprint:
                 raise StateError("cannot batch states of different models")
         out: dict[str, torch.Tensor] = {}
-        for name in first.tensors:
+        for name in [n for n in first.tensors if all(n in s.tensors for s in states)]:
             parts = [s.tensors[name] for s in states]
             dim = first.seq_dims.get(name)
             if dim is not None:
@@ -201,7 +209,10 @@ class State:
             dim = self.seq_dims.get(name)
             if since is not None and dim is not None:
                 length = t.shape[dim]
-                new_rows = min(int(self.n_tokens[0]) - since, length)
+                if name in self.fills:  # rows since..length-1 are new; a full one gains none
+                    new_rows = max(length - since, 0)
+                else:  # a sliding window's last rows, up to all of them
+                    new_rows = min(int(self.n_tokens[0]) - since, length)
                 t = t.narrow(dim, length - new_rows, new_rows)
                 lengths[name] = [dim, length]
             if t.is_floating_point():

@@ -5,13 +5,16 @@ text only once a character is complete, so the concatenation of everything it em
 equals `decode(all_ids)` exactly, multi-byte UTF-8 included.
 
 Tokenizers are described by a small JSON spec stored in each checkpoint
-(`tokenizer.json`); `from_spec` is the only constructor the loader uses. Two kinds: UTF-8
-bytes (the native models) and word-level vocabularies (pretrained WikiText-103 models).
+(`tokenizer.json`); `from_spec` is the only constructor the loader uses. Three kinds: UTF-8
+bytes (the native models), word-level vocabularies (pretrained WikiText-103 models), and
+subword tokenizers run by Hugging Face's `tokenizers` library (pretrained LLMs: the spec
+holds the library's own tokenizer JSON, `BPETokenizer`).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -167,6 +170,73 @@ class WordTokenizer:
         return {"kind": self.kind, "symbols": self.symbols}
 
 
+class _IncrementalDecoder:
+    """Text out as ids come in, for a tokenizer whose decoding is not per token: a token may
+    hold part of a character (byte-level BPE), so the text of the ids since the last complete
+    character is decoded again with each new id, and released once it no longer ends in a
+    partial one (U+FFFD). What is released adds up to `decode(all ids)` (vLLM's scheme)."""
+
+    def __init__(self, tok: BPETokenizer):
+        self._tok = tok
+        self._ids: list[int] = []
+        self._start = 0  # the ids decoded and released so far begin here ...
+        self._end = 0  # ... and end here
+
+    def feed(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        done = self._tok.decode(self._ids[self._start : self._end])
+        text = self._tok.decode(self._ids[self._start :])
+        if not final and (len(text) <= len(done) or text.endswith("\ufffd")):
+            return ""
+        self._start, self._end = self._end, len(self._ids)
+        return text[len(done) :]
+
+
+class BPETokenizer:
+    """A subword tokenizer (byte-level BPE, say) that Hugging Face's `tokenizers` library
+    runs from its JSON description (a `tokenizer.json`), with the model's BOS (None when a
+    stream does not start with one) and EOS ids. Special tokens in a text (e.g. `<|im_end|>`)
+    encode as their ids and decode as their text, so a transcript encodes back to its ids."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, bos_id: int | None, eos_id: int | None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._json = tokenizer_json
+        self._tok = HFTokenizer.from_str(tokenizer_json)
+        self.vocab_size = max(vocab_size, self._tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id, self.eos_id = bos_id, eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _IncrementalDecoder(self)
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one id on its own (part of a character shows as U+FFFD)."""
+        return self.decode([token_id])
+
+    def spec(self) -> dict:
+        return {
+            "kind": self.kind,
+            "tokenizer": json.loads(self._json),
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+        }
+
+
 def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
     kind = spec.get("kind")
     if kind == "byte":
@@ -176,4 +246,9 @@ def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
         if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
             raise ValueError("a word tokenizer spec needs 'symbols': a list of strings")
         return WordTokenizer(symbols)
+    if kind == "bpe":
+        ids = [spec.get(k) for k in ("vocab_size", "bos_id", "eos_id")]
+        if not isinstance(spec.get("tokenizer"), dict) or not all(i is None or isinstance(i, int) for i in ids):
+            raise ValueError("a bpe tokenizer spec needs 'tokenizer' (an object) and integer ids")
+        return BPETokenizer(json.dumps(spec["tokenizer"]), spec.get("vocab_size") or 0, ids[1], ids[2])
     raise ValueError(f"unknown tokenizer kind {kind!r}")

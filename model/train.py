@@ -131,6 +131,7 @@ def save_trainer(
             "fingerprint": state.fingerprint,
             "seq_dims": state.seq_dims,
             "persistent": list(state.persistent),
+            "fills": list(state.fills),
         }
     save_file(tensors, str(tmp / "trainer.safetensors"))
     meta = {
@@ -177,6 +178,7 @@ def load_trainer(
             {k[len("state/") :]: t.to(lm.device) for k, t in tensors.items() if k.startswith("state/")},
             {k: int(v) for k, v in sm["seq_dims"].items()},
             tuple(sm["persistent"]),
+            fills=tuple(sm.get("fills", ())),
         )
     return int(meta["step"]), state, meta
 

@@ -51,7 +51,11 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
             lm
             if lm is not None
             else await asyncio.to_thread(
-                model.load, settings.model, device=settings.device, precision=settings.precision
+                model.load,
+                settings.model,
+                device=settings.device,
+                precision=settings.precision,
+                options=settings.model_options,
             )
         )
         # the checkpoint's chat template, checked now: a broken one fails the start, not a chat

@@ -65,7 +65,7 @@ _STARTED = time.time()
 
 
 @router.get("/models", response_model=ModelList, summary="The served model (OpenAI format)")
-async def list_models(engine: EngineDep) -> ModelList:
+async def list_models(engine: EngineDep, request: Request) -> ModelList:
     lm = engine.lm
     card = ModelCard(
         id=engine.name,
@@ -74,6 +74,7 @@ async def list_models(engine: EngineDep) -> ModelList:
         vocab_size=engine.vocab_size,
         context_window=lm.context_window,
         precision=lm.precision,
+        chat_template=request.app.state.chat_template is not None,
     )
     return ModelList(data=[card])
 

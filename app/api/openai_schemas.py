@@ -295,15 +295,19 @@ class ModelCard(ResponseBody):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "recur"
-    family: str = Field(description="the model family (transformer-xl, rlt)")
+    family: str = Field(description="the model family (transformer-xl, rlt, llama)")
     vocab_size: int
     context_window: int = Field(
         description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
-        "max_context); a session has no length limit: older context lives on in its recurrent state"
+        "max_context; an LLM: sinks + window + 1); a session has no length limit: older context lives on in its "
+        "recurrent state"
     )
     precision: str = Field(
-        description="the compute precision the server runs: fp32, or bf16 (autocast); the behaviour log-probs it "
-        "records come from it, so `recur replay --precision auto` replays in it"
+        description="the compute precision the server runs: fp32, bf16 (autocast) or int8 (int8 weights); the "
+        "behaviour log-probs it records come from it, so `recur replay --precision auto` replays in it"
+    )
+    chat_template: bool = Field(
+        False, description="whether the model has a chat template, so that /v1/chat/completions serves it"
     )
 
 
