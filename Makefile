@@ -68,10 +68,12 @@ test-slow: $(STAMP)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
-# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py then puts its section back, from its own run
+# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py and streams.py (issue 30's figures) then
+# put their sections back, from their own runs
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/streams.py --write
 
 # does the background compile pay for itself? (about an hour: not part of make bench)
 bench-compile: $(STAMP)
