@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -289,7 +290,10 @@ def figures(result: dict) -> dict[str, float]:
 def section(result: dict) -> str:
     lines = [HEADING, "", "Written by `python bench/streams.py --write` (`make bench`); every figure from one run. "
              "Model level: 1 torch thread, eager steps, each batch's step timed in turn over several rounds "
-             "(the best round's median). Over HTTP: `recur serve`, 1 torch thread, compile off.", ""]  # fmt: skip
+             "(the best round's median). Over HTTP: `recur serve`, 1 torch thread, compile off. "
+             f"The machine's load average (1 minute) was {result.get('load_before')} at the start and "
+             f"{result.get('load_after')} at the end: on 2 cores, a load above 2 means other jobs took "
+             "cores from these figures, and every figure here is then noise-bound.", ""]  # fmt: skip
     m = result.get("model", {})
     if m:
         lines += [f"Limits measured in this run (1 thread): read {m['read_gbs']} GB/s, GEMM {m['gemm_gflops']} "
@@ -345,11 +349,12 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)")
     args = ap.parse_args()
     which = set(args.only.split(","))
-    result: dict = {}
+    result: dict = {"load_before": round(os.getloadavg()[0], 1)}
     if "model" in which:
         result["model"] = model_level(args.rounds)
     if "http" in which:
         result["http"] = http_level(args.reps, args.root)
+    result["load_after"] = round(os.getloadavg()[0], 1)
     for key, value in figures(result).items():
         print(f"{key}: {verdict(key, value)}", flush=True)
     if args.write:
