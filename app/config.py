@@ -78,6 +78,14 @@ class Settings(BaseSettings):
         description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine",
     )
     max_batch_size: int = Field(32, ge=1, description="most sessions decoded together in one forward pass")
+    prefill_tokens_per_step: int = Field(
+        32,
+        ge=1,
+        description="prompt tokens one engine step consumes while other sessions decode (chunked "
+        "prefill): a long prompt is consumed over many steps and the decoding streams advance every "
+        "step; larger gives a long prompt its first token sooner, smaller keeps others' token gaps "
+        "shorter (with nothing decoding, a prompt is consumed a whole segment per step)",
+    )
     max_queued_requests: int = Field(
         256, ge=1, description="requests waiting for the scheduler beyond which new ones get 429"
     )

@@ -270,8 +270,10 @@ class Arena:
     """Rows [B, L, capacity, D] behind a time-axis tensor; rows before `end` are claimed.
 
     `time_major`: in memory, each (stream, layer)'s rows are laid out along time (a row's D
-    values are `capacity` apart), so a kernel that scans the time axis reads it contiguously
-    (a single stream's attention scores, `model.transformer_xl`). The tensor is the same."""
+    values are `capacity` apart), layer by layer, so that a kernel scanning the time axis
+    reads it contiguously and one layer's (stream, feature) rows are a single batch of
+    equally spaced rows (a decode step's attention, `model.transformer_xl`). The tensor is
+    the same."""
 
     __slots__ = ("data", "end", "time_major")
 
@@ -282,8 +284,8 @@ class Arena:
     def empty(like: torch.Tensor, capacity: int, time_major: bool) -> torch.Tensor:
         """An uninitialised [B, L, capacity, D] buffer for rows like `like` [B, L, M, D]."""
         B, L, _, D = like.shape
-        if time_major:
-            return like.new_empty(B, L, D, capacity).transpose(2, 3)
+        if time_major:  # (L, B, D, capacity) in memory
+            return like.new_empty(L, B, D, capacity).permute(1, 0, 3, 2)
         return like.new_empty(B, L, capacity, D)
 
     def holds(self, t: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request
 from .runner import Counters, Runner
-from .scheduler import NO_FAIRNESS, Fairness, Scheduler
+from .scheduler import NO_FAIRNESS, PREFILL_TOKENS_PER_STEP, Fairness, Scheduler
 from .watchdog import Watchdog
 
 log = logging.getLogger("recur.engine")
@@ -44,6 +44,7 @@ class Engine:
         compile: bool,
         malloc_trim_interval: float,
         step_deadline: float,
+        prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
         fairness: Fairness = NO_FAIRNESS,
     ):
         if lm.tokenizer is None:
@@ -60,6 +61,7 @@ class Engine:
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
             segment_len=lm.segment_len,
+            prefill_tokens_per_step=prefill_tokens_per_step,
             fairness=fairness,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step

@@ -3,9 +3,14 @@
 Each step the scheduler
   1. admits waiting requests while fewer than `max_batch_size` are running, fairly
      between tenants (below);
-  2. picks the next prompt chunk (`lm.segment_len` tokens) of every admitted request that
-     still has prompt to consume, grouped by chunk length so each group is one forward
-     pass without padding: a long prompt never stalls the others for more than a chunk;
+  2. picks the next prompt chunk (at most `lm.segment_len` tokens) of admitted requests
+     that still have prompt to consume, grouped by chunk length so each group is one
+     forward pass without padding (chunked prefill). While other rows decode, the chunks
+     of a step hold at most `prefill_tokens_per_step` tokens together, taken in turn
+     from the prefilling rows: a long prompt is consumed over many steps and never
+     stalls the decoding streams for more than that budget (chunking changes no result:
+     boundary invariance). With nothing decoding, every prefilling row takes a whole
+     segment per step;
   3. picks every request whose prompt is consumed and that still samples, for ONE decode
      step all together;
   4. hands back the requests that are done (their last token sampled, or, asking for no
@@ -49,6 +54,10 @@ _STOP = object()  # the inbox item that ends the engine thread
 # a client whose last request just ended still counts as active for this many steps: one that
 # sends request after request is not met by a batch that another client filled in between
 LINGER_STEPS = 50
+# prompt tokens one step consumes while other rows decode (`Settings.prefill_tokens_per_step`):
+# on the shipped models about as long as a 16-row decode step takes, so a prompt arriving
+# at most doubles the decoding streams' inter-token latency while it is consumed
+PREFILL_TOKENS_PER_STEP = 32
 
 
 @dataclass(frozen=True)
@@ -71,12 +80,16 @@ class Scheduler:
         max_queued_requests: int,
         max_queued_tokens: int,
         segment_len: int,
+        prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
         fairness: Fairness = NO_FAIRNESS,
     ):
+        if prefill_tokens_per_step < 1:
+            raise ValueError("prefill_tokens_per_step must be >= 1")
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.segment_len = segment_len
+        self.prefill_tokens_per_step = prefill_tokens_per_step
         self.fairness = fairness
         self._share = max(1, math.floor(fairness.batch_share * max_batch_size))  # rows
         self._queue_lock = threading.Lock()
@@ -206,11 +219,21 @@ class Scheduler:
         self._place(row)
 
     def prefill_groups(self) -> list[tuple[int, list[Row]]]:
-        """This step's prompt chunks: (chunk length, the rows that consume one that long)."""
-        self._prefilling = [r for r in self._prefilling if not r.req.cancelled]
+        """This step's prompt chunks: (chunk length, the rows that consume one that long).
+        While rows decode, at most `prefill_tokens_per_step` tokens in all; the rows served
+        go to the back of the line, so that prefilling rows take the budget in turn."""
+        rows = [r for r in self._prefilling if not r.req.cancelled]
+        budget = self.prefill_tokens_per_step if self._decoding else math.inf
         groups: dict[int, list[Row]] = collections.defaultdict(list)
-        for r in self._prefilling:
-            groups[min(self.segment_len, len(r.pending))].append(r)
+        served = 0
+        for r in rows:
+            if budget <= 0:
+                break
+            size = int(min(self.segment_len, len(r.pending), budget))
+            budget -= size
+            groups[size].append(r)
+            served += 1
+        self._prefilling = rows[served:] + rows[:served]
         return list(groups.items())
 
     def prefilled(self) -> None:

@@ -60,6 +60,7 @@ def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
         compile=settings.compile,
         malloc_trim_interval=settings.malloc_trim_interval,
         step_deadline=settings.engine_step_deadline,
+        prefill_tokens_per_step=settings.prefill_tokens_per_step,
         fairness=Fairness(
             batch_share=settings.key_batch_share,
             queue_share=settings.key_queue_share,

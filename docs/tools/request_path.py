@@ -33,6 +33,7 @@ import contextlib
 import dis
 import itertools
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -353,7 +354,13 @@ def _split(text: str) -> tuple[str, str, str] | None:
 def is_current(t: Trace, path: Path = ARCHITECTURE) -> bool:
     """Whether the file's request-path block is what the trace gives now."""
     parts = _split(path.read_text()) if path.exists() else None
-    return parts is not None and parts[1].strip("\n") == section(t)
+    return parts is not None and _files_by_side(parts[1]) == _files_by_side(section(t))
+
+
+def _files_by_side(block: str) -> list[set[str]]:
+    """Each side's files as the block lists them. As sets: the order of first visits on the
+    event loop's side depends on how its worker threads happen to interleave."""
+    return [set(re.findall(r"`([\w/]+\.py)`", bullet)) for bullet in block.split("\n- **")[1:]]
 
 
 def write(t: Trace, path: Path = ARCHITECTURE) -> None:
