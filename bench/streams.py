@@ -61,7 +61,9 @@ def step_times(name: str, batches: list[int], rounds: int, steps: int) -> dict[i
     in turn; the best round's median."""
     lm = MODELS[name]()
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     states = {B: lm.stack_states([one] * B) for B in batches}
     best = {B: float("inf") for B in batches}
     for _ in range(rounds):
@@ -85,7 +87,9 @@ def roofline_fraction(name: str, B: int, limit: float, kind: str, rounds: int) -
     rate ("gemm")."""
     lm = MODELS[name]()
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     state = lm.stack_states([one] * B)
     w = work(lm, state)
     t = step_times_on(lm, state, rounds)
@@ -185,9 +189,12 @@ async def stall(client: httpx.AsyncClient, prompt_tokens: int, reps: int) -> dic
     async def run(with_prompt: bool) -> float:
         jobs = [stream(client, sid, seed=i) for i, sid in enumerate(sids[:15])]
         if with_prompt:
+
             async def late() -> None:
                 await asyncio.sleep(0.02)  # the streams decode first
-                r = await client.post(f"/v1/sessions/{sids[15]}/score", json={"prompt": text, "commit": False})
+                r = await client.post(
+                    f"/v1/sessions/{sids[15]}/score", json={"prompt": text, "commit": False}
+                )
                 r.raise_for_status()
 
             results = (await asyncio.gather(*jobs, late()))[:15]
@@ -248,7 +255,10 @@ def http_level(reps: int, root: Path) -> dict:
     seconds = serve("shakespeare-rlt", work_dir, rlt, root)
     torch.set_num_threads(1)
     model_rate = prefill_rate("shakespeare-rlt", [5000])[5000]
-    out["rlt_score"] = {"http_tokens_per_s": round(5000 / seconds, 1), "model_tokens_per_s": round(model_rate, 1)}
+    out["rlt_score"] = {
+        "http_tokens_per_s": round(5000 / seconds, 1),
+        "model_tokens_per_s": round(model_rate, 1),
+    }
     out["rlt_http_score"] = round(5000 / seconds / model_rate, 3)
     print(out["rlt_score"], flush=True)
     return out
@@ -264,7 +274,11 @@ ROWS = [  # key, figure, issue 30's "today"
     ("bw_3800", "batch-1 decode, attention length 3,800, bandwidth roofline", "37%"),
     ("http_16", "aggregate tokens/s over HTTP/SSE, 16 streams ÷ 1 stream", "2.2×"),
     ("rlt_8k_2k", "shipped `shakespeare-rlt`, prefill tokens/s at 8k ÷ at 2k (model level)", "not measured"),
-    ("rlt_http_score", "shipped `shakespeare-rlt`, 5,000-token `score` over HTTP ÷ model-level prefill", "0.2–0.6"),
+    (
+        "rlt_http_score",
+        "shipped `shakespeare-rlt`, 5,000-token `score` over HTTP ÷ model-level prefill",
+        "0.2–0.6",
+    ),
     ("stall_p99", "p99 ITL of 15 streams while an 8,000-token prompt arrives ÷ without", "not measured"),
 ]
 FRACTIONS = {"gemm_64", "bw_6x512", "bw_3800"}
@@ -346,7 +360,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)")
+    ap.add_argument(
+        "--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)"
+    )
     args = ap.parse_args()
     which = set(args.only.split(","))
     result: dict = {"load_before": round(os.getloadavg()[0], 1)}
