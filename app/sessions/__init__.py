@@ -25,7 +25,7 @@ from model import LanguageModel
 
 from .cache import Held, HotCache
 from .choices import Started, needs_whole_prompt, start, stateless
-from .reads import ModelMismatch, SessionReads
+from .reads import Listed, Listing, ModelMismatch, SessionReads
 from .run import ClientDisconnected, Run
 from .service import Generation, SessionService, StateRejected
 
@@ -34,6 +34,8 @@ __all__ = [
     "Generation",
     "Held",
     "HotCache",
+    "Listed",
+    "Listing",
     "ModelMismatch",
     "Run",
     "SessionReads",

@@ -86,7 +86,13 @@ async def stateless(
             held = len(tokens) - i
             try:
                 meta = await service.fork(
-                    match, None, owner, version, ttl=service.stateless_ttl, tokens_hash=hashes[held - 1]
+                    match,
+                    None,
+                    owner,
+                    version,
+                    ttl=service.stateless_ttl,
+                    tokens_hash=hashes[held - 1],
+                    ephemeral=True,
                 )
             except (SessionNotFound, VersionGone):  # expired, or a stale entry: prefill it all
                 pass
@@ -95,7 +101,7 @@ async def stateless(
                 metrics.PREFIX_TOKENS_SAVED.inc(held)
                 return meta.id, tokens[held:]
         metrics.PREFIX_REUSE_MISSES.inc()
-    return (await service.create([], service.stateless_ttl, owner)).id, ids
+    return (await service.create([], service.stateless_ttl, owner, ephemeral=True)).id, ids
 
 
 def needs_whole_prompt(gen: Generation) -> bool:
@@ -128,7 +134,7 @@ async def _sessions_of(
     source = sid
 
     async def fork() -> tuple[str, int | None]:
-        f = await service.fork(source, meta.version, owner, ttl=ttl)
+        f = await service.fork(source, meta.version, owner, ttl=ttl, ephemeral=True)
         made.append(f.id)
         return f.id, f.version
 

@@ -35,6 +35,9 @@ script touches both:
 
     P tenant:{T}:live    sorted set, the tenant's live sessions by expiry (the ledger)
     P tenant:{T}:bytes   hash, their stored bytes, and `_total`
+    P tenant:{T}:made    sorted set, 's:ID' (or 'e:ID', an ephemeral session: a stateless
+                         request's, an `n` fork's) by when it entered the ledger, in
+                         microseconds (the listing, newest first)
     P tenant:{T}:rate    hash, its request and token buckets
     P prefix:{T}:HASH    string, "session_id:version" of a committed state whose tokens hash
                          to HASH (the prefix index; lives as the session would)
@@ -72,8 +75,9 @@ class Keys:
         return f"{self.prefix}transcript:{{{session_id}}}"
 
     def ledger(self, tenant: str) -> list[str]:
-        """A tenant's ledger: its live sessions by expiry (sorted set), and their bytes (hash)."""
-        return [f"{self.prefix}tenant:{{{tenant}}}:live", f"{self.prefix}tenant:{{{tenant}}}:bytes"]
+        """A tenant's ledger: its live sessions by expiry (sorted set), their bytes (hash),
+        and when each entered it (sorted set, the listing)."""
+        return [f"{self.prefix}tenant:{{{tenant}}}:{name}" for name in ("live", "bytes", "made")]
 
     def rate(self, tenant: str) -> str:
         """A tenant's request and token buckets (hash)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = (
     "create", "read", "begin", "commit", "renew", "release", "delete", "read_at", "versions",
-    "record", "settle", "forget", "usage", "find_prefix", "bucket",
+    "record", "settle", "forget", "usage", "listing", "find_prefix", "bucket",
 )  # fmt: skip
 
 
