@@ -188,9 +188,10 @@ async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False)
     await room.finish(begun, body, rf.reply(body), body["output"], worker=worker)
 
 
-async def _ended(room: Responses, begun: Begun, body: dict) -> None:
+async def _ended(room: Responses, begun: Begun, last: dict) -> None:
+    """A background response's last event is out: keep the body it carries."""
     try:
-        await _keep(room, begun, body, worker=True)
+        await _keep(room, begun, last["response"], worker=True)
     finally:
         await room.close(begun)
 

@@ -174,7 +174,10 @@ class Responses:
         """Leave nothing of a response behind: the session it made."""
         begun.kept = True  # (once)
         if begun.made:
-            await self._forget(begun.turn.owner, begun.run.writer.meta.id)
+            run = begun.run
+            await self._forget(begun.turn.owner, run.writer.meta.id)
+            hashes = [run.writer.meta.tokens_hash, *([run.meta.tokens_hash] if run.meta else [])]
+            await self.service.tenants.store.unindex(begun.turn.owner, run.writer.meta.id, hashes)
 
     async def _extend_conversation(self, begun: Begun, items: list[dict]) -> None:
         turn, meta = begun.turn, begun.run.meta

@@ -16,6 +16,7 @@ SCRIPTS = (
     "record", "settle", "forget", "usage", "find_prefix", "bucket",
     "object_save", "object_read", "object_delete", "response_event", "response_events", "response_cancel",
     "response_expire", "leases", "items_add", "items_read", "items_delete",
+    "unindex",
 )  # fmt: skip
 
 

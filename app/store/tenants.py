@@ -93,6 +93,14 @@ class TenantStore:
         sid, _, version = bytes(answer["entry"]).decode().partition(":")
         return int(answer["index"]) - 1, sid, int(version)
 
+    async def unindex(self, owner: str, session_id: str, hashes: list[str]) -> None:
+        """Drop a deleted session's entries (by its states' token hashes) from the prefix
+        index, those it still holds: a session deleted on purpose leaves no entry behind."""
+        tenant = tenant_of(owner)
+        keys = [self.keys.prefix_entry(tenant, h) for h in dict.fromkeys(hashes) if h]
+        if keys:
+            await self.connection.run("unindex", keys, [session_id])
+
     # -- the buckets --------------------------------------------------------------------------
     async def take_request(self, owner: str, limits: Quota) -> None:
         """Take one request from the tenant's request bucket, shared by every replica: else

@@ -144,7 +144,13 @@ def test_conversations(oa):
     assert whole.output_text == r.output_text
     oa.conversations.items.delete(items[1].id, conversation_id=conv.id)  # the state cannot un-consume it
     again = oa.responses.create(input="Speak!", conversation=conv.id, **GREEDY)
-    assert again.usage.input_tokens_details.cached_tokens == 0  # so the items are prefilled anew
+    left = [items[0], items[2], items[3]]  # so the items are prefilled anew (from a prefix, at most)
+    assert again.usage.input_tokens_details.cached_tokens < r.usage.input_tokens
+    resent = oa.responses.create(
+        input=[*({"role": i.role, "content": i.content[0].text} for i in left), {"role": "user", "content": "Speak!"}],
+        store=False, **GREEDY,
+    )  # fmt: skip
+    assert resent.output_text == again.output_text
     oa.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError):
         oa.conversations.retrieve(conv.id)
