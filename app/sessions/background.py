@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from app import metrics
 from app.store import ResponseStore, StoreError
 
-from .responses import dumps
+from .responses import body_of, dumps
 
 log = logging.getLogger("recur.responses")
 POLL = 0.05  # seconds between a replaying reader's reads of a response still running
@@ -138,7 +138,7 @@ class Background:
             worker = self.workers.get(response_id)
             if worker is not None:
                 worker.cancel()
-        return status, json.loads(body) if body else None
+        return status, body_of(body) if body else None
 
     async def replay(self, response_id: str, owner: str, after: int) -> AsyncIterator[dict]:
         """The events after sequence number `after` (-1: all), as they come, until the
@@ -147,7 +147,10 @@ class Background:
         while True:
             ended, events = await self.store.events(response_id, owner, start)
             for raw in events:
-                yield json.loads(raw)
+                event = json.loads(raw)
+                if isinstance(event.get("response"), dict):
+                    event["response"] = body_of(json.dumps(event["response"]))
+                yield event
             start += len(events)
             if ended and not events:
                 return

@@ -57,6 +57,16 @@ def message(item: dict) -> dict[str, str]:
     return {"role": str(item["role"]), "content": text}
 
 
+def body_of(raw: str) -> dict:
+    """A stored Response object. A body Redis's Lua rewrote (a cancel, or a sweep's
+    failure) has its empty arrays as cjson writes them, `{}`: they are arrays again."""
+    body = dict(json.loads(raw))
+    for name in ("output", "tools"):
+        if body.get(name) == {}:
+            body[name] = []
+    return body
+
+
 def dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
@@ -192,7 +202,7 @@ class Responses:
     async def get(self, owner: str, response_id: str) -> dict:
         """A stored response's body."""
         fields = await self.store.read("response", response_id, owner, ["body"])
-        return dict(json.loads(fields["body"]))
+        return body_of(fields["body"])
 
     async def input_items(self, owner: str, response_id: str) -> list[dict]:
         """The input items the response was given, in order (its own: not its ancestors')."""
