@@ -16,7 +16,7 @@ from __future__ import annotations
 from app.config import Quota
 
 from .connection import Connection
-from .keys import Keys
+from .keys import SESSION_ID, Keys
 from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
 
 # a listing's cursor: '0' (the first page), or a page's own: the microseconds and the entry
@@ -43,7 +43,10 @@ class TenantStore:
         only if the tenant stays within them (else QuotaExceeded, and nothing changes). A
         new session enters the listing too, `ephemeral` (hidden by default) or not."""
         check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
-        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, "e" if ephemeral else "s"]
+        kind = (
+            ("e" if ephemeral else "s") if SESSION_ID.fullmatch(session_id) else ""
+        )  # (a response: unlisted)
+        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind]
         answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
         usage, status = LedgerTotals.of(answer), answer["status"]
         if status == b"sessions" and limits:
@@ -112,6 +115,14 @@ class TenantStore:
         answer = fields(raw)
         sid, _, version = bytes(answer["entry"]).decode().partition(":")
         return int(answer["index"]) - 1, sid, int(version)
+
+    async def unindex(self, owner: str, session_id: str, hashes: list[str]) -> None:
+        """Drop a deleted session's entries (by its states' token hashes) from the prefix
+        index, those it still holds: a session deleted on purpose leaves no entry behind."""
+        tenant = tenant_of(owner)
+        keys = [self.keys.prefix_entry(tenant, h) for h in dict.fromkeys(hashes) if h]
+        if keys:
+            await self.connection.run("unindex", keys, [session_id])
 
     # -- the buckets --------------------------------------------------------------------------
     async def take_request(self, owner: str, limits: Quota) -> None:

@@ -37,7 +37,8 @@ end
 
 -- record a session's bytes and expiry; with `check`, only if that keeps the tenant within
 -- `most_sessions` and `most_bytes` (a shrinking or unchanged session always passes). A
--- session the listing does not hold yet enters it, as `kind` ('s', or 'e': ephemeral).
+-- session the listing does not hold yet enters it, as `kind` ('s', or 'e': ephemeral; ''
+-- for what the ledger counts but the session listing does not show: a stored response).
 -- Returns the verdict ('ok', 'sessions' or 'bytes'), and the tenant's count and total.
 local function record(live, bytes, made, sid, new, expiry, check, most_sessions, most_bytes, kind)
   local count, total = prune_ledger(live, bytes, made)
@@ -50,7 +51,7 @@ local function record(live, bytes, made, sid, new, expiry, check, most_sessions,
   redis.call('ZADD', live, expiry, sid)
   redis.call('HSET', bytes, sid, new)
   total = redis.call('HINCRBY', bytes, '_total', new - old)
-  if not redis.call('ZSCORE', made, 's:' .. sid) and not redis.call('ZSCORE', made, 'e:' .. sid) then
+  if kind ~= '' and not redis.call('ZSCORE', made, 's:' .. sid) and not redis.call('ZSCORE', made, 'e:' .. sid) then
     redis.call('ZADD', made, math.floor(now() * 1000000), kind .. ':' .. sid)
   end
   keep_ledger(live, bytes, made)
