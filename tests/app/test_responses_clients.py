@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
 from langchain_openai import ChatOpenAI
 
 from tests.conftest import ServerProcess
@@ -20,7 +20,8 @@ MODEL = "shakespeare"
 
 @pytest.fixture(scope="module")
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=40) as srv:
+    # (room for a greedy reply to reach the turn stop: one cut at max_tokens is `incomplete`)
+    with ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=400) as srv:
         yield srv
 
 
@@ -31,6 +32,9 @@ def test_agents_sdk_two_turns_by_previous_response_id(server):
         name="Juliet",
         instructions="A balcony, by night.",
         model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        # greedy: the same reply every run, which ends at the turn stop (sampled, a reply may
+        # run to the server's max_tokens: `incomplete`, which the SDK raises as an error)
+        model_settings=ModelSettings(temperature=0),
     )
 
     async def two_turns() -> tuple:
