@@ -74,7 +74,10 @@ def run(settings: Settings) -> int:
         )
     try:
         lm = model.load(
-            settings.model, device=settings.device, precision=settings.precision, options=settings.model_options
+            settings.model,
+            device=settings.device,
+            precision=settings.precision,
+            options=settings.model_options,
         )
     except FileNotFoundError as exc:
         print(

@@ -23,13 +23,14 @@ Usage: python bench/gpu_smoke.py [--models shakespeare,smollm2] [--hbm-gbs 4800]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 import torch
 
 import model
-from model import LanguageModel, State
+from model import IN_PLACE, LanguageModel, State
 from model.checkpoint import build
 
 BATCH_256_TARGET = 20_000  # tokens/s, the shipped model at batch 256 (issue 14)
@@ -96,17 +97,17 @@ def correctness(lm: LanguageModel, cpu_lm: LanguageModel, dev: str) -> tuple[boo
 
 def compiled_matches_eager(lm: LanguageModel, state: State, dev: str) -> bool:
     """The compiled decode step (CUDA graphs on a GPU) against the eager one, 16 greedy steps."""
-    lm.append_in_place = False  # as the engine runs a compiled step: state built functionally
-    step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default")
+    step = torch.compile(  # (forward's default: the state built functionally, as the engine compiles it)
+        lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
+    )
     tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
     s_e = s_c = state
     diffs = []
     for _ in range(16):
-        le, s_e = lm(tok, s_e)
+        le, s_e = lm(tok, s_e, IN_PLACE)
         lc, s_c = step(tok, s_c)
         diffs.append((le - lc).abs().max().item())
         tok = le[:, -1:].argmax(-1)
-    lm.append_in_place = True
     return check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
 
 
@@ -166,13 +167,13 @@ def throughput(lm, state, dev: str) -> float:
             st = lm.stack_states([state] * batch)
             tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             for _ in range(5):
-                _, st = lm(tok, st)
+                _, st = lm(tok, st, IN_PLACE)
             sync(dev)
             steps, t0 = 100, time.perf_counter()
             for _ in range(steps):
                 logits = lm.next_logits(st)
                 tok = logits.argmax(-1, keepdim=True)
-                _, st = lm(tok, st)
+                _, st = lm(tok, st, IN_PLACE)
             sync(dev)
             dt = time.perf_counter() - t0
             per_step_bytes = weights + st.nbytes()
@@ -204,9 +205,8 @@ def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
     per_step = weights + state.nbytes()  # every weight, and the memory's keys and values
     best = 0.0
     for name in ("eager", "cuda graph"):
-        lm.append_in_place = name == "eager"
         step = (
-            lm.forward
+            functools.partial(lm.forward, how=IN_PLACE)
             if name == "eager"
             else torch.compile(
                 lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
@@ -227,7 +227,6 @@ def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
             f"roofline {name}: {per_step / 1e6:.0f} MB/step, {achieved:,.0f} GB/s = {achieved / hbm_gbs:.0%} of HBM",
             flush=True,
         )
-    lm.append_in_place = True
     return check(
         "WikiText-103-size model, batch 1, bandwidth ÷ HBM peak",
         best >= HBM_TARGET,

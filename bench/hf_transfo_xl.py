@@ -58,7 +58,9 @@ def main() -> None:
     mems = model(input_ids=fill, mems=empty).mems  # FILL rows per layer: the memory is full
     nxt = torch.tensor([[7]])
     first = model(input_ids=nxt, mems=mems).prediction_scores[0, -1]
-    save_file({"fill": fill, "next": nxt, "logprobs": first.contiguous()}, str(target / "reference.safetensors"))
+    save_file(
+        {"fill": fill, "next": nxt, "logprobs": first.contiguous()}, str(target / "reference.safetensors")
+    )
     best = {B: float("inf") for B in BATCHES}
     batched = {B: [m.expand(-1, B, -1).contiguous() for m in mems] for B in BATCHES}  # (M, B, d)
     for _ in range(rounds):

@@ -7,7 +7,7 @@
    1,800, 2,800 and 3,800 (Dai et al. report 363x, 773x, 1,409x and 1,874x, on GPU).
    Context only, not a target: bench/roofline.py holds a step against the machine's limits.
 3. A decode step that grows the state in place (the default) against one that builds it
-   functionally (`lm.append_in_place = False`: `torch.cat` the new row, slice the window),
+   functionally (`model.FUNCTIONAL`: `torch.cat` the new row, slice the window),
    at 1 and 16 streams and two attention lengths. Results are the same (bit for bit
    here; tests/model/test_state.py checks them to 1e-5); only the copies differ.
 
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from model import LanguageModel
+from model import FUNCTIONAL, IN_PLACE, Execution, LanguageModel
 from model.checkpoint import build, resolve_device
 
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9
@@ -53,8 +53,9 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def decode_ms(lm, state, steps: int) -> float:
-    """Median wall time of one decode step (next-token logits + consuming one token)."""
+def decode_ms(lm, state, steps: int, how: Execution = IN_PLACE) -> float:
+    """Median wall time of one decode step (next-token logits + consuming one token), grown
+    as the engine's eager step grows it (in place), unless `how` says otherwise."""
     tok = torch.zeros(state.batch_size, 1, dtype=torch.long, device=lm.device)
     times = []
     for _ in range(steps):
@@ -62,7 +63,7 @@ def decode_ms(lm, state, steps: int) -> float:
         t0 = time.perf_counter()
         logits = lm.next_logits(state)
         tok[:, 0] = logits.argmax(-1)
-        _, state = lm(tok, state)
+        _, state = lm(tok, state, how)
         sync(lm.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -153,8 +154,8 @@ def growth(args: argparse.Namespace) -> list[dict]:
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(3):  # interleaved, so machine noise hits both alike
                 for in_place in (True, False):
-                    lm3.append_in_place = in_place
-                    times[in_place].append(decode_ms(lm3, st, args.steps // 10))
+                    how = IN_PLACE if in_place else FUNCTIONAL
+                    times[in_place].append(decode_ms(lm3, st, args.steps // 10, how))
             t_in, t_fn = min(times[True]), min(times[False])
             out.append(
                 {

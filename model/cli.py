@@ -50,7 +50,9 @@ def _init(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in INIT_FLAGS if getattr(args, k) is not None}
     bad = sorted(set(given) - fields)
     if bad:
-        raise SystemExit(f"recur init: --family {args.family} has no option(s) {', '.join('--' + b.replace('_', '-') for b in bad)}")
+        raise SystemExit(
+            f"recur init: --family {args.family} has no option(s) {', '.join('--' + b.replace('_', '-') for b in bad)}"
+        )
     lm = checkpoint.init(args.dir, family=args.family, seed=args.seed, **given)
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dir, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))

@@ -19,10 +19,9 @@ those are written once for every family. Weight init is shared too (GPT-2's).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -32,11 +31,27 @@ from torch import nn
 from .state import Arena, Declared, State, StateError, merge
 from .tokenizer import Tokenizer
 
-# the parts a forward in this thread runs in place of its own (`LanguageModel.using`): the
-# model they were made for, and its parts by name
-_PARTS: contextvars.ContextVar[tuple[int, dict[str, Callable]]] = contextvars.ContextVar(
-    "recur_model_parts", default=(0, {})
-)
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How one forward runs, as its caller says (nothing is read from the surroundings):
+
+    - `in_place`: whether it appends to its state's arenas in place (`model.state.Arena`),
+      which only a forward without autograd and outside a graph being compiled may do (the
+      arena's bookkeeping is Python over buffers the step mutates); else the state grows
+      functionally, a new tensor per step, which autograd and a compiled graph follow;
+    - `parts`: compiled versions of the family's `parts()`, by name, to run in place of its
+      own (an RLT per-token step, say).
+
+    `FUNCTIONAL` is `forward`'s default (training, and the graph a compiler traces);
+    `IN_PLACE` is `prefill`'s and `consume`'s, which never track gradients."""
+
+    in_place: bool = False
+    parts: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+
+
+FUNCTIONAL = Execution()
+IN_PLACE = Execution(in_place=True)
 
 
 class TimeAxis(NamedTuple):
@@ -75,9 +90,6 @@ class LanguageModel(nn.Module):
         self.fingerprint = "unset"
         # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
-        # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
-        # builds every step functionally (the benchmarks' baseline; the same results)
-        self.append_in_place = True
         self.register_state_dict_post_hook(_contiguous_state)
 
     @classmethod
@@ -89,7 +101,9 @@ class LanguageModel(nn.Module):
         with torch.device("meta"):
             lm = cls(config)
         first: dict[int, str] = {}  # a tied weight's first name (giving it memory unties it)
-        ties = [(name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)]
+        ties = [
+            (name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)
+        ]
         lm = lm.to_empty(device="cpu")
         for name, owner in ties:
             if name != owner:
@@ -117,7 +131,9 @@ class LanguageModel(nn.Module):
         the recurrent state, so a stream itself has no length limit."""
         return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
 
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
 
     def next_logits(self, state: State) -> torch.Tensor:
@@ -190,7 +206,9 @@ class LanguageModel(nn.Module):
         so a blob's size cannot exceed what its batch of this model's states needs."""
         header = declared.header
         if header.get("family") != self.family:
-            raise StateError(f"state is for model family {header.get('family')!r}, this model is {self.family!r}")
+            raise StateError(
+                f"state is for model family {header.get('family')!r}, this model is {self.family!r}"
+            )
         if header.get("fingerprint") != self.fingerprint:
             raise StateError(
                 f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
@@ -206,7 +224,9 @@ class LanguageModel(nn.Module):
             if name == "n_tokens":
                 continue
             if dtype not in _STORED_FLOATS:
-                raise StateError(f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}")
+                raise StateError(
+                    f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}"
+                )
             _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
 
     def max_state_bytes(self) -> int:
@@ -232,15 +252,6 @@ class LanguageModel(nn.Module):
     def param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """GPT-2's init for `self.apply`: weights N(0, 0.02), biases zero."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-            bias = getattr(m, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                nn.init.zeros_(bias)
-
     @property
     def segment_len(self) -> int:
         """Chunk size for consuming long inputs. For families whose results do not depend
@@ -265,22 +276,8 @@ class LanguageModel(nn.Module):
     def train(self, mode: bool = True) -> LanguageModel:
         super().train(mode)
         if not mode and self.device.type == "cpu":
-            self._lay_out_weights()
+            lay_out_weights(self)
         return self
-
-    def _lay_out_weights(self) -> None:
-        """Lay out each (untied) linear layer's weight with its longer side contiguous in
-        memory: a tall one is stored transposed, the same tensor. One token's step
-        multiplies a vector by every weight, and a CPU's BLAS streams a long contiguous side
-        faster than a short one. `state_dict` hands out contiguous copies of these
-        (`_contiguous_state`), so checkpoints and fingerprints are unchanged."""
-        uses = Counter(id(p) for _, p in self.named_parameters(remove_duplicate=False))
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight
-                n_out, n_in = w.shape
-                if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
-                    w.data = w.data.t().contiguous().t()
 
     def quantize(self) -> None:
         """Serve with int8 weights (`model/int8.py`, `precision` "int8") where the family has
@@ -290,34 +287,8 @@ class LanguageModel(nn.Module):
     def parts(self) -> dict[str, Callable]:
         """Pure tensor functions a forward runs many times over with inputs of one shape (a
         family's per-token loop), by name: a caller may compile them and run forwards with
-        the compiled ones (`using`). None by default."""
+        the compiled ones (`Execution.parts`). None by default."""
         return {}
-
-    @contextlib.contextmanager
-    def using(self, parts: dict[str, Callable]) -> Iterator[None]:
-        """Forwards of this model, in this thread and within this block, run `parts`
-        (compiled versions of `parts()`, say) in place of its own; other threads and other
-        models are not affected."""
-        token = _PARTS.set((id(self), parts))
-        try:
-            yield
-        finally:
-            _PARTS.reset(token)
-
-    def part(self, name: str) -> Callable | None:
-        """The function `using` installed as part `name` for this model, if any (never inside
-        a graph being compiled: that graph inlines the model's own code)."""
-        if torch.compiler.is_compiling():
-            return None
-        owner, parts = _PARTS.get()
-        return parts.get(name) if owner == id(self) else None
-
-    def grows_in_place(self) -> bool:
-        """Whether a forward appends to its state's arenas in place: never under autograd (the
-        functional path keeps every step in the graph) nor in a graph being compiled (the
-        arena's bookkeeping is Python over buffers the step mutates, which breaks graphs
-        and CUDA graphs), so a compiled step and the eager one can serve side by side."""
-        return self.append_in_place and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -348,11 +319,13 @@ class LanguageModel(nn.Module):
     def split_state(self, state: State) -> list[State]:
         return state.split(self.state_lengths(state))
 
+    @torch.no_grad()
     def prefill(
-        self, ids: torch.Tensor, state: State, logprobs: bool = False
+        self, ids: torch.Tensor, state: State, logprobs: bool = False, how: Execution = IN_PLACE
     ) -> tuple[torch.Tensor | None, State]:
         """Teacher-force one chunk `ids` [B, T] (T <= `segment_len`) into `state`: the one
-        prefill step, shared by `consume` and the server's scheduler.
+        prefill step, shared by `consume` and the server's scheduler (without gradients:
+        training runs `forward`).
 
         Returns (logprobs [B, T] or None, state'). logprobs[:, i] is log p(ids[:, i] |
         everything before it); for i = 0 it comes from `next_logits(state)`, and is NaN for
@@ -363,7 +336,7 @@ class LanguageModel(nn.Module):
             out = torch.empty(ids.shape, device=ids.device)
             first = F.log_softmax(self.next_logits(state).float(), -1).gather(1, ids[:, :1])[:, 0]
             out[:, 0] = torch.where(state.n_tokens > 0, first, torch.full_like(first, float("nan")))
-        logits, state = self(ids, state)
+        logits, state = self(ids, state, how)
         if out is not None:
             # logits at position i predict token i+1
             lp = F.log_softmax(logits[:, :-1].float(), -1)
@@ -371,7 +344,9 @@ class LanguageModel(nn.Module):
         return out, state
 
     @torch.no_grad()
-    def consume(self, tokens: list[int] | torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+    def consume(
+        self, tokens: list[int] | torch.Tensor, state: State, how: Execution = IN_PLACE
+    ) -> tuple[torch.Tensor, State]:
         """Teacher-force `tokens` into a single- or multi-stream state, `segment_len` tokens
         at a time (`prefill`). Returns (logprobs [B, T], state'), as `prefill` defines them."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
@@ -379,11 +354,35 @@ class LanguageModel(nn.Module):
             ids = ids[None]
         parts = []
         for start in range(0, ids.shape[1], self.segment_len):
-            lp, state = self.prefill(ids[:, start : start + self.segment_len], state, logprobs=True)
+            lp, state = self.prefill(ids[:, start : start + self.segment_len], state, True, how)
             assert lp is not None
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
+
+
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's init, for a family's `self.apply`: weights N(0, 0.02), biases zero."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+        bias = getattr(m, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            nn.init.zeros_(bias)
+
+
+def lay_out_weights(module: nn.Module) -> None:
+    """Lay out each (untied) linear layer's weight with its longer side contiguous in
+    memory: a tall one is stored transposed, the same tensor. One token's step multiplies
+    a vector by every weight, and a CPU's BLAS streams a long contiguous side faster than a
+    short one. `state_dict` hands out contiguous copies of these (`_contiguous_state`), so
+    checkpoints and fingerprints are unchanged."""
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            n_out, n_in = w.shape
+            if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
+                w.data = w.data.t().contiguous().t()
 
 
 def _parse_option(name: str, value: Any, typ: type) -> Any:
@@ -401,7 +400,7 @@ def _parse_option(name: str, value: Any, typ: type) -> Any:
 
 
 def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A state_dict's tensors in the standard layout (see `LanguageModel._lay_out_weights`):
+    """A state_dict's tensors in the standard layout (see `lay_out_weights`):
     safetensors saves only contiguous tensors."""
     for name, t in state_dict.items():
         if not t.is_contiguous():
@@ -421,4 +420,6 @@ def _check_layout(
     if len(shape) != 4 or shape[0] != B or shape[1] != axis.layers or shape[3] != axis.width:
         raise StateError(f"state {name} has shape {shape}, expected [{B}, {axis.layers}, M, {axis.width}]")
     if shape[2] > axis.bound:
-        raise StateError(f"state {name}: memory length {shape[2]} does not fit the bound {axis.bound} and n_tokens")
+        raise StateError(
+            f"state {name}: memory length {shape[2]} does not fit the bound {axis.bound} and n_tokens"
+        )

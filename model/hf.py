@@ -43,9 +43,13 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A HF `TransfoXLConfig` dict -> the native TransformerXLConfig fields."""
     model_type = hf.get("model_type", "transfo-xl")
     if model_type != "transfo-xl":
-        raise ValueError(f"config.json describes a {model_type!r} model; only Transformer-XL (transfo-xl) converts")
+        raise ValueError(
+            f"config.json describes a {model_type!r} model; only Transformer-XL (transfo-xl) converts"
+        )
     if hf.get("attn_type", 0) != 0:
-        raise ValueError(f"attn_type {hf['attn_type']} is not supported (only 0, relative attention, was published)")
+        raise ValueError(
+            f"attn_type {hf['attn_type']} is not supported (only 0, relative attention, was published)"
+        )
     if hf.get("sample_softmax", -1) > 0:
         raise ValueError("sample_softmax checkpoints are not supported")
     d_model = hf.get("d_model", 1024)
@@ -86,7 +90,10 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor in the directory's weights: safetensors preferred, `.bin` as plain tensors only."""
     path = Path(path)
-    for index, loader in (("model.safetensors.index.json", _load_safetensors), ("pytorch_model.bin.index.json", _load_bin)):
+    for index, loader in (
+        ("model.safetensors.index.json", _load_safetensors),
+        ("pytorch_model.bin.index.json", _load_bin),
+    ):
         if (path / index).is_file():
             shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
             out: dict[str, torch.Tensor] = {}
@@ -155,9 +162,7 @@ def native_state_dict(lm: TransformerXL, source: dict[str, torch.Tensor]) -> dic
     return {name: src[aliases.get(name, name)].to(torch.float32) for name in target}
 
 
-def read(
-    path: str | Path, vocab: str | Path | None = None, **overrides: Any
-) -> TransformerXL:
+def read(path: str | Path, vocab: str | Path | None = None, **overrides: Any) -> TransformerXL:
     """Build the native model for an original / HF directory (on CPU, fp32, eval mode).
 
     `vocab` defaults to DIR/vocab.txt; `overrides` replace native config fields
@@ -174,7 +179,9 @@ def read(
         )
     tok = WordTokenizer.from_vocab_file(vocab_path)
     if tok.vocab_size != cfg["vocab_size"]:
-        raise ValueError(f"{vocab_path} has {tok.vocab_size} symbols, the model's vocab_size is {cfg['vocab_size']}")
+        raise ValueError(
+            f"{vocab_path} has {tok.vocab_size} symbols, the model's vocab_size is {cfg['vocab_size']}"
+        )
     lm = build("transformer-xl", cfg, tok.spec())
     assert isinstance(lm, TransformerXL)
     lm.load_state_dict(native_state_dict(lm, read_weights(path)), strict=True)
@@ -182,7 +189,9 @@ def read(
     return lm.eval()
 
 
-def convert(src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any) -> TransformerXL:
+def convert(
+    src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any
+) -> TransformerXL:
     """Write the original / HF checkpoint at `src` as a native checkpoint at `dst`."""
     lm = read(src, vocab=vocab, **overrides)
     save(lm, dst)

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel, TimeAxis
+from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
 from .int8 import int8_linear
 from .rlt import RMSNorm, Rope, apply_rope, rms_norm, rope_angles
 from .state import State, StateError, kv_appender, unzip
@@ -311,7 +311,7 @@ class Llama(LanguageModel):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Module = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
 
@@ -380,7 +380,9 @@ class Llama(LanguageModel):
             sink = _bias((spos >= 0) & (spos < S) & (spos <= pos[:, :, None]))
         return Span(cs, cs_sink, window, sink, n_new)
 
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
         if state is None:
@@ -388,7 +390,7 @@ class Llama(LanguageModel):
         n = state.n_tokens
         M, Ms = state["k"].shape[2], state["sink_k"].shape[2]
         span = self.span(n, T, M, Ms)
-        grown = {name: state.window(name).grow(T, self.grows_in_place()) for name in ("k", "v")}
+        grown = {name: state.window(name).grow(T, how.in_place) for name in ("k", "v")}
         fresh: list[Pair] = []
         with self.autocast():
             x = self.tok_emb(tokens)  # (B, T, d)

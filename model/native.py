@@ -36,7 +36,10 @@ def families() -> dict[str, type[LanguageModel]]:
 
 
 def build(
-    family: str, config: dict, tokenizer_spec: dict | None = None, weights: Mapping[str, torch.Tensor] | None = None
+    family: str,
+    config: dict,
+    tokenizer_spec: dict | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> LanguageModel:
     """A model of `family`: randomly initialised (weights depend on torch's RNG state), or
     holding `weights` (every one, strictly), made without the random init's cost."""
@@ -74,8 +77,12 @@ def fingerprint(lm: LanguageModel) -> str:
 def save(lm: LanguageModel, directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({"family": lm.family, "config": lm.config_dict()}, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(lm.tokenizer.spec() if lm.tokenizer else {"kind": "byte"}) + "\n")
+    (out / "config.json").write_text(
+        json.dumps({"family": lm.family, "config": lm.config_dict()}, indent=2) + "\n"
+    )
+    (out / "tokenizer.json").write_text(
+        json.dumps(lm.tokenizer.spec() if lm.tokenizer else {"kind": "byte"}) + "\n"
+    )
     save_model(lm, str(out / "model.safetensors"))
     return out
 

@@ -248,7 +248,9 @@ def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
         return WordTokenizer(symbols)
     if kind == "bpe":
         ids = [spec.get(k) for k in ("vocab_size", "bos_id", "eos_id")]
-        if not isinstance(spec.get("tokenizer"), dict) or not all(i is None or isinstance(i, int) for i in ids):
+        if not isinstance(spec.get("tokenizer"), dict) or not all(
+            i is None or isinstance(i, int) for i in ids
+        ):
             raise ValueError("a bpe tokenizer spec needs 'tokenizer' (an object) and integer ids")
         return BPETokenizer(json.dumps(spec["tokenizer"]), spec.get("vocab_size") or 0, ids[1], ids[2])
     raise ValueError(f"unknown tokenizer kind {kind!r}")

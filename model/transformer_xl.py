@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel, TimeAxis
+from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, kv_appender, unzip
 
 
@@ -84,7 +84,9 @@ class TransformerXLConfig:
         if (self.cutoffs or self.div_val != 1 or self.d_embed or self.tie_projs) and not self.adaptive:
             raise ValueError("cutoffs, div_val, d_embed and tie_projs need adaptive=True")
         if self.adaptive:
-            if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(not 0 < c < self.vocab_size for c in self.cutoffs):
+            if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(
+                not 0 < c < self.vocab_size for c in self.cutoffs
+            ):
                 raise ValueError(f"cutoffs must increase strictly inside (0, vocab_size): {self.cutoffs}")
             if self.div_val < 1:
                 raise ValueError("div_val must be >= 1")
@@ -398,7 +400,9 @@ class TransformerXL(LanguageModel):
         if not cfg.untie_r:
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
+        self.final_norm = (
+            nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
+        )
         # the output layer: `out` (native) or `crit` (adaptive, named as in the original)
         if cfg.adaptive:
             self.crit = ProjectedAdaptiveLogSoftmax(cfg)
@@ -408,7 +412,7 @@ class TransformerXL(LanguageModel):
                 self.out.weight = self.word_emb.weight  # type: ignore[assignment]
         self._tables: PositionTables | None = None  # inference only (`_positions`)
         self._masks: dict[tuple, tuple[torch.Tensor, bool]] = {}  # by shape (`_mask`)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         if cfg.adaptive:
             self._init_adaptive()
 
@@ -536,7 +540,9 @@ class TransformerXL(LanguageModel):
         r = sinusoid(self._distances(K, device), cfg.d_model)
         return self.blocks()[layer].dec_attn.r_net(r).view(K, cfg.n_head, cfg.d_head)
 
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
         if state is None:
@@ -546,7 +552,7 @@ class TransformerXL(LanguageModel):
         mem = state["mem"]  # (B, L, M, d)
         M = mem.shape[2]
         keep = min(cfg.mem_len, M + T)  # memory rows carried to the next call
-        in_place = self.grows_in_place()
+        in_place = how.in_place
         grown = {"mem": state.window("mem").grow(T, in_place)}
         if not self.training:  # training projects the memory afresh (with gradients): no cache
             # decode steps scan each stream's keys and values along time (`attend_one`)

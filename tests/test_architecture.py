@@ -61,7 +61,16 @@ def test_house_rules_are_the_ones_asserted() -> None:
         (("model",), ("app",)),
         (("app.engine",), ("app",)),
         (("app.store",), ("app.engine", "app.api", "model")),
+        (("app.sessions", "app.tenants"), ("app.api",)),
     }
+
+
+def test_sessions_and_tenants_know_no_http() -> None:
+    _assert_no_imports(
+        ("app.sessions", "app.tenants"),
+        ("app.api",),
+        "app/sessions and app/tenants run the transaction and its accounting: never app.api (HTTP)",
+    )
 
 
 def test_no_long_functions() -> None:
@@ -86,7 +95,9 @@ def test_no_wide_classes_or_long_files() -> None:
         for path in ig.sources(ROOT, ("app",))
         if (n := len(path.read_text().splitlines())) > 700
     ]
-    assert not wide and not long, "classes over 300 lines, files over 700; split them:\n" + "\n".join(wide + long)
+    assert not wide and not long, "classes over 300 lines, files over 700; split them:\n" + "\n".join(
+        wide + long
+    )
 
 
 def test_architecture_picture_is_current() -> None:

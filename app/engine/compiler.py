@@ -17,8 +17,8 @@ shape the compiled code has not met compiles again on the spot. So nobody waits 
 - Under the stance `eager_on_recompile`, an input the compiled code's guards refuse (rows of
   unequal length, say) runs eagerly for that step instead of compiling on the engine thread.
 
-A compiled step grows the state functionally (`LanguageModel.grows_in_place` is False while
-tracing); the eager one keeps growing in place.
+A compiled step grows the state functionally (it traces `forward` with its default
+`FUNCTIONAL` execution); the eager one grows it in place (`IN_PLACE`, `model.Execution`).
 
 Serving never depends on the compile:
 - torch.fx's tracer (AOTAutograd's make_fx, inductor's symbolic_trace) patches
@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from model import LanguageModel, State
+from model import IN_PLACE, Execution, LanguageModel, State
 
 log = logging.getLogger("recur.engine")
 
@@ -202,21 +202,22 @@ class DecodeStep:
                     return compiled(tokens, state)
             except Exception as exc:  # (it grew nothing in place: the same input serves eagerly)
                 self._drop(exc)
-        return self.lm.forward(tokens, state)
+        return self.lm.forward(tokens, state, IN_PLACE)
 
-    def prefill(self, run: Callable[[], T]) -> T:
-        """`run` a prefill with the model's compiled parts (its per-token loop, say) where the
-        probe adopted them; an input their guards refuse runs eagerly, and if they raise,
-        `run` runs again eagerly (a forward never changes the rows of the state it is given)."""
+    def prefill(self, run: Callable[[Execution], T]) -> T:
+        """`run` a prefill, given how: in place, with the model's compiled parts (its
+        per-token loop, say) where the probe adopted them; an input their guards refuse runs
+        eagerly, and if they raise, `run` runs again eagerly (a forward never changes the
+        rows of the state it is given)."""
         parts = self._parts
         if not parts:
-            return run()
+            return run(IN_PLACE)
         try:
-            with self.lm.using(parts), torch.compiler.set_stance("eager_on_recompile"):
-                return run()
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return run(Execution(in_place=True, parts=parts))
         except Exception as exc:
             self._drop(exc)
-        return run()
+        return run(IN_PLACE)
 
     def _drop(self, exc: Exception) -> None:
         """A compiled step or part failed at serve time: the eager ones serve from now on."""
@@ -300,7 +301,7 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
     for one in states:
         state = lm.stack_states([one] * rows)
         for _ in range(3):  # the first calls compile; each is checked
-            le, _ = lm.forward(tok, state)
+            le, _ = lm.forward(tok, state, IN_PLACE)
             lc, state = compiled(tok, state)
             diff = max(diff, float((lc - le).abs().max()))
     eager: list[float] = []
@@ -308,7 +309,7 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
     s_eager = s_comp = lm.stack_states([states[0]] * rows)
     for _ in range(PROBE_STEPS if rows <= 4 else PROBE_STEPS // 2):  # a large batch's steps are long
         t0 = _clock(lm)
-        _, s_eager = lm.forward(tok, s_eager)
+        _, s_eager = lm.forward(tok, s_eager, IN_PLACE)
         eager.append(_clock(lm) - t0)
         t0 = _clock(lm)
         _, s_comp = compiled(tok, s_comp)
@@ -334,8 +335,7 @@ def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable],
     for rows in (1, 2):
         x = ids.expand(rows, n)
         le, _ = lm.consume(x, lm.new_state(rows))
-        with lm.using(parts):
-            lc, _ = lm.consume(x, lm.new_state(rows))
+        lc, _ = lm.consume(x, lm.new_state(rows), Execution(in_place=True, parts=parts))
         diff = max(diff, float((lc - le).abs().nan_to_num().max()))
     eager: list[float] = []
     comp: list[float] = []
@@ -344,8 +344,7 @@ def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable],
         lm.consume(ids, lm.new_state(1))
         eager.append(_clock(lm) - t0)
         t0 = _clock(lm)
-        with lm.using(parts):
-            lm.consume(ids, lm.new_state(1))
+        lm.consume(ids, lm.new_state(1), Execution(in_place=True, parts=parts))
         comp.append(_clock(lm) - t0)
     e, c = min(eager), min(comp)
     return parts, Verdict(1, e * 1e3, c * 1e3, diff, diff <= TOLERANCE and c < margin * e)

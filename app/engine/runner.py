@@ -30,7 +30,7 @@ from itertools import repeat
 import torch
 import torch.nn.functional as F
 
-from model import LanguageModel, State, StateError
+from model import Execution, LanguageModel, State, StateError
 from model.sampling import Context, Draw, make_generator
 from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
@@ -140,10 +140,10 @@ class Runner:
         top = max((r.req.top_logprobs for r in rows if r.req.prompt_logprobs), default=0)
         start = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
 
-        def run() -> tuple[torch.Tensor | None, list[list[list[tuple[int, float]]]], State]:
+        def run(how: Execution) -> tuple[torch.Tensor | None, list[list[list[tuple[int, float]]]], State]:
             if top:
-                return self._prefill_top(chunk, start, top)
-            lps, end = self.lm.prefill(chunk, start, logprobs=want)
+                return self._prefill_top(chunk, start, top, how)
+            lps, end = self.lm.prefill(chunk, start, want, how)
             return lps, [], end
 
         lps, tops, state = self._decode.prefill(run)  # the model's compiled parts, where adopted
@@ -158,14 +158,14 @@ class Runner:
         self.counters.prefill_tokens += size * len(rows)
 
     def _prefill_top(
-        self, chunk: torch.Tensor, state: State, top: int
+        self, chunk: torch.Tensor, state: State, top: int, how: Execution
     ) -> tuple[torch.Tensor, list[list[list[tuple[int, float]]]], State]:
         """`LanguageModel.prefill` with logprobs, written out to keep each position's whole
         distribution for its `top` most probable tokens (only for a request that asks for
         the prompt's alternatives: the usual prefill keeps only the tokens' own)."""
         had_context = state.n_tokens > 0  # read before the forward, which may grow it in place
         first = self.lm.next_logits(state)  # (B, V): predicts the chunk's first token
-        logits, state = self.lm(chunk, state)  # (B, T, V): position i predicts token i + 1
+        logits, state = self.lm(chunk, state, how)  # (B, T, V): position i predicts token i + 1
         lp = F.log_softmax(torch.cat([first[:, None], logits[:, :-1]], 1).float(), -1)  # (B, T, V)
         own = lp.gather(2, chunk[..., None])[..., 0]
         own[:, 0] = torch.where(had_context, own[:, 0], torch.full_like(own[:, 0], float("nan")))

@@ -34,6 +34,7 @@ HOUSE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "model/ is a library: it imports nothing from app/": (("model",), ("app",)),
     "app/engine imports only model/ and its own modules": (("app.engine",), ("app",)),
     "app/store knows only Redis": (("app.store",), ("app.engine", "app.api", "model")),
+    "the transaction and tenant accounting know no HTTP": (("app.sessions", "app.tenants"), ("app.api",)),
 }
 
 # the rooms of the house, in reading order; any other app/ subpackage gets a room of its own

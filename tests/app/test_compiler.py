@@ -11,6 +11,7 @@ import torch
 
 import model
 from app.engine.compiler import TOLERANCE, DecodeStep, batch_class
+from model import Execution
 
 
 def _tokens(lm, rows: int) -> torch.Tensor:
@@ -50,7 +51,7 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
             state = lm.stack_states([one] * rows)
             eager, compiled = state, state
             for _ in range(6):  # a few steps: the compiled state must feed the next step
-                le, eager = lm.forward(_tokens(lm, rows), eager)
+                le, eager = lm.forward(_tokens(lm, rows), eager, model.IN_PLACE)  # as served eagerly
                 lc, compiled = step(_tokens(lm, rows), compiled)
                 assert (lc - le).abs().max() <= TOLERANCE
                 # the compiled code ran (the eager forward, which its guards fall back to,
@@ -115,10 +116,9 @@ def test_prefills_run_the_models_compiled_parts_once_adopted():
             x = ids[: state.batch_size]
             eager, _ = lm.prefill(x, state, logprobs=True)
 
-            def both(x=x, state=state):  # the served prefill, then once more counting the part's calls
-                compiled, _ = lm.prefill(x, state, logprobs=True)
-                with lm.using({"decode_token": counted}):
-                    lm.prefill(x, state)
+            def both(how, x=x, state=state):  # the served prefill, then once more counting the part's calls
+                compiled, _ = lm.prefill(x, state, True, how)
+                lm.prefill(x, state, how=Execution(parts={"decode_token": counted}))
                 return compiled
 
             compiled = step.prefill(both)

@@ -54,8 +54,15 @@ def test_decoding_rows_advance_every_step_while_a_long_prompt_is_prefilled(lm, b
         engine.start()
         new = await new_session(engine, [])
         gens = [
-            generate(engine, stored(new), [], SamplingParams(temperature=0.0), seed=None,
-                     max_tokens=100_000, stop=[])  # fmt: skip
+            generate(
+                engine,
+                stored(new),
+                [],
+                SamplingParams(temperature=0.0),
+                seed=None,
+                max_tokens=100_000,
+                stop=[],
+            )  # fmt: skip
             for _ in range(2)
         ]
         for g in gens:

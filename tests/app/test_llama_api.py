@@ -32,7 +32,9 @@ TEXT = "Now is the winter of our discontent made glorious summer by this sun of 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(
+    tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     with ServerProcess(tiny_gguf, tmp_path_factory.mktemp("llama-server"), redis_url, **SETTINGS) as srv:
         yield srv
 

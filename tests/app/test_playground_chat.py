@@ -20,8 +20,12 @@ SERVER_SETTINGS = {"max_tokens": 1000, "api_keys": f"{KEY}, {OTHER}", "cpu_threa
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_gguf, tmp_path_factory.mktemp("chat-server"), redis_url, **SERVER_SETTINGS) as srv:
+def server(
+    tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    with ServerProcess(
+        tiny_gguf, tmp_path_factory.mktemp("chat-server"), redis_url, **SERVER_SETTINGS
+    ) as srv:
         yield srv
 
 
@@ -68,10 +72,14 @@ def test_chat_view_streams_bubbles_and_continues_one_session(browser, server, ht
     by_version = {v: [i for seg in segments if seg["version"] == v for i in seg["ids"]] for v in (0, 1, 2)}
     assert by_version[0] == []  # the chat's session was made empty (this model has no BOS)
     first, second = lm.tokenizer.decode(by_version[1]), lm.tokenizer.decode(by_version[2])
-    assert first.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGood morrow.<|im_end|>\n")
+    assert first.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGood morrow.<|im_end|>\n"
+    )
     assert second.startswith("<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n")
     answers = [t for r, _, t in _bubbles(d) if r == "assistant"]
-    assert second.removeprefix("<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n").startswith(answers[1])
+    assert second.removeprefix("<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n").startswith(
+        answers[1]
+    )
     assert answers[0] and answers[0] in first
 
 

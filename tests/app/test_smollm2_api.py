@@ -43,7 +43,9 @@ def test_the_openai_sdk_gets_paris(server):
 def test_recur_chat_gets_paris(server, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
-    chat = ChatProcess(server.url, "--api-key-file", str(key_file), "--max-tokens", "30", "--temperature", "0")
+    chat = ChatProcess(
+        server.url, "--api-key-file", str(key_file), "--max-tokens", "30", "--temperature", "0"
+    )
     try:
         chat.wait_for(STATUS)
         mark = chat.send(QUESTION)

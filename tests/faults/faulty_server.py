@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import model
 from app import sessions
 from app.cli import main
 from app.engine import compiler
@@ -32,13 +33,13 @@ UNEXPECTED_ID = "0" * 32
 def _prefill_faults(sleeps: dict[int, float], fail: bool) -> None:
     prefill = LanguageModel.prefill
 
-    def faulty(self, ids, state, logprobs=False):  # type: ignore[no-untyped-def]
+    def faulty(self, ids, state, logprobs=False, how=model.IN_PLACE):  # type: ignore[no-untyped-def]
         if fail and bool((ids == RAISE).any()):
             raise RuntimeError("injected fault: the forward raised")
         for byte, seconds in sleeps.items():
             if bool((ids == byte).any()):
                 time.sleep(seconds)
-        return prefill(self, ids, state, logprobs)
+        return prefill(self, ids, state, logprobs, how)
 
     LanguageModel.prefill = faulty  # type: ignore[method-assign]
 

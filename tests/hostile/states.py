@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as st_save
 
 import model
-from model.state import _digest
+from model.state import checksum_of
 
 # what the issue's attacker imported: a token count at int64's edge, valid in every byte
 NEAR_INT64_MAX = 2**63 - 8
@@ -47,7 +47,7 @@ def raw_blob(tensors: dict[str, torch.Tensor], header: dict) -> bytes:
         "dtype": "float32",
         "delta": None,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
-        "checksum": _digest(tensors),
+        "checksum": checksum_of(tensors),
         **header,
     }
     return st_save(tensors, metadata={"recur": json.dumps(full)})

@@ -25,13 +25,17 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
 
 
 def run_chunks(
-    lm: model.LanguageModel, tokens: torch.Tensor, sizes: list[int], state: State | None = None
+    lm: model.LanguageModel,
+    tokens: torch.Tensor,
+    sizes: list[int],
+    state: State | None = None,
+    how: model.Execution = model.FUNCTIONAL,
 ) -> tuple[torch.Tensor, State]:
     """Feed `tokens` (B, T) in chunks of `sizes`: the logits of all of them and the last state."""
     state = state or lm.new_state(tokens.shape[0])
     out, i = [], 0
     for n in sizes:
-        logits, state = lm(tokens[:, i : i + n], state)
+        logits, state = lm(tokens[:, i : i + n], state, how)
         out.append(logits)
         i += n
     assert i == tokens.shape[1]

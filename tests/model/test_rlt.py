@@ -86,8 +86,7 @@ def test_the_fixed_shape_recurrence_equals_the_loop(case, history):
     )
     with torch.no_grad():
         loop, s_loop = run_chunks(lm, tokens, sizes, start)
-        with lm.using(lm.parts()):
-            fixed, s_fixed = run_chunks(lm, tokens, sizes, start)
+        fixed, s_fixed = run_chunks(lm, tokens, sizes, start, model.Execution(parts=lm.parts()))
     assert set(lm.parts()) == {"decode_token"}
     assert (loop - fixed).abs().max().item() <= 1e-4
     for name, t in s_loop.tensors.items():
