@@ -27,7 +27,7 @@ Against HF (`.venv-ref`, transformers 4.37.2, bench/hf_transfo_xl.py in a subpro
      against HF's (the same model), HF timed before and after recur (best of both).
 
 `--write` puts the section into docs/BENCHMARKS.md (harness.write_section).
-Usage: python bench/streams.py [--write] [--only model,hf,http]
+Usage: python bench/streams.py [--write] [--only model,hf,http] [--render RESULT.json]
 """
 
 from __future__ import annotations
@@ -95,9 +95,17 @@ def step_times(name: str, batches: list[int], rounds: int, steps: int) -> tuple[
             states[B] = s
             best[B] = min(best[B], statistics.median(times))
     print(f"{name}: " + ", ".join(f"{B} rows {t * 1e3:.3f} ms" for B, t in best.items()), flush=True)
-    prof = profile_step(lm, states[batches[-1]], best[batches[-1]])[0]
+    state = states[batches[-1]]
+    prof = profile_step(lm, state, best[batches[-1]])[0]
     print(f"{name} {batches[-1]} rows: {prof}", flush=True)
-    return best, {"batch": batches[-1], **prof}
+    return best, {"batch": batches[-1], "kv_mb": cache_mb(state), **prof}
+
+
+def cache_mb(state) -> float:
+    """MB of cached keys and values a decode step's attention reads (Transformer-XL's
+    "k" and "v"; 0 for a family without them)."""
+    names = [n for n in ("k", "v") if n in state.tensors]
+    return round(sum(state[n].numel() * state[n].element_size() for n in names) / 1e6, 2)
 
 
 @torch.no_grad()
@@ -535,33 +543,36 @@ def why(result: dict) -> str:
     txl, rlt = p["shakespeare"], p["shakespeare-rlt"]
     floor_ms = max(g["mb"] / m["read_gbs"], g["mflop"] / m["gemm_gflops"])  # MB / (GB/s) = ms
     sp = {k: f"{r['speedup']:.2f}×" for k, r in att.items()}
+    share = sum(o["share"] for o in txl["top_ops"] if o["op"] in ("bmm", "baddbmm"))
+    in_step = txl["kv_mb"] / (share * m["txl_ms"][64])  # MB / ms = GB/s
     text = [
         f"**Why the misses, and what would close them** (from this run; load average {result.get('load_before')} "
         f"to {result.get('load_after')} on 2 cores). A 64-row `shakespeare` step took {m['txl_ms'][64]} ms for "
         f"{g['mb']} MB and {g['mflop']} MFLOP: at the limits measured in this run ({m['read_gbs']} GB/s, "
-        f"{m['gemm_gflops']} GFLOP/s; compare section 1's) those alone need "
-        f"{floor_ms:.1f} ms, so the GEMM-rate fraction is bound by the shared machine before any code. Its profile: "
-        f"kernels {txl['kernel_share']:.0%} of the step, {txl['ops_per_call']} ops per step; by self time "
-        f"{ops(txl)}. The two attention products (`baddbmm`, `bmm`, one per (row, head) pair inside MKL) "
-        "read the cached keys and values at a fraction of the read rate, and `copy_` includes the arena's "
-        "row writes, one element per cache line on a time-major cache.",
-        f"Side by side on the same cache (`attention_kernels`), `attend_one` against the fused `sdpa` it "
-        f"replaced: {sp[('shakespeare', 16)]} at 16 rows and {sp[('shakespeare', 64)]} at 64 at `shakespeare`'s "
-        f"shapes; at `shakespeare-rlt`'s (4 heads × 32, no position term) {sp[('shakespeare-rlt', 1)]}, "
-        f"{sp[('shakespeare-rlt', 16)]} and {sp[('shakespeare-rlt', 64)]} at 1, 16 and 64 rows. The faster of "
-        f"the two reads the 64-row cache at {att[('shakespeare', 64)]['read_gbs']} GB/s (`shakespeare`) and "
-        f"{att[('shakespeare-rlt', 64)]['read_gbs']} GB/s (`shakespeare-rlt`), against the {m['read_gbs']} GB/s "
-        "streaming read, so RLT keeps `sdpa` (the one-pass products do not pay there); its 16-row step's profile: kernels {rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per "
-        f"step; {ops(rlt)}.",
+        f"{m['gemm_gflops']} GFLOP/s; compare section 1's) those alone need {floor_ms:.1f} ms, so the "
+        "GEMM-rate fraction is bound by the shared machine before any code. Its profile: kernels "
+        f"{txl['kernel_share']:.0%} of the step, {txl['ops_per_call']} ops per step; by self time {ops(txl)}. "
+        f"The two attention products (`baddbmm`, `bmm`: {share:.0%} of the step) read {txl['kv_mb']} MB of "
+        f"cached keys and values at {in_step:.1f} GB/s; `copy_` includes the arena's row writes, one element "
+        "per cache line on a time-major cache.",
+        "Side by side (`attention_kernels`: one layer's cache, small enough to stay in the last-level cache "
+        "between calls), `attend_one` against the fused `sdpa` it replaced: "
+        f"{sp[('shakespeare', 16)]} at 16 rows and {sp[('shakespeare', 64)]} at 64 at `shakespeare`'s shapes "
+        f"(the faster reading its 64-row cache at {att[('shakespeare', 64)]['read_gbs']} GB/s); at "
+        f"`shakespeare-rlt`'s (4 heads × 32, no position term) {sp[('shakespeare-rlt', 1)]}, "
+        f"{sp[('shakespeare-rlt', 16)]} and {sp[('shakespeare-rlt', 64)]} at 1, 16 and 64 rows. The one-pass "
+        "products do not beat `sdpa` at RLT's shapes, so RLT keeps it; its 16-row step's profile: kernels "
+        f"{rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; {ops(rlt)}.",
     ]
     if hf:
         r1, r16 = hf["recur_ms"][1], hf["recur_ms"][16]
         bw, goal = m["bw_6x512"], hf["hf_ms"][1] / TARGETS["hf_1"]
+        need = bw["fraction"] * bw["step_ms"] / goal
         text.append(
             f"Against HF: HF's batch-1 step is {hf['hf_ms'][1]} ms, so {TARGETS['hf_1']:g}× needs recur's in "
             f"{goal:.1f} ms; recur's (here {r1} ms) has the shape of the 6 × 512 row above (native weights), which took "
             f"{bw['step_ms']} ms at {bw['fraction']:.0%} of this run's read roofline: {goal:.1f} ms would be "
-            f"{bw['fraction'] * bw['step_ms'] / goal:.0%} of it. At batch 16 recur's step grows {r16 / r1:.1f}× "
+            f"{need:.0%} of it{', beyond the roofline at the read rate measured here' if need > 1 else ''}. At batch 16 recur's step grows {r16 / r1:.1f}× "
             f"over batch 1 and HF's {hf['hf_ms'][16] / hf['hf_ms'][1]:.1f}×."
         )
     text.append(
@@ -576,6 +587,13 @@ def why(result: dict) -> str:
     return "\n\n".join(text)
 
 
+def int_keys(x):
+    """JSON's string keys back to the batch sizes they were ("64" -> 64)."""
+    if isinstance(x, dict):
+        return {int(k) if k.isdigit() else k: int_keys(v) for k, v in x.items()}
+    return [int_keys(v) for v in x] if isinstance(x, list) else x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="model,hf,http")
@@ -583,11 +601,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--write", action="store_true")
     ap.add_argument(
+        "--render", type=Path, help="write the section from a saved run's RESULT JSON, measuring nothing"
+    )
+    ap.add_argument(
         "--root", type=Path, default=ROOT, help="the source tree the server runs (a before/after)"
     )
     args = ap.parse_args()
+    if args.render:
+        result = int_keys(json.loads(args.render.read_text().removeprefix("RESULT ")))
+        write_section(HEADING, section(result))
+        return
     which = set(args.only.split(","))
-    result: dict = {"load_before": round(os.getloadavg()[0], 1)}
+    result = {"load_before": round(os.getloadavg()[0], 1)}
     if "model" in which:
         result["model"] = model_level(args.rounds)
     if "hf" in which:
