@@ -45,9 +45,13 @@ CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
     "| RLT, `recur init --family rlt` defaults": ("rlt", {}, SMALL["rlt"]),
 }
-# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json
+# a row for a shipped native model ("| Shipped `NAME`") is checked against its config.json
+# (a packaged GGUF has none: the assistant's state sizes are docs/MODEL_CARD.md's, from
+# State.to_bytes)
 for _name in checkpoint.shipped():
-    _meta = json.loads((checkpoint.resolve(_name) / "config.json").read_text())
+    if not (_config := checkpoint.resolve(_name) / "config.json").is_file():
+        continue
+    _meta = json.loads(_config.read_text())
     CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
 
 
