@@ -23,12 +23,10 @@ which the server runs the eager step measured here.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import torch
-from harness import write_section
+from harness import arguments, publish
 from roofline import WORK, Machine, Work, against, decode, prefill, served_step
 from torch.profiler import profile
 
@@ -62,6 +60,18 @@ MODELS = {
     "smollm2-fp32": lambda: model.load("smollm2", device="cpu", precision="fp32"),
     "smollm2-int8": lambda: model.load("smollm2", device="cpu", precision="int8"),
 }
+
+WHY = [
+    "Where the time goes. A decode step reads every weight once: at batch 1 it is bound by memory "
+    "bandwidth, and int8 weights (a quarter of the bytes) are the lever. The int8 product runs on the CPU's "
+    "int8 units (`torch._int_mm`, model/int8.py), whose batch-1 kernel reads its weights more slowly than "
+    "fp32's matrix-vector product does, so int8 gains less than 4x. As the batch grows the same weights serve "
+    "more rows, and the step moves toward the compute roofline; the attention over the window (K keys a row) "
+    "grows with the batch and, at W = 1024, is a large share of the bytes at batch 64. Measured, the step at "
+    "batch 16 and 64 is not there yet: its largest op is `copy_` (about half the step at batch 16, more at 64), "
+    "which grows with the batch's state, not its weights, most likely the full window's keys and values moved "
+    "each step as it slides. That copy, not the roofline, is what batched decode of this family must shed first.",
+]
 
 
 def section(r: dict) -> str:
@@ -98,27 +108,13 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-WHY = [
-    "Where the time goes. A decode step reads every weight once: at batch 1 it is bound by memory "
-    "bandwidth, and int8 weights (a quarter of the bytes) are the lever. The int8 product runs on the CPU's "
-    "int8 units (`torch._int_mm`, model/int8.py), whose batch-1 kernel reads its weights more slowly than "
-    "fp32's matrix-vector product does, so int8 gains less than 4x. As the batch grows the same weights serve "
-    "more rows, and the step moves toward the compute roofline; the attention over the window (K keys a row) "
-    "grows with the batch and, at W = 1024, is a large share of the bytes at batch 64. Measured, the step at "
-    "batch 16 and 64 is not there yet: its largest op is `copy_` (about half the step at batch 16, more at 64), "
-    "which grows with the batch's state, not its weights, most likely the full window's keys and values moved "
-    "each step as it slides. That copy, not the roofline, is what batched decode of this family must shed first.",
-]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timed decode steps per figure")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--only", help="comma list of: " + ", ".join(MODELS))
     ap.add_argument("--compiled", action="store_true", help="also compile and probe the engine's step (long)")
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     m = Machine()
@@ -142,10 +138,7 @@ def main() -> None:
     against(steps, prefills, m)
     result = {"machine": m.summary(), "span": span, "decode": steps, "prefill": prefills, "skipped": skipped}
     result["threads"], result["cpus"] = 1, os.cpu_count()
-    print(section(result))
-    if args.write:
-        write_section(SECTION, section(result))
-    print("RESULT " + json.dumps(result))
+    publish(SECTION, section(result), result, args.write)
 
 
 if __name__ == "__main__":

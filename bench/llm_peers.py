@@ -23,7 +23,6 @@ Two figures, each against its target (issue 28):
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from harness import Redis, Server, emit, write_section
+from harness import Redis, Server, arguments, publish
 
 import model
 from app.embedded_redis import free_port
@@ -251,6 +250,17 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 # -- the report ---------------------------------------------------------------------------------
+WHY = [
+    "Why. A batch-1 step reads every weight once, so bytes decide it. llama.cpp reads the file's Q4_1 "
+    "blocks as they are (about 0.6 bytes a weight, 98 MB a step) with kernels written for exactly that; recur "
+    "dequantizes the file at load and reads fp32 (4 bytes a weight) or its own int8 (1 byte, model/int8.py), "
+    "whose batch-1 kernel (`torch._int_mm`) reads more slowly than fp32's matrix-vector product, and a "
+    "decode step is some 1,500 PyTorch ops, each with dispatch overhead. With many streams the weights are "
+    "shared by the batch: the step moves toward the compute rate, where the gap narrows; recur also pays for "
+    "what llama.cpp does not keep: every session's state in Redis, transactional commits and the HTTP framing.",
+]
+
+
 def section(r: dict) -> str:
     b1, st = r["batch_1"], r["streams"]
     lines = [
@@ -277,22 +287,10 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-WHY = [
-    "Why. A batch-1 step reads every weight once, so bytes decide it. llama.cpp reads the file's Q4_1 "
-    "blocks as they are (about 0.6 bytes a weight, 98 MB a step) with kernels written for exactly that; recur "
-    "dequantizes the file at load and reads fp32 (4 bytes a weight) or its own int8 (1 byte, model/int8.py), "
-    "whose batch-1 kernel (`torch._int_mm`) reads more slowly than fp32's matrix-vector product, and a "
-    "decode step is some 1,500 PyTorch ops, each with dispatch overhead. With many streams the weights are "
-    "shared by the batch: the step moves toward the compute rate, where the gap narrows; recur also pays for "
-    "what llama.cpp does not keep: every session's state in Redis, transactional commits and the HTTP framing.",
-]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=64, help="timed batch-1 decode steps per side")
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     gguf = model.checkpoint.resolve("smollm2")
     build_python()
@@ -304,10 +302,7 @@ def main() -> None:
     st.update({p: recur_streams(p, T) for p in ("fp32", "int8")})
     print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
     r = {"threads": T, "cpus": os.cpu_count(), "batch_1": b1, "streams": st}
-    print(section(r))
-    if args.write:
-        write_section(SECTION, section(r))
-    emit(r)
+    publish(SECTION, section(r), r, args.write)
 
 
 if __name__ == "__main__":
