@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 from harness import Redis, Server, arguments, publish
+from roofline import timings
 
 import model
 from app.embedded_redis import free_port
@@ -145,12 +146,8 @@ def recur_stepper(precision: str, threads: int):
 
 def rate(step, steps: int) -> float:
     """Tokens/s of a stepper: the median of `steps` timed steps."""
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1 / sorted(times)[len(times) // 2]
+    times = sorted(timings(step, steps))
+    return 1 / times[len(times) // 2]
 
 
 def batch_1(gguf: Path, threads: int, steps: int, rounds: int = 3) -> dict[str, float]:
