@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import model
 from model.checkpoint import build
 from model.state import State
+from model.train import TrainConfig
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
 
@@ -22,6 +25,26 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
                 p.normal_(0, 0.5)
     lm.fingerprint = model.fingerprint(lm)
     return lm.eval()
+
+
+def tiny_config(out: Path, corpus: Path, **overrides: object) -> TrainConfig:
+    """A training run of a dozen steps on a tiny Transformer-XL; `overrides` replace any field."""
+    base = dict(
+        out=str(out),
+        model={**TINY, "mem_len": 16, "tgt_len": 16, "dropout": 0.1},
+        corpus=str(corpus),
+        batch_size=4,
+        steps=12,
+        warmup=3,
+        lr=3e-3,
+        eval_every=6,
+        eval_bytes=500,
+        ckpt_every=100,
+        log_every=3,
+        threads=1,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
 
 
 def run_chunks(
@@ -40,6 +63,18 @@ def run_chunks(
         i += n
     assert i == tokens.shape[1]
     return torch.cat(out, 1), state
+
+
+def logits_with_one_token_changed(
+    lm: model.LanguageModel, length: int, j: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a random stream of `length` tokens fed whole, and of the same stream with
+    token `j` changed: for tests of what a position can see."""
+    a = torch.randint(0, 258, (1, length), generator=torch.Generator().manual_seed(seed))
+    b = a.clone()
+    b[0, j] = (a[0, j] + 1) % 258
+    with torch.no_grad():
+        return lm(a)[0], lm(b)[0]
 
 
 def assert_any_chunking_agrees(lm: model.LanguageModel, length: int, sizes: list[int], seed: int) -> None:
