@@ -258,8 +258,10 @@ def test_two_responses_at_once_on_one_conversation_the_second_is_409(oa):
                              max_output_tokens=190, extra_body={"min_tokens": 190}) as first:  # fmt: skip
         with pytest.raises(openai.ConflictError) as refused:  # the first holds the lock once it answers
             oa.responses.create(conversation=conv.id, input="Me too.", **GREEDY)
+        with pytest.raises(openai.ConflictError) as items_refused:
+            oa.conversations.items.create(conv.id, items=[{"role": "user", "content": "And I."}])
         events = list(first)
-    assert refused.value.body["type"] == "session_busy"
+    assert refused.value.body["type"] == items_refused.value.body["type"] == "session_busy"
     assert events[-1].type == "response.completed"
     assert [i.role for i in oa.conversations.items.list(conv.id, order="asc")] == ["user", "user", "assistant"]
     after = oa.responses.create(conversation=conv.id, input="Now me.", **GREEDY)
