@@ -66,8 +66,20 @@ class ConversationRef(RequestBody):
     id: Annotated[str, Field(max_length=128)]
 
 
-def _set(name: str) -> dict:
-    return {"not": {"type": "null"}} if name != "store" else {"const": False}
+SET = {"not": {"type": "null"}}  # a field sent, not null
+
+
+def _never(**values: Any) -> dict[str, Any]:
+    """A body with all of these fields at these values (JSON Schema) is not valid."""
+    return {"not": {"required": list(values), "properties": values}}
+
+
+# the combinations responses.py `unsupported` refuses
+REFUSED: list[Any] = [
+    _never(conversation=SET, previous_response_id=SET),
+    _never(conversation=SET, store={"const": False}),
+    _never(background={"const": True}, store={"const": False}),
+]
 
 
 class ResponseCreate(SamplingFields):
@@ -78,22 +90,7 @@ class ResponseCreate(SamplingFields):
     another `include`, ...), and the combinations below: `conversation` with
     `previous_response_id`; `background: true` or `conversation` with `store: false`."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": [
-                {"not": {"required": list(pair), "properties": {n: _set(n) for n in pair}}}
-                for pair in (("conversation", "previous_response_id"), ("conversation", "store"))
-            ]
-            + [
-                {
-                    "not": {
-                        "required": ["background", "store"],
-                        "properties": {"background": {"const": True}, "store": {"const": False}},
-                    }
-                }
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra={"allOf": REFUSED})
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
     input: Input = Field("", description="a string (a user message), or message items")
