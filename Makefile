@@ -79,6 +79,7 @@ test-image: $(STAMP)
 bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/responses.py --write
 	$(PY) bench/streams.py --write
 	$(PY) bench/llm.py --write
 	$(PY) bench/llm_quality.py --write

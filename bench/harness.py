@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 
 from app.embedded_redis import free_port
 
@@ -167,6 +169,84 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+# -- a chat of fixed lines (bench/chat_reuse.py, bench/responses.py) ---------------------------
+SCENE = [{"role": "system", "content": "Enter Romeo and Juliet."}]
+USER = [
+    "But soft! What light through yonder window breaks?",
+    "Speak again, bright angel!",
+    "With love's light wings did I o'erperch these walls.",
+    "I have night's cloak to hide me from their eyes.",
+    "By love, that first did prompt me to inquire.",
+    "Lady, by yonder blessed moon I swear.",
+    "What shall I swear by?",
+    "If my heart's dear love.",
+    "O, wilt thou leave me so unsatisfied?",
+    "The exchange of thy love's faithful vow for mine.",
+    "Wouldst thou withdraw it? For what purpose, love?",
+    "O blessed, blessed night! I am afeard.",
+    "So thrive my soul.",
+    "A thousand times good night!",
+    "Love goes toward love, as schoolboys from their books.",
+    "It is my soul that calls upon my name.",
+    "My dear?",
+    "At the hour of nine.",
+    "I will not fail.",
+    "Sleep dwell upon thine eyes, peace in thy breast!",
+]
+
+
+def counters(url: str, key: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    return {
+        name: float(m.group(1))
+        if (m := re.search(rf"^recur_prefix_reuse_{name}_total ([0-9.e+]+)$", text, re.M))
+        else 0.0
+        for name in ("hits", "misses", "tokens_saved")
+    }
+
+
+def conversation(url: str, model: str, key: str, turns: int, max_tokens: int) -> list[dict]:
+    """One stateless chat: per turn, its latency (the SDK call), the prompt's tokens, the
+    tokens the server did not prefill, and whether it hit."""
+    oa = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
+    messages: list = list(SCENE)
+    rows = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": USER[turn % len(USER)]})
+        before = counters(url, key)
+        t0 = time.perf_counter()
+        c = oa.chat.completions.create(
+            model=model,
+            messages=messages,
+            temperature=0,
+            max_tokens=max_tokens,
+            extra_body={"min_tokens": max_tokens},
+        )
+        seconds = time.perf_counter() - t0
+        after = counters(url, key)
+        assert c.usage is not None and c.usage.completion_tokens == max_tokens
+        hit, saved = after["hits"] - before["hits"], after["tokens_saved"] - before["tokens_saved"]
+        # usage counts the whole prompt, and cached_tokens the part a reused prefix held (not
+        # prefilled); a miss starts a new session, which consumes a BOS before the prompt
+        details = c.usage.prompt_tokens_details
+        cached = (details.cached_tokens or 0) if details is not None else 0
+        # the response and the metric agree (the metric also counts the BOS the reused state holds)
+        assert saved == (cached + 1 if hit else 0), (cached, saved)
+        prefilled = c.usage.prompt_tokens - cached + (0 if hit else 1)
+        rows.append(
+            {
+                "turn": turn + 1,
+                "ms": seconds * 1e3,
+                "prompt_tokens": prefilled + int(saved),
+                "prefilled": prefilled,
+                "hit": hit,
+                "utf8": "\ufffd" not in (c.choices[0].message.content or ""),
+            }
+        )
+        messages.append({"role": "assistant", "content": c.choices[0].message.content})
+    return rows
 
 
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"

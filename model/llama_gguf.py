@@ -23,6 +23,7 @@ Nothing here unpickles; the file is memory-mapped and read once.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def state_dict(f: GGUF, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {"tok_emb.weight": f.weight("token_embd.weight"), "norm_out.weight": f.weight("output_norm.weight")}
     out["head.weight"] = out["tok_emb.weight"] if cfg["tie_weights"] else f.weight("output.weight")
     for i in range(cfg["n_layer"]):
-        out.update(layer_weights(f"layers.{i}.", lambda part, i=i: layer_part(f, cfg, i, part)))
+        out.update(layer_weights(f"layers.{i}.", functools.partial(layer_part, f, cfg, i)))
     return out
 
 

@@ -19,6 +19,7 @@ import `model/checkpoint.py`, which picks this reader for these directories.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -111,7 +112,7 @@ def state_dict(source: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str
     out["head.weight"] = head
     for i in range(cfg["n_layer"]):
         p = f"layers.{i}."
-        out.update(layer_weights(p, lambda part, p=p: src.pop(p + HF_PARTS[part] + ".weight")))
+        out.update(layer_weights(p, functools.partial(_pop_part, src, p)))
     src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, recomputed
     if src:
         raise ValueError(f"unexpected weights: {sorted(src)[:8]}")
@@ -180,3 +181,8 @@ def read(path: Path) -> Llama:
     lm = build("llama", cfg, tokenizer(path, hf).spec(), weights=state_dict(read_weights(path), cfg))
     assert isinstance(lm, Llama)
     return lm.eval()
+
+
+def _pop_part(src: dict[str, torch.Tensor], prefix: str, part: str) -> torch.Tensor:
+    """Layer `prefix`'s weight `part` (the family's name) from HF's tensors, taken out."""
+    return src.pop(prefix + HF_PARTS[part] + ".weight")

@@ -15,7 +15,9 @@ routes, plus what FastAPI cannot see in a route's signature.
 - **Links** from each response that names a session to every operation on a session, so
   that a stateful client (schemathesis's stateful phase) can follow create -> generate ->
   fork -> rollback -> versions -> delete; a session's version travels along (If-Match,
-  `?version=`, a rollback's body).
+  `?version=`, a rollback's body). Likewise from a Responses API response to its
+  retrieve, delete, input items, cancel and a response continuing it, and from a
+  conversation to its reads, update, delete and items.
 
 It only describes: the behaviour it documents lives in errors.py, deps.py and the routers.
 """
@@ -46,6 +48,7 @@ RAISED_BY: dict[Callable[..., Any], tuple[ErrorType, ...]] = {
     deps.if_match: (ErrorType.invalid_request, ErrorType.version_mismatch),
 }
 _COMPONENT = "#/components/schemas/"
+_SCHEMAS = (schemas, openai_schemas, responses_schemas)
 _SECURITY_SCHEMES = {
     "bearer": {"type": "http", "scheme": "bearer", "description": "an API key: `Authorization: Bearer KEY`"},
     "access_token": {
@@ -166,7 +169,7 @@ def _no_empty_json(response: dict) -> None:
 
 
 def _add_missing_components(doc: dict) -> None:
-    """Put into components every model of schemas.py, openai_schemas.py and responses_schemas.py that the document refers to and
+    """Put into components every model of the schema modules that the document refers to and
     FastAPI left out (those only in `responses=` declarations: the error body, SSE data)."""
     components = doc["components"].setdefault("schemas", {})
     missing: list[type[BaseModel]] = []
@@ -180,11 +183,8 @@ def _add_missing_components(doc: dict) -> None:
 
 
 def _model(name: str) -> type[BaseModel]:
-    """The body model `name` of the API's schema modules."""
-    for module in (schemas, openai_schemas, responses_schemas):
-        if isinstance(found := getattr(module, name, None), type):
-            return found
-    raise LookupError(f"no schema module defines {name}")
+    """The model named `name` in one of the schema modules."""
+    return next(getattr(m, name) for m in _SCHEMAS if hasattr(m, name))
 
 
 def _refs(node: Any) -> Iterator[str]:
@@ -237,22 +237,82 @@ def range_pattern(maximum: int) -> str:
 def _add_links(doc: dict) -> None:
     """Links from every response that names a session (one with `id` and `version`: a new,
     read or rolled-back session's; a completion's: `session_id`) to every operation on
-    `/v1/sessions/{session_id}...`."""
-    targets = [
-        (op["operationId"], op)
-        for path, ops in doc["paths"].items()
-        if "{session_id}" in path
-        for op in ops.values()
-    ]
-    for ops in doc["paths"].values():
+    `/v1/sessions/{session_id}...`; and from a response or a conversation object to every
+    operation on it (`{response_id}`, `{conversation_id}`), and from a response to the
+    response that continues it."""
+    for path, ops in doc["paths"].items():
         for op in ops.values():
             for status, response in op["responses"].items():
-                where = _session_field(doc, status, response)
-                if where is None:
-                    continue
-                response["links"] = {
-                    target_id: _link(doc, target_id, target, where) for target_id, target in targets
+                links = _session_links(doc, status, response) | _object_links(doc, status, response)
+                if "{conversation_id}" in path:
+                    links |= _item_links(doc, status, response)
+                if links:
+                    response["links"] = links
+
+
+def _targets(doc: dict, parameter: str) -> list[tuple[str, dict]]:
+    """The operations whose path has `{parameter}`."""
+    return [
+        (op["operationId"], op)
+        for path, ops in doc["paths"].items()
+        if "{" + parameter + "}" in path
+        for op in ops.values()
+    ]
+
+
+def _session_links(doc: dict, status: str, response: dict) -> dict:
+    where = _session_field(doc, status, response)
+    if where is None:
+        return {}
+    targets = _targets(doc, "session_id")
+    return {target_id: _link(doc, target_id, target, where) for target_id, target in targets}
+
+
+# a success body's `object` -> the path parameter its `id` fills
+_OBJECT_IDS = {"response": "response_id", "conversation": "conversation_id"}
+
+
+def _object_links(doc: dict, status: str, response: dict) -> dict:
+    """A response's or a conversation's operations, with the id the body names; from a
+    response also a response that continues it (`previous_response_id`)."""
+    kind = _body_schema(doc, response).get("properties", {}).get("object", {}).get("const")
+    if not status.startswith("2") or kind not in _OBJECT_IDS:
+        return {}
+    parameter = _OBJECT_IDS[kind]
+    links: dict[str, Any] = {
+        target_id: {"operationId": target_id, "parameters": {f"path.{parameter}": "$response.body#/id"}}
+        for target_id, target in _targets(doc, parameter)
+        if "{item_id}" not in _path_of(doc, target)
+    }
+    if kind == "response":
+        for path, ops in doc["paths"].items():
+            if path == "/v1/responses" and "post" in ops:
+                target_id = ops["post"]["operationId"]
+                links[target_id] = {
+                    "operationId": target_id,
+                    "requestBody": {"input": "and then?", "previous_response_id": "$response.body#/id"},
                 }
+    return links
+
+
+def _item_links(doc: dict, status: str, response: dict) -> dict:
+    """From a conversation's list of items (its listing, or the items just added) to the
+    operations on its first item."""
+    kind = _body_schema(doc, response).get("properties", {}).get("object", {}).get("const")
+    if not status.startswith("2") or kind != "list":
+        return {}
+    parameters = {
+        "path.conversation_id": "$request.path.conversation_id",
+        "path.item_id": "$response.body#/first_id",
+    }
+    return {
+        target_id: {"operationId": target_id, "parameters": parameters}
+        for target_id, _ in _targets(doc, "item_id")
+    }
+
+
+def _path_of(doc: dict, target: dict) -> str:
+    return next(path for path, ops in doc["paths"].items() if target in ops.values())
 
 
 def _body_schema(doc: dict, op: dict) -> dict:

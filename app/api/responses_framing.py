@@ -108,7 +108,9 @@ async def events(
 ) -> AsyncIterator[dict]:
     """A generation's events, the last one carrying the final Response object. `end(body)`
     keeps it before the last event goes out. With `catch`, a failure is the
-    `response.failed` event (a stream's status is sent already); else it is raised."""
+    `response.failed` event (a stream's status is sent already), its body kept by `end` as
+    well (a stored response that failed mid-stream is retrieved as `failed`); else it is
+    raised."""
     f = framer
     first = "queued" if f.body.background else "in_progress"
     yield {"type": "response.created", "response": f.response(first)}
@@ -128,10 +130,10 @@ async def events(
         if not catch:
             raise
         etype, message = errors.classify(exc)
-        yield {
-            "type": "response.failed",
-            "response": f.response("failed", error={"code": etype.value, "message": message}),
-        }
+        failed = f.response("failed", error={"code": etype.value, "message": message})
+        if end is not None:
+            await end(failed)
+        yield {"type": "response.failed", "response": failed}
         return
     text = stop.text if stop.cut is None else stop.text[: stop.cut]
     all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None

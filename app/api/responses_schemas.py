@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from .schemas import MAX_TOKENS_CEILING, SEED_LIMIT, RequestBody, ResponseBody, SamplingFields
 
@@ -48,7 +48,9 @@ Input = Text | Annotated[list[InputMessage], Field(max_length=1024)]
 
 
 class TextFormat(RequestBody):
-    type: Annotated[str, Field(max_length=64)] = Field(description="only `text`")
+    type: Annotated[str, Field(max_length=64)] = Field(
+        description="only `text`", json_schema_extra={"enum": ["text"]}
+    )
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -64,8 +66,31 @@ class ConversationRef(RequestBody):
     id: Annotated[str, Field(max_length=128)]
 
 
+SET = {"not": {"type": "null"}}  # a field sent, not null
+
+
+def _never(**values: Any) -> dict[str, Any]:
+    """A body with all of these fields at these values (JSON Schema) is not valid."""
+    return {"not": {"required": list(values), "properties": values}}
+
+
+# the combinations responses.py `unsupported` refuses
+REFUSED: list[Any] = [
+    _never(conversation=SET, previous_response_id=SET),
+    _never(conversation=SET, store={"const": False}),
+    _never(background={"const": True}, store={"const": False}),
+]
+
+
 class ResponseCreate(SamplingFields):
-    """OpenAI's `POST /v1/responses` body (recur adds vLLM's sampling fields and `seed`)."""
+    """OpenAI's `POST /v1/responses` body (recur adds vLLM's sampling fields and `seed`).
+
+    What recur refuses (400 `unsupported`, responses.py) the schema states too, so that no
+    client (nor a fuzzer) takes it for valid: a field's other values (`tools` with entries,
+    another `include`, ...), and the combinations below: `conversation` with
+    `previous_response_id`; `background: true` or `conversation` with `store: false`."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": REFUSED})
 
     model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
     input: Input = Field("", description="a string (a user message), or message items")
@@ -81,9 +106,13 @@ class ResponseCreate(SamplingFields):
     background: bool | None = Field(False, description="run detached: answered at once, `queued`")
     stream: bool | None = False
     stream_options: dict[str, Any] | None = Field(None, description="accepted, ignored")
-    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = Field(
-        None, description=f"only `{LOGPROBS}`"
-    )
+    include: (
+        Annotated[
+            list[Annotated[str, Field(max_length=128, json_schema_extra={"enum": [LOGPROBS]})]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = Field(None, description=f"only `{LOGPROBS}`")
     top_logprobs: int | None = Field(None, ge=0, le=20)
     metadata: Metadata | None = None
     user: Annotated[str, Field(max_length=256)] | None = Field(None, description="logged, not used")
@@ -92,11 +121,19 @@ class ResponseCreate(SamplingFields):
     service_tier: Annotated[str, Field(max_length=32)] | None = Field(None, description="ignored")
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(None, ge=0)
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = Field(None, description="only []")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only `auto` or `none`")
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = Field(
+        None, description="only []", json_schema_extra={"maxItems": 0}
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="only `auto` or `none`", json_schema_extra={"enum": ["auto", "none", None]}
+    )
     text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = Field(None, description="only null: 400")
-    prompt: dict[str, Any] | None = Field(None, description="only null: 400")
+    reasoning: dict[str, Any] | None = Field(
+        None, description="only nulls: 400", json_schema_extra={"additionalProperties": {"type": "null"}}
+    )
+    prompt: dict[str, Any] | None = Field(
+        None, description="only null: 400", json_schema_extra={"type": "null"}
+    )
     truncation: Literal["auto", "disabled"] | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="recur: the sampler's seed")
 

@@ -35,6 +35,7 @@ from .responses import body_of, dumps
 log = logging.getLogger("recur.responses")
 POLL = 0.05  # seconds between a replaying reader's reads of a response still running
 DIED = "the replica running this background response stopped before it ended"
+FAILED = "the background response failed as it ended: nothing was kept"
 
 
 class Background:
@@ -82,6 +83,7 @@ class Background:
         beat = asyncio.ensure_future(self._beat(response_id, owner, asyncio.current_task()))
         last: dict | None = None
         seq = 0
+        settled = True  # whether the response has ended in Redis, or must wait for the sweep
         try:
             async for event in events:
                 event["sequence_number"] = seq
@@ -97,13 +99,28 @@ class Background:
             await asyncio.shield(stop())
         except Exception:
             log.exception("background response %s failed", response_id)
-            await stop()
+            settled = await self._fail(response_id)
+            with contextlib.suppress(Exception):
+                await stop()
         finally:
             beat.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.store.lease("drop", response_id))
+            if settled:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.store.lease("drop", response_id))
             with contextlib.suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]
+
+    async def _fail(self, response_id: str) -> bool:
+        """Mark a response whose worker failed (its final save, or a write to Redis raised)
+        as failed at once; False if that failed too, so the lease stays in the register and
+        the sweep fails it when it lapses."""
+        try:
+            if await self.store.expire(response_id, FAILED, now=True) == "failed":
+                metrics.RESPONSES.labels("failed").inc()
+            return True
+        except Exception:
+            log.warning("could not fail background response %s: the sweep will", response_id)
+            return False
 
     async def _append(self, response_id: str, owner: str, event: dict) -> bool:
         """Keep an event (and the response's body, when it carries one); False once stopped."""

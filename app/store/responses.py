@@ -108,12 +108,12 @@ class ResponseStore:
             raise ObjectNotFound("response", response_id)
         return status, _text(answer.get("body", b""))
 
-    async def expire(self, response_id: str, message: str) -> str:
-        """Fail the response if its worker's lease has lapsed: 'failed' when this did,
-        'alive' (its lease was renewed), 'gone' (it had ended, or is no more)."""
-        answer = fields(
-            await self.connection.run("response_expire", self.keys.response(response_id), [message])
-        )
+    async def expire(self, response_id: str, message: str, *, now: bool = False) -> str:
+        """Fail the response if its worker's lease has lapsed (`now`: whatever its lease):
+        'failed' when this did, 'alive' (its lease was renewed), 'gone' (it had ended, or is
+        no more)."""
+        args = [message, "1" if now else ""]
+        answer = fields(await self.connection.run("response_expire", self.keys.response(response_id), args))
         return _text(answer["status"])
 
     async def lease(

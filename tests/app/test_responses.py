@@ -227,3 +227,89 @@ def test_chain_continues_on_another_replica_and_after_restart(server, redis_url,
                {"role": "user", "content": "Farewell."}], store=False, **GREEDY)  # fmt: skip
     assert whole.output_text == third.output_text
     assert httpx.get(server.url + "/metrics").text.count("recur_response_reuse_total") >= 1
+
+
+def test_a_stream_that_fails_midway_is_kept_as_failed(server, oa):
+    """The session a streamed response writes vanishes under it (its keys deleted mid-stream):
+    the commit fails, the stream ends with response.failed, and that is what retrieve finds."""
+    r = redis.Redis.from_url(server.redis_url)
+    before = keys_of(server)
+    sessions = (server.settings["key_prefix"] + "session:").encode()
+    seen = []
+    with oa.responses.create(input="Tell a long tale.", stream=True, temperature=0, max_output_tokens=190,
+                             extra_body={"min_tokens": 190}) as stream:  # fmt: skip
+        for ev in stream:
+            seen.append(ev)
+            if ev.type == "response.output_text.delta" and len([e for e in seen if "delta" in e.type]) == 1:
+                made = [k for k in keys_of(server) - before if k.startswith(sessions)]
+                assert made and r.delete(*made) == len(made)
+    assert seen[-1].type == "response.failed"
+    got = oa.responses.retrieve(seen[0].response.id)
+    assert got.status == "failed" and got.error is not None and got.output == []
+    with pytest.raises(openai.BadRequestError):  # a failed response cannot be continued
+        oa.responses.create(input="Go on.", previous_response_id=got.id, **GREEDY)
+
+
+def test_two_responses_at_once_on_one_conversation_the_second_is_409(oa):
+    """A conversation is one session, continued in place: while one response writes it, another
+    is 409 session_busy and changes nothing; once the first ends, the next one runs."""
+    conv = oa.conversations.create(items=[{"role": "user", "content": "Hark."}])
+    with oa.responses.create(conversation=conv.id, input="Speak.", stream=True, temperature=0,
+                             max_output_tokens=190, extra_body={"min_tokens": 190}) as first:  # fmt: skip
+        with pytest.raises(openai.ConflictError) as refused:  # the first holds the lock once it answers
+            oa.responses.create(conversation=conv.id, input="Me too.", **GREEDY)
+        with pytest.raises(openai.ConflictError) as items_refused:
+            oa.conversations.items.create(conv.id, items=[{"role": "user", "content": "And I."}])
+        events = list(first)
+    assert refused.value.body["type"] == items_refused.value.body["type"] == "session_busy"
+    assert events[-1].type == "response.incomplete"  # (max_output_tokens reached: min_tokens)
+    assert [i.role for i in oa.conversations.items.list(conv.id, order="asc")] == ["user", "user", "assistant"]
+    after = oa.responses.create(conversation=conv.id, input="Now me.", **GREEDY)
+    assert after.status in ("completed", "incomplete") and after.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def default_lease(server, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
+    """The default lease (no response_lease_seconds), and a key with room for one session."""
+    work = tmp_path_factory.mktemp("default-lease")
+    (work / "keys").write_text(f"{KEYS[0]}\ntight-key sessions=1\n")
+    with ServerProcess(server.model_dir, work, redis_url, cpu_threads=1, max_tokens=200,
+                       api_keys_file=str(work / "keys")) as srv:  # fmt: skip
+        yield srv
+
+
+def test_the_default_lease_is_renewed_and_dropped(default_lease):
+    """At the default response_lease_seconds (10): a running worker's lease ends within one lease
+    of Redis's clock, the response is never failed while it runs, and its lease leaves the
+    register when it ends."""
+    srv, lease = default_lease, 10.0
+    r = redis.Redis.from_url(srv.redis_url)
+    register = srv.settings["key_prefix"] + "responses:leases"
+    oa = client(srv)
+    resp = oa.responses.create(input="A long tale.", background=True, temperature=0, max_output_tokens=190,
+                               extra_body={"min_tokens": 190})  # fmt: skip
+    ends = []
+    while (status := oa.responses.retrieve(resp.id).status) in ("queued", "in_progress"):
+        score, (secs, micros) = r.zscore(register, resp.id), r.time()
+        if score is not None:
+            ends.append(score - (secs + micros / 1e6))
+        time.sleep(0.05)
+    assert status == "incomplete", status  # (max_output_tokens reached: min_tokens)
+    assert ends and all(0 < left <= lease for left in ends), ends
+    assert r.zscore(register, resp.id) is None
+
+
+def test_a_background_response_whose_final_save_fails_is_failed_at_once(default_lease):
+    """Its key has room for the response's session but not for its record as well: keeping the
+    record is refused as the worker ends, and the response is failed then, not left in
+    progress (its lease leaves the register, so no sweep would ever fail it)."""
+    r = redis.Redis.from_url(default_lease.redis_url)
+    oa = client(default_lease, "tight-key")
+    resp = oa.responses.create(input="Hark.", background=True, **GREEDY)
+    deadline = time.monotonic() + 60
+    while oa.responses.retrieve(resp.id).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = oa.responses.retrieve(resp.id)
+    assert got.status == "failed" and got.error is not None, got
+    assert list(oa.responses.retrieve(resp.id, stream=True))[-1].type == "response.failed"
+    assert r.zscore(default_lease.settings["key_prefix"] + "responses:leases", resp.id) is None
