@@ -1,8 +1,9 @@
 """Finding and loading checkpoints: by shipped name or by directory, in either layout.
 
-Two layouts: recur's native one (`model/native.py`: config.json names the family) and the
-original / HF Transformer-XL one (`model/hf.py`: config.json without "family"). `load`
-tells them apart by config.json and hands the directory to that layout's reader. Shipped
+Three layouts: recur's native one (`model/native.py`: config.json names the family), HF
+Mamba / Mamba-2 (`model/hf_ssm.py`: config.json's model_type) and the original / HF
+Transformer-XL one (`model/hf.py`: any other config.json without "family"). `load` tells
+them apart by config.json and hands the directory to that layout's reader. Shipped
 checkpoints live in `model/weights/<name>/` and load by name.
 
 Either layout may hold a chat template, HF's way (`chat_template`): chat_template.jinja,
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import hf, native
+from . import hf, hf_ssm, native
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
 from .native import build, families, save
@@ -44,7 +45,7 @@ __all__ = [
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 # checkpoint layout -> the reader that builds its model (on CPU, fp32)
-READERS: dict[str, Callable[[Path], LanguageModel]] = {"native": native.read, "hf": hf.read}
+READERS: dict[str, Callable[[Path], LanguageModel]] = {"native": native.read, "hf": hf.read, "hf-ssm": hf_ssm.read}
 
 
 def shipped() -> list[str]:
@@ -70,8 +71,11 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def layout(path: Path) -> str:
-    """"native" where config.json names a model family, else "hf" (issue 9)."""
-    return "native" if "family" in json.loads((path / "config.json").read_text()) else "hf"
+    """"native" where config.json names a model family, "hf-ssm" for HF Mamba / Mamba-2
+    (issue 29), else "hf" (Transformer-XL, issue 9)."""
+    if "family" in json.loads((path / "config.json").read_text()):
+        return "native"
+    return "hf-ssm" if hf_ssm.claims(path) else "hf"
 
 
 def load(name_or_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto") -> LanguageModel:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from . import hf_ssm
 from .native import build, fingerprint, save
 from .tokenizer import WordTokenizer
 from .transformer_xl import TransformerXL
@@ -193,8 +194,9 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
 
     p = sub.add_parser(
         "convert",
-        help="convert an original / HF Transformer-XL checkpoint to the native format",
-        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt. "
+        help="convert an original / HF Transformer-XL, or an HF Mamba / Mamba-2, checkpoint to the native format",
+        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL) "
+        "or tokenizer.json (Mamba, Mamba-2: config.json's model_type picks the reader). "
         "Flags override the serving settings (the native config).",
     )
     p.add_argument("src")
@@ -209,7 +211,10 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
 
 def _convert_main(args) -> int:
     overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
-    lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
+    if hf_ssm.claims(args.src):  # HF Mamba / Mamba-2 (model/hf_ssm.py)
+        lm = hf_ssm.convert(args.src, args.dst, tgt_len=args.tgt_len)
+    else:
+        lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dst, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))
     return 0

@@ -5,8 +5,9 @@ text only once a character is complete, so the concatenation of everything it em
 equals `decode(all_ids)` exactly, multi-byte UTF-8 included.
 
 Tokenizers are described by a small JSON spec stored in each checkpoint
-(`tokenizer.json`); `from_spec` is the only constructor the loader uses. Two kinds: UTF-8
-bytes (the native models) and word-level vocabularies (pretrained WikiText-103 models).
+(`tokenizer.json`); `from_spec` is the only constructor the loader uses. Three kinds: UTF-8
+bytes (the native models), word-level vocabularies (pretrained WikiText-103 models), and an
+HF `tokenizer.json` (converted HF checkpoints, e.g. Mamba's), run by the `tokenizers` library.
 """
 
 from __future__ import annotations
@@ -167,6 +168,70 @@ class WordTokenizer:
         return {"kind": self.kind, "symbols": self.symbols}
 
 
+class _HFStreamDecoder:
+    """The `tokenizers` library's own incremental decoder: text once it is complete."""
+
+    def __init__(self, tok: HFTokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def feed(self, token_id: int) -> str:
+        if not 0 <= token_id < self._tok.known:
+            return ""  # an id past the tokenizer's (a padded embedding's) has no text
+        return self._stream.step(self._tok.inner, token_id) or ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class HFTokenizer:
+    """An HF `tokenizer.json` (BPE, WordPiece, Unigram or word-level), run by `tokenizers`.
+
+    The spec holds the tokenizer.json itself, so a converted checkpoint is self-contained;
+    `vocab_size` is the model's, which may exceed the tokenizer's (padded embeddings: ids
+    past the tokenizer's decode to nothing). Text in gets no special tokens (the server adds
+    BOS itself); text out skips them, as the stream decoder does.
+    """
+
+    kind = "hf"
+
+    def __init__(self, tokenizer_json: dict, vocab_size: int, bos_id: int | None, eos_id: int | None):
+        import json
+
+        from tokenizers import Tokenizer as Inner
+
+        self.tokenizer_json = tokenizer_json
+        self.inner = Inner.from_str(json.dumps(tokenizer_json))
+        self.known = self.inner.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(vocab_size, self.known)
+        self.bos_id, self.eos_id = bos_id, eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.inner.decode([i for i in ids if 0 <= i < self.known], skip_special_tokens=True))
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _HFStreamDecoder(self)
+
+    def token_text(self, token_id: int) -> str:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        return str(self.inner.decode([token_id], skip_special_tokens=False)) if token_id < self.known else ""
+
+    def spec(self) -> dict:
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "tokenizer": self.tokenizer_json,
+        }
+
+
 def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
     kind = spec.get("kind")
     if kind == "byte":
@@ -176,4 +241,8 @@ def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
         if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
             raise ValueError("a word tokenizer spec needs 'symbols': a list of strings")
         return WordTokenizer(symbols)
+    if kind == "hf":
+        if not isinstance(spec.get("tokenizer"), dict) or not isinstance(spec.get("vocab_size"), int):
+            raise ValueError("an hf tokenizer spec needs 'tokenizer' (a tokenizer.json object) and 'vocab_size'")
+        return HFTokenizer(spec["tokenizer"], spec["vocab_size"], spec.get("bos_id"), spec.get("eos_id"))
     raise ValueError(f"unknown tokenizer kind {kind!r}")
