@@ -26,6 +26,13 @@ INIT_FLAGS: dict[str, type] = {
     "window": int,
     "memory_groups": int,
     "max_context": int,
+    "d_state": int,  # Mamba, Mamba-2
+    "d_conv": int,
+    "expand": int,
+    "dt_rank": int,  # Mamba
+    "head_dim": int,  # Mamba-2
+    "n_groups": int,
+    "chunk_size": int,
 }
 
 

@@ -18,12 +18,13 @@ Each block is pre-norm with a residual (RMSNorm), the model ends with RMSNorm an
 (tied to the embedding or not). Parameter names are HF `MambaForCausalLM`'s without its
 "backbone." prefix, so a checkpoint converts by a rename (`model/hf_ssm.py`).
 
-Execution. Prefill runs the recurrence (2a) as a chunked parallel scan (`linear_scan`):
-a log-depth (Hillis-Steele) scan inside chunks of `SCAN_CHUNK` tokens, the same scan over
-the chunks' carries, then one pass joining them; no Python loop over tokens. Training
-differentiates it with a custom backward, itself a scan backwards in time, so autograd
-keeps two (b, T, D, N) tensors per layer rather than every level of the scan. A decode
-step (T = 1) is the recurrence itself. Any chunking gives the same result, up to rounding.
+Execution. Prefill runs the recurrence (2a) as a parallel scan (`linear_scan`): a prompt
+arrives in chunks of `segment_len` tokens, the state carried between them, and each chunk's
+h_t are a work-efficient (Blelloch) scan in log2(T) whole-tensor levels; no Python loop over
+tokens. Training differentiates it with a custom backward, itself a scan backwards in time,
+so autograd keeps two (b, T, D, N) tensors per layer rather than every level of the scan. A
+decode step (T = 1) is the recurrence itself. Any chunking gives the same result, up to
+rounding.
 
 State (batch-first, every tensor persistent, none on a time axis: its size never grows):
   conv        [b, L, d_conv-1, conv_dim]  each layer's last d_conv-1 conv inputs (zeros at first)
@@ -47,8 +48,6 @@ from torch import nn
 from .family import LanguageModel, TimeAxis
 from .rlt import RMSNorm, rms_norm
 from .state import State
-
-SCAN_CHUNK = 32  # tokens per chunk of the parallel scan (results do not depend on it)
 
 
 @dataclass
@@ -105,50 +104,38 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, conv: nn.Conv1d) -> tuple
 
 
 # -- the selective scan (Eq. 2a) ----------------------------------------------------------
-def _doubling(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hillis-Steele: the composed maps of h -> a_t h + b_t along dim 1, in log2(T) passes:
-    returns (A_t, B_t) with h_t = A_t h_{-1} + B_t. Consumes a and b (in place)."""
-    T, k = a.shape[1], 1
-    while k < T:
-        b[:, k:] = torch.addcmul(b[:, k:], a[:, k:], b[:, :-k])
-        a[:, k:] = a[:, k:] * a[:, :-k]
-        k *= 2
-    return a, b
-
-
-def _chunked_scan(
-    a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, chunk: int = SCAN_CHUNK
-) -> torch.Tensor:
-    """h_t = a_t * h_{t-1} + b_t for t = 0..T-1, h_{-1} = h0: every h_t (b, T, ...). Scans
-    inside chunks, then over the chunks' carries, then joins them: no loop over tokens."""
-    n, T = a.shape[:2]
+def _scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Every h_t of h_t = a_t * h_{t-1} + b_t along dim 1, from h_{-1} = 0: a work-efficient
+    parallel scan (Blelloch's). Each pair of steps composes into one step,
+    h_{2i+1} = (a_{2i+1} a_{2i}) h_{2i-1} + (a_{2i+1} b_{2i} + b_{2i+1}), whose scan (half as
+    long) gives every odd h; each even h is then one step from the odd h before it. log2(T)
+    levels of whole-tensor operations, about twice the work of the loop over t."""
+    T = a.shape[1]
     if T == 1:
-        return torch.addcmul(b, a, h0[:, None])
-    b = b.clone()
-    b[:, 0] = torch.addcmul(b[:, 0], a[:, 0], h0)  # h0 folded into the first step
-    if T <= chunk:
-        return _doubling(a.clone(), b)[1]
-    pad = -T % chunk
-    if pad:  # identity steps (a = 1, b = 0) after the end
-        a = torch.cat([a, a.new_ones(n, pad, *a.shape[2:])], 1)
-        b = torch.cat([b, b.new_zeros(n, pad, *b.shape[2:])], 1)
-    nc, rest = (T + pad) // chunk, a.shape[2:]
-    ac, bc = _doubling(a.reshape(n * nc, chunk, *rest).clone(), b.reshape(n * nc, chunk, *rest))
-    ac, bc = ac.view(n, nc, chunk, *rest), bc.view(n, nc, chunk, *rest)
-    # each chunk maps its start h to h_end = A h + B; scanned, the ends of every chunk
-    ends = _doubling(ac[:, :, -1].clone(), bc[:, :, -1].clone())[1]  # (n, nc, ...)
-    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)  # chunk 0's start is in b
-    h = torch.addcmul(bc, ac, starts[:, :, None])
-    return h.view(n, nc * chunk, *rest)[:, :T]
+        return b
+    m = T - T % 2
+    a2, b2 = a[:, :m].unflatten(1, (-1, 2)), b[:, :m].unflatten(1, (-1, 2))  # (b, T/2, 2, ...)
+    odd = _scan(a2[:, :, 1] * a2[:, :, 0], torch.addcmul(b2[:, :, 1], a2[:, :, 1], b2[:, :, 0]))
+    before = torch.cat([torch.zeros_like(odd[:, :1]), odd[:, :-1]], 1)  # h_{2i-1}
+    h = torch.stack([torch.addcmul(b2[:, :, 0], a2[:, :, 0], before), odd], 2).flatten(1, 2)
+    if m < T:  # an odd length: the last step on its own
+        h = torch.cat([h, torch.addcmul(b[:, -1:], a[:, -1:], h[:, -1:])], 1)
+    return h
+
+
+def _scan_from(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """`_scan` from h_{-1} = h0 (b, ...), folded into the first step: (b, T, ...)."""
+    first = torch.addcmul(b[:, :1], a[:, :1], h0[:, None])
+    return first if a.shape[1] == 1 else _scan(a, torch.cat([first, b[:, 1:]], 1))
 
 
 class _LinearScan(torch.autograd.Function):
-    """`_chunked_scan` with its gradient, a scan backwards in time:
+    """`_scan_from` with its gradient, a scan backwards in time:
     g_t = dL/dh_t + a_{t+1} g_{t+1};  dL/db_t = g_t,  dL/da_t = g_t h_{t-1},  dL/dh0 = a_0 g_0."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-        h = _chunked_scan(a, b, h0)
+        h = _scan_from(a, b, h0)
         ctx.save_for_backward(a, h, h0)
         return h
 
@@ -156,7 +143,7 @@ class _LinearScan(torch.autograd.Function):
     def backward(ctx, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, h, h0 = ctx.saved_tensors
         a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], 1)
-        g = _chunked_scan(a_next.flip(1), grad_h.flip(1), torch.zeros_like(h0)).flip(1)
+        g = _scan(a_next.flip(1), grad_h.flip(1)).flip(1)
         h_prev = torch.cat([h0[:, None], h[:, :-1]], 1)
         return g * h_prev, g, a[:, 0] * g[:, 0]
 
@@ -167,7 +154,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Ten
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or h0.requires_grad):
         out: torch.Tensor = _LinearScan.apply(a, b, h0)
         return out
-    return _chunked_scan(a, b, h0)
+    return _scan_from(a, b, h0)
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:

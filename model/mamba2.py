@@ -71,32 +71,36 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
 def ssd(
     x: torch.Tensor,  # (b, T, H, P) Delta_t x_t
     a: torch.Tensor,  # (b, T, H) Delta_t A, the log of a_t
-    B: torch.Tensor,  # (b, T, H, N)
-    C: torch.Tensor,  # (b, T, H, N)
-    h0: torch.Tensor,  # (b, H, P, N) the state before the chunk
-    Q: int,
+    B: torch.Tensor,  # (b, T, G, N)
+    C: torch.Tensor,  # (b, T, G, N)
+    h0: torch.Tensor,  # (b, H, P, N) the state before x
+    Q: int,  # chunk length
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y_t = C_t h_t for every t (b, T, H, P) and the last h (b, H, P, N), h_t by Eq. 1."""
+    """y_t = h_t C_t for every t (b, T, H, P) and the last h (b, H, P, N), h_t by Eq. 1.
+    Heads are split into groups g of r heads (those that share B and C) and laid out
+    before the chunks c and positions l, so every product is a batched matmul."""
     n, T, H, P = x.shape
+    G, N = B.shape[2:]
     pad = -T % Q  # zero steps after the end (a = 0 decays nothing, x = B = 0 adds nothing)
     x, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, a, B, C))
-    nc = (T + pad) // Q
-    x, B, C = (t.reshape(n, nc, Q, H, -1) for t in (x, B, C))  # (b, c, l, h, p|n)
-    a = a.reshape(n, nc, Q, H).permute(0, 3, 1, 2)  # (b, h, c, l)
+    c, r = (T + pad) // Q, H // G
+    x = x.view(n, c, Q, G, r, P).permute(0, 3, 4, 1, 2, 5)  # (b, g, r, c, l, p)
+    B, C = (t.view(n, c, Q, G, 1, N).permute(0, 3, 4, 1, 2, 5) for t in (B, C))  # (b, g, 1, c, l, n)
+    a = a.view(n, c, Q, G, r).permute(0, 3, 4, 1, 2)  # (b, g, r, c, l)
     a_cum = a.cumsum(-1)
     # 1. inside each chunk, the quadratic form: y = (L o C B^T) x
-    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * torch.exp(segsum(a))
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, x)
-    # 2. each chunk's own contribution to the state at its end
-    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (b, h, c, l)
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_to_end, x)
+    y = (torch.exp(segsum(a)) * (C @ B.transpose(-1, -2))) @ x  # (b, g, r, c, l, p)
+    # 2. each chunk's own contribution to the state at its end, B^T (decay o x) (n, p)
+    states = B.transpose(-1, -2) @ (torch.exp(a_cum[..., -1:] - a_cum)[..., None] * x)  # (b, g, r, c, n, p)
     # 3. the recurrence over chunks, from h0: the state at every chunk's start, and the last
-    states = torch.cat([h0[:, None].to(states.dtype), states], 1)  # (b, c+1, h, p, n)
-    decay_chunks = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (b, h, c+1, c+1)
-    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunks, states)
+    h0 = h0.view(n, G, r, 1, P, N).transpose(-1, -2).to(states.dtype)
+    states = torch.cat([h0, states], 3)  # (b, g, r, c+1, n, p)
+    decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (b, g, r, c+1, c+1)
+    states = (decay @ states.flatten(-2)).view(states.shape)
     # 4. each chunk's start state, decayed to every position and read out
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states[:, :-1], torch.exp(a_cum))
-    return y.reshape(n, nc * Q, H, P)[:, :T], states[:, -1]
+    y = y + (C @ states[:, :, :, :-1]) * torch.exp(a_cum)[..., None]
+    y = y.permute(0, 3, 4, 1, 2, 5).reshape(n, c * Q, H, P)[:, :T]
+    return y, states[:, :, :, -1].transpose(-1, -2).reshape(n, H, P, N)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -154,18 +158,15 @@ class Mamba2Mixer(SSMMixer):
         z, xBC, dt = self.in_proj(u).split([D, D + 2 * G * N, H], -1)
         xBC, window = causal_conv(xBC, window, self.conv1d)
         x, B, C = F.silu(xBC).float().split([D, G * N, G * N], -1)
-        x = x.view(n, T, H, P)
-        # each head reads its group's B and C: (b, T, G, N) -> (b, T, H, N)
-        B, C = (t.view(n, T, G, 1, N).expand(n, T, G, H // G, N).reshape(n, T, H, N) for t in (B, C))
+        x, B, C = x.view(n, T, H, P), B.view(n, T, G, N), C.view(n, T, G, N)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # Delta (b, T, H)
         a = dt * -torch.exp(self.A_log.float())  # log a_t (b, T, H)
         xdt = x * dt[..., None]  # Delta_t x_t (b, T, H, P)
         h = h.float()
-        if T == 1:  # Eq. 1, one step
-            h = torch.addcmul(
-                h * torch.exp(a[:, 0, :, None, None]), xdt[:, 0, :, :, None], B[:, 0, :, None, :]
-            )
-            y = torch.einsum("bhpn,bhn->bhp", h, C[:, 0])[:, None]
+        if T == 1:  # Eq. 1, one step; each head reads its group's B and C
+            Bh, Ch = (t[:, 0].repeat_interleave(H // G, 1) for t in (B, C))  # (b, H, N)
+            h = torch.addcmul(h * torch.exp(a[:, 0, :, None, None]), xdt[:, 0, :, :, None], Bh[:, :, None, :])
+            y = (h @ Ch[..., None]).view(n, 1, H, P)
         else:
             y, h = ssd(xdt, a, B, C, h, self.chunk_size)
         y = torch.addcmul(y, x, self.D.float()[:, None]).reshape(n, T, D)  # (b, T, D)
