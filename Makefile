@@ -59,10 +59,11 @@ test-slow: $(STAMP)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
-# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py then puts its section back, from its own run
+# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py and ssm.py then put their sections back, from their own runs
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/ssm.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check app model tests bench

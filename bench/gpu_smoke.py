@@ -10,6 +10,8 @@ Checks (each prints PASS/FAIL and the figure):
 Throughput: greedy decode tokens/s at batch 1, 16, 64 and 256, with the bandwidth achieved
 (bytes of weights + state read per step × steps/s), gpt-fast style; batch 256 of the
 shipped model against the 20,000 tokens/s target.
+State-space models: a Mamba and a Mamba-2 the shape of the published 130M checkpoints
+(random weights): every correctness check above, and decode tokens/s at batch 1 to 256.
 Roofline: a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600, random weights)
 at batch 1, eager and as a CUDA graph (torch.compile, reduce-overhead): bandwidth achieved
 ÷ the device's HBM peak (`--hbm-gbs`, H200: 4,800 GB/s), against the 60% target.
@@ -20,6 +22,7 @@ Usage: python bench/gpu_smoke.py [--model shakespeare] [--hbm-gbs 4800]
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 
@@ -56,10 +59,27 @@ def main() -> int:
         flush=True,
     )
     lm = model.load(args.model, device=dev, precision="fp32")
+    ok, states = correctness(lm, model.load(args.model, device="cpu", precision="fp32"), dev)
+    batch_256 = throughput(lm, states[2], dev)
+    ok &= check(
+        "shipped model, batch 256",
+        batch_256 >= BATCH_256_TARGET,
+        f"{batch_256:,.0f} tokens/s (target {BATCH_256_TARGET:,})",
+    )
+    ok &= roofline(dev, args.hbm_gbs, args.small)
+    ok &= state_space_models(dev, args.small)
+    return 0 if ok else 1
+
+
+def correctness(lm, cpu_lm, dev: str) -> tuple[bool, list]:
+    """`lm` on the device against itself and against `cpu_lm` (the same weights on the CPU):
+    chunk invariance, device == CPU, batched == alone, bf16 (reported), state bytes through
+    pinned memory, the compiled step == the eager one. Returns (all passed, three states
+    of 5, 50 and 300 tokens)."""
     ok = True
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (2, 3 * lm.segment_len), generator=g).to(dev)
-    cpu_logits, _ = model.load(args.model, device="cpu", precision="fp32")(x.cpu(), None)
+    cpu_logits, _ = cpu_lm(x.cpu(), None)
     whole, _ = lm(x, lm.new_state(2))
     st, parts = lm.new_state(2), []
     for t in range(x.shape[1]):
@@ -86,11 +106,14 @@ def main() -> int:
     lm.precision = "fp32"
     d = (lp16 - torch.log_softmax(whole, -1)).abs().max().item()
     check("bf16 autocast vs fp32 (report)", True, f"max |Δ log-prob| {d:.3f}")
+    return ok & round_trip_and_compiled(lm, states, dev), states
 
+
+def round_trip_and_compiled(lm, states: list, dev: str) -> bool:
     blob = states[2].to_bytes()
     back = lm.load_state(blob)
     d = (lm.next_logits(back) - lm.next_logits(states[2])).abs().max().item()
-    ok &= check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
+    ok = check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
 
     lm.append_in_place = False  # as the engine runs a compiled step: state built functionally
     step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default")
@@ -104,15 +127,32 @@ def main() -> int:
         tok = le[:, -1:].argmax(-1)
     ok &= check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
     lm.append_in_place = True
+    return ok
 
-    batch_256 = throughput(lm, states[2], dev)
-    ok &= check(
-        "shipped model, batch 256",
-        batch_256 >= BATCH_256_TARGET,
-        f"{batch_256:,.0f} tokens/s (target {BATCH_256_TARGET:,})",
-    )
-    ok &= roofline(dev, args.hbm_gbs, args.small)
-    return 0 if ok else 1
+
+# Mamba and Mamba-2 the shape of the published 130M checkpoints (random weights), or tiny
+SSM_SIZES = {
+    "mamba": dict(vocab_size=50280, n_layer=24, d_model=768, d_state=16),
+    "mamba2": dict(vocab_size=50288, n_layer=24, d_model=768, d_state=128, head_dim=64, chunk_size=256),
+}
+SSM_SMALL = {
+    "mamba": dict(n_layer=2, d_model=64, d_state=8),
+    "mamba2": dict(n_layer=2, d_model=64, d_state=16, head_dim=16, n_groups=2, chunk_size=16),
+}
+
+
+def state_space_models(dev: str, small: bool) -> bool:
+    """Mamba and Mamba-2 (issue 29): every correctness check above, and decode throughput."""
+    ok = True
+    for family, size in (SSM_SMALL if small else SSM_SIZES).items():
+        torch.manual_seed(0)
+        cpu_lm = build(family, {**size, "tgt_len": 128, "tie_weights": True}).eval()
+        lm = copy.deepcopy(cpu_lm).to(dev)
+        print(f"-- {family}, {sum(p.numel() for p in lm.parameters()):,} parameters", flush=True)
+        passed, states = correctness(lm, cpu_lm, dev)
+        ok &= passed
+        throughput(lm, states[2], dev)
+    return ok
 
 
 def sync(dev: str) -> None:

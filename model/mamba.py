@@ -287,6 +287,11 @@ class Mamba(LanguageModel):
             "last_hidden": (cfg.d_model,),
         }
 
+    @property
+    def context_window(self) -> int:
+        """The causal convolution's reach, itself included: all else is in the SSM state."""
+        return int(self.config.d_conv)
+
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
 

@@ -593,11 +593,12 @@ class ModelCard(Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "recur"
-    family: str = Field(description="the model family (transformer-xl, rlt)")
+    family: str = Field(description="the model family (transformer-xl, rlt, mamba, mamba2)")
     vocab_size: int
     context_window: int = Field(
         description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
-        "max_context); a session has no length limit: older context lives on in its recurrent state"
+        "max_context; Mamba, Mamba-2: d_conv, the convolution's reach); a session has no length limit: "
+        "older context lives on in its recurrent state"
     )
     precision: str = Field(
         description="the compute precision the server runs: fp32, or bf16 (autocast); the behaviour log-probs it "
