@@ -87,6 +87,7 @@ def ssm_work(lm: LanguageModel, state: State) -> Work:
     )
 
 
+@torch.no_grad()
 def decode(
     name: str, lm: LanguageModel, batches: list[int], budget_s: float, served: Any | None
 ) -> list[dict]:

@@ -39,17 +39,19 @@ class Mamba2Config(SSMConfig):
     head_dim: int = 32  # P; H = expand * d_model / P heads
     n_groups: int = 1  # G: heads in a group share B and C
     chunk_size: int = 64  # SSD's block length (results do not depend on it)
-    dt_limit: tuple[float, float] = (0.0, math.inf)  # Delta is clamped into it
+    dt_limit: tuple[float, float | None] = (0.0, None)  # Delta is clamped into it (None: no upper bound)
     tie_weights: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))  # JSON gives a list
+        lo, hi = self.dt_limit  # JSON gives a list; strict JSON has no infinity, so no bound is None
+        lo, hi = float(lo), None if hi is None or math.isinf(hi) else float(hi)
+        self.dt_limit = (lo, hi)
         if self.head_dim < 1 or self.d_inner % self.head_dim:
             raise ValueError("expand * d_model must split into heads of head_dim channels")
         if self.n_groups < 1 or self.n_heads % self.n_groups:
             raise ValueError("n_groups must divide the number of heads")
-        if self.chunk_size < 1 or not 0 <= self.dt_limit[0] <= self.dt_limit[1]:
+        if self.chunk_size < 1 or not 0 <= lo <= (math.inf if hi is None else hi):
             raise ValueError("chunk_size must be >= 1 and dt_limit an interval of non-negative numbers")
 
     @property

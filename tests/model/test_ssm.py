@@ -46,8 +46,9 @@ def test_prefill_equals_token_by_token_in_any_chunking(family, case):
     assert (chunked - one_by_one).abs().max().item() <= 1e-4
     for name, t in s_one.tensors.items():
         assert t.shape == s_whole[name].shape == s_chunked[name].shape
-        torch.testing.assert_close(s_whole[name].float(), t.float(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(s_chunked[name].float(), t.float(), atol=1e-5, rtol=0)
+        # the SSM state sums a whole history and reaches tens: fp32 rounding is relative
+        torch.testing.assert_close(s_whole[name].float(), t.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s_chunked[name].float(), t.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 8, 33])
@@ -192,6 +193,23 @@ def test_checkpoint_and_state_bytes_round_trip(tmp_path, family):
         assert torch.equal(a, again(tokens)[0])
         restored = again.load_state(sa.to_bytes())
         torch.testing.assert_close(lm(nxt, sa)[0], again(nxt, restored)[0], atol=1e-6, rtol=0)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"config.json holds {name}, which strict JSON readers refuse")
+
+
+@pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.001, 0.1)])
+def test_a_mamba2_config_is_strict_json_and_round_trips(tmp_path, dt_limit):
+    """Delta's unbounded limit is written as null, not Infinity; a finite one survives."""
+    lm = model.build("mamba2", {**SSM_TINY["mamba2"], "dt_limit": dt_limit})
+    model.save(lm, tmp_path / "ck")
+    json.loads((tmp_path / "ck" / "config.json").read_text(), parse_constant=_no_constants)
+    again = model.load(tmp_path / "ck", device="cpu")
+    want = (dt_limit[0], None if dt_limit[1] == float("inf") else dt_limit[1])
+    assert again.config.dt_limit == lm.config.dt_limit == want
+    with pytest.raises(ValueError, match="dt_limit"):
+        model.build("mamba2", {**SSM_TINY["mamba2"], "dt_limit": (0.5, 0.0)})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
