@@ -53,13 +53,11 @@ SMALL = {
 }
 MAMBA_130M = {"n_layer": 24, "d_model": 768, "d_state": 16, "vocab_size": 50280}
 MAMBA2_130M = {"n_layer": 24, "d_model": 768, "d_state": 128, "head_dim": 64, "vocab_size": 50288}
-SHAKESPEARE_MAMBA2 = {"n_layer": 8, "d_model": 256, "d_state": 32, "head_dim": 32}
 CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
     "| RLT, `recur init --family rlt` defaults": ("rlt", {}, SMALL["rlt"]),
     "| Mamba, `recur init --family mamba` defaults": ("mamba", {}, None),
     "| Mamba-2, `recur init --family mamba2` defaults": ("mamba2", {}, None),
-    "| Mamba-2 8 × 256": ("mamba2", SHAKESPEARE_MAMBA2, None),
     "| Mamba-130M": ("mamba", MAMBA_130M, SMALL["mamba"]),
     "| Mamba-2 130M": ("mamba2", MAMBA2_130M, SMALL["mamba2"]),
 }
