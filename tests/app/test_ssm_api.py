@@ -3,9 +3,9 @@
 The server knows nothing of the family: every route must give a state-space model the
 invariants it gives the others. Its state is one size from the first token on and changes
 wholly at every token, so a commit writes it whole; requests in any chunking score alike
-(the prompt crosses the serving chunk of 8 and SSD's chunks of 3); fork, rollback, export
-and import continue exactly; SSE, the OpenAI routes and the transcript's replay (ratio 1
-within 1e-5) work unchanged. Prefix reuse is covered for both families in
+(the prompt crosses the serving chunk of 8 and SSD's chunks of 3); the history (versions,
+a past version's export), fork, rollback, export and import continue exactly; SSE, the
+OpenAI routes and the transcript's replay (ratio 1 within 1e-5) work unchanged. Prefix reuse is covered for both families in
 test_prefix_reuse.py.
 """
 
@@ -108,10 +108,17 @@ def test_a_streamed_generation_is_the_generation(http):
     assert [t["id"] for t in tokens] == ids(greedy(http, twin["id"], 15))
 
 
-def test_fork_rollback_export_and_import_continue_exactly(http):
+def test_history_fork_rollback_export_and_import_continue_exactly(http):
     s = create(http, prompt="ROMEO:")
     v1 = greedy(http, s["id"])
     v2 = greedy(http, s["id"])
+    # the history: each kept version, and a past one exported whole
+    kept = {v["version"]: v["n_tokens"] for v in ok(http.get(f"/v1/sessions/{s['id']}/versions"))["versions"]}
+    assert kept[1] == v1["session"]["n_tokens"] and kept[2] == v2["session"]["n_tokens"]
+    past = http.get(f"/v1/sessions/{s['id']}/state", params={"version": 1})
+    assert past.status_code == 200 and len(past.content) == len(
+        http.get(f"/v1/sessions/{s['id']}/state").content
+    )
     fork = ok(http.post(f"/v1/sessions/{s['id']}/fork", json={"version": 1}), 201)
     assert fork["n_tokens"] == v1["session"]["n_tokens"] and ids(greedy(http, fork["id"])) == ids(v2)
     back = ok(http.post(f"/v1/sessions/{s['id']}/rollback", json={"version": 1}))
