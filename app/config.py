@@ -21,8 +21,23 @@ from app.logs import LogFormat
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RECUR_", extra="forbid", protected_namespaces=())
 
-    model: str = Field("shakespeare", description="shipped model name or checkpoint directory")
+    model: str = Field(
+        "shakespeare",
+        description="shipped model name (shakespeare, shakespeare-rlt; smollm2, an assistant), checkpoint "
+        "directory or GGUF file",
+    )
+    model_options: str | None = Field(
+        None,
+        description="the model's serving options, name=value[,name=value] (a LLaMA-architecture LLM's: "
+        "sinks, window, tgt_len); each family lists its own",
+    )
     host: str = Field("127.0.0.1", description="address to listen on")
+    allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1",
+        description="comma-separated host names this server answers to (the Host header, port aside); "
+        "others get 403, so a web page cannot reach it through DNS rebinding. * answers to any: for a "
+        "server behind a proxy or a load balancer that checks the name itself",
+    )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     redis_url: str | None = Field(
         None,
@@ -49,8 +64,10 @@ class Settings(BaseSettings):
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, on CPU too)"
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "auto",
+        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), or "
+        "int8 (int8 weights on CPU, for the families that have the path: LLaMA-architecture LLMs)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of float tensors in stored states (float32 is exact)"
@@ -61,11 +78,54 @@ class Settings(BaseSettings):
         description="torch intra-op threads on CPU (0 = torch's default); 1 is fastest on a busy machine",
     )
     max_batch_size: int = Field(32, ge=1, description="most sessions decoded together in one forward pass")
+    prefill_tokens_per_step: int = Field(
+        32,
+        ge=1,
+        description="prompt tokens one engine step consumes while other sessions decode (chunked "
+        "prefill): a long prompt is consumed over many steps and the decoding streams advance every "
+        "step; larger gives a long prompt its first token sooner, smaller keeps others' token gaps "
+        "shorter (with nothing decoding, a prompt is consumed a whole segment per step)",
+    )
     max_queued_requests: int = Field(
         256, ge=1, description="requests waiting for the scheduler beyond which new ones get 429"
     )
     max_queued_tokens: int = Field(
         262_144, ge=1, description="prompt tokens waiting for the scheduler beyond which new requests get 429"
+    )
+    max_streams_per_key: int = Field(
+        64,
+        ge=1,
+        description="generations one client (an API key; without keys, a client address) runs at once on "
+        "one replica; more get 429 quota_exceeded at once, before any work",
+    )
+    key_batch_share: float = Field(
+        0.0625,
+        gt=0,
+        le=1,
+        description="most of the batch one client holds while a client with less work is active: past "
+        "it, its newest rows wait (their states kept) so the other's steps stay short; alone, a client "
+        "may fill the batch, and clients that all have much work split it evenly. The default keeps a "
+        "flooded CPU replica's other clients within 2x of their latency alone (bench/hostile.py); on a "
+        "GPU, where a larger batch costs little more, raise it",
+    )
+    key_queue_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="most of the queue (max_queued_requests, max_queued_tokens) one client's requests "
+        "may fill; past it that client gets 429 queue_full while others still get in",
+    )
+    stream_buffer_tokens: int = Field(
+        256,
+        ge=0,
+        description="tokens a stream may leave unread by its client before its generation pauses (out of "
+        "the batch, its state kept) until the client reads; 0 = never pause",
+    )
+    stream_send_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a stream waits to write to a client that does not read before it is dropped "
+        "(as a disconnect: on_disconnect applies); 0 = never",
     )
     hot_cache_mb: float = Field(
         256.0, ge=0, description="device memory for recently used session states (0 = no hot cache)"
@@ -93,10 +153,19 @@ class Settings(BaseSettings):
         "per commit); past it the oldest commits' segments are dropped",
     )
     compile: bool = Field(
-        True,
+        False,
         description="torch.compile the decode step in the background while the eager one serves "
         "(CUDA graphs via mode reduce-overhead on CUDA), and use it for the batch sizes where "
-        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics)",
+        "a probe measured it faster and equal within 1e-4 (recur_decode_compiled in /metrics); off by "
+        "default: on a small CPU host the compile costs more than it earns in a server's first 10 minutes "
+        "(docs/BENCHMARKS.md, Background compile)",
+    )
+    engine_step_deadline: float = Field(
+        60.0,
+        gt=0,
+        description="seconds one engine step (a prompt chunk, or one token for every decoding stream) may "
+        "take: past it the requests in the step fail with 503 engine_stalled, nothing of them committed, and "
+        "the replica answers /readyz and new requests with 503 until the step ends",
     )
     lock_lease_seconds: float = Field(
         10.0, gt=0, description="lease of a session's writer lock; the holder renews it while working"
@@ -112,13 +181,22 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="uvicorn log level")
     max_body_bytes: int = Field(
-        1 << 20, ge=1, description="largest request body accepted; a larger one gets 413 before it is read in full"
+        1 << 20,
+        ge=1,
+        description="largest request body accepted; a larger one gets 413 before it is read in full",
     )
     max_import_mb: float = Field(
-        512.0,
-        gt=0,
-        description="largest state a client may import (POST /v1/sessions/import), in MiB: a state can be "
-        "far larger than any JSON body",
+        0.0,
+        ge=0,
+        description="largest state a client may import (POST /v1/sessions/import), in MiB; 0: twice the "
+        "largest state the served model can produce (a real export always fits; anything larger is 413 "
+        "before it is read)",
+    )
+    max_concurrent_imports: int = Field(
+        2,
+        ge=1,
+        description="state imports one replica reads and parses at once; more get 429 queue_full at once, "
+        "before their bodies are read (so imports bound the memory they take)",
     )
     log_format: LogFormat = Field(
         "auto",
@@ -172,20 +250,20 @@ class Settings(BaseSettings):
         """Every configured key (the file is read now). Raises ValueError with a clear message."""
         return list(self.load_tenants())
 
-    def limits(self) -> Limits:
+    def quota(self) -> Quota:
         """The quota of a tenant whose key sets none of its own (and of all clients, without keys)."""
-        return Limits(
+        return Quota(
             sessions=self.quota_sessions,
             state_bytes=int(self.quota_state_mb * 2**20),
             requests_per_second=self.quota_requests_per_second,
             tokens_per_second=self.quota_tokens_per_second,
         )
 
-    def load_tenants(self) -> dict[str, Limits]:
+    def load_tenants(self) -> dict[str, Quota]:
         """Every configured key with its quota (the file is read now). A line of the keys
         file is `KEY [sessions=N] [state_mb=X] [requests_per_second=X] [tokens_per_second=X]`.
         Raises ValueError with a clear message."""
-        default = self.limits()
+        default = self.quota()
         keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
         tenants = {k: default for k in keys if k}
         if self.api_keys_file is not None:
@@ -204,7 +282,7 @@ class Settings(BaseSettings):
 
 
 @dataclass(frozen=True)
-class Limits:
+class Quota:
     """One tenant's quota."""
 
     sessions: int
@@ -216,7 +294,7 @@ class Limits:
 _OVERRIDES = {"sessions": int, "state_mb": float, "requests_per_second": float, "tokens_per_second": float}
 
 
-def _override(limits: Limits, overrides: list[str], source: Path) -> Limits:
+def _override(limits: Quota, overrides: list[str], source: Path) -> Quota:
     """`limits` with a key file line's `name=value` overrides applied."""
     changes: dict[str, Any] = {}
     for item in overrides:

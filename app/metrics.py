@@ -7,11 +7,11 @@ exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 `num_requests_running`, ...). Who updates what:
 
 * app/api/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
-* app/sessions.py        TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+* app/sessions/         TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
                          GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED,
                          HOT_CACHE_HITS, HOT_CACHE_MISSES, PREFIX_REUSE_* (prefix reuse)
-* app/store.py           STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
-* app/sessions.py        TENANT_*, QUOTA_REFUSALS (quotas)
+* app/store/            STATE_BYTES_READ, STATE_BYTES_WRITTEN, REDIS_ERRORS
+* app/tenants.py         TENANT_*, QUOTA_REFUSALS (quotas)
 * the gauges, and the engine's own counters (decode steps and tokens, prefill tokens,
   seconds loading and encoding states, malloc_trim calls and their seconds), are read
   from the live engine and hot cache when scraped (`bind_engine`): the engine imports
@@ -97,13 +97,15 @@ STATE_BYTES_WRITTEN = Counter("recur_state_bytes_written", "State bytes written 
 HOT_CACHE_HITS = Counter("recur_hot_cache_hits", "Session states served from the in-memory hot cache")
 HOT_CACHE_MISSES = Counter("recur_hot_cache_misses", "Session states that had to be read from Redis")
 PREFIX_REUSE_HITS = Counter(
-    "recur_prefix_reuse_hits", "Stateless requests that forked a committed state holding a prefix of their tokens"
+    "recur_prefix_reuse_hits",
+    "Stateless requests that forked a committed state holding a prefix of their tokens",
 )
 PREFIX_REUSE_MISSES = Counter(
     "recur_prefix_reuse_misses", "Stateless requests that found no committed prefix and prefilled everything"
 )
 PREFIX_TOKENS_SAVED = Counter(
-    "recur_prefix_reuse_tokens_saved", "Prompt tokens that stateless requests did not prefill, thanks to reuse"
+    "recur_prefix_reuse_tokens_saved",
+    "Prompt tokens that stateless requests did not prefill, thanks to reuse",
 )
 REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
 
@@ -168,14 +170,23 @@ def _compile_metrics(step: Any) -> Iterator[CounterMetricFamily | GaugeMetricFam
         "more than the class below), 0 where the eager one does",
         labels=["batch"],
     )
-    for rows, verdict in sorted(status.verdicts.items()):
-        compiled.add_metric([str(rows)], 1.0 if verdict.adopted else 0.0)
+    for rows in sorted(status.verdicts):
+        compiled.add_metric([str(rows)], 1.0 if step.serves_compiled(rows) else 0.0)
     yield compiled
     yield GaugeMetricFamily(
         "recur_prefill_compiled",
         "1 where prefills run the model's compiled per-token parts (RLT's recurrence), 0 where they run eagerly",
-        value=1.0 if status.prefill is not None and status.prefill.adopted else 0.0,
+        value=1.0 if step.prefill_compiled else 0.0,
     )
+    state = GaugeMetricFamily(
+        "recur_decode_compile_state",
+        "1 for the background compile's state: off, compiling, ready (the probe's verdicts serve) or failed "
+        "(the eager step serves; the log says why)",
+        labels=["state"],
+    )
+    for name in ("off", "compiling", "ready", "failed"):
+        state.add_metric([name], 1.0 if status.state == name else 0.0)
+    yield state
 
 
 _ENGINE = _EngineCollector()

@@ -61,18 +61,33 @@ def run(settings: Settings) -> int:
 
     logs.configure(settings.log_level, settings.log_format)
     try:
-        settings.load_api_keys()
+        keys = settings.load_api_keys()
     except ValueError as exc:
         print(f"recur serve: {exc}", file=sys.stderr)
         return 2
+    if not keys:
+        log.warning(
+            "no API keys are set (RECUR_API_KEYS, RECUR_API_KEYS_FILE): every /v1 route is open to "
+            "anyone who can reach %s:%d, and all clients share one quota",
+            settings.host,
+            settings.port,
+        )
     try:
-        lm = model.load(settings.model, device=settings.device, precision=settings.precision)
+        lm = model.load(
+            settings.model,
+            device=settings.device,
+            precision=settings.precision,
+            options=settings.model_options,
+        )
     except FileNotFoundError as exc:
         print(
             f"recur serve: {exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
             "`recur init DIR`) or set RECUR_MODEL.",
             file=sys.stderr,
         )
+        return 2
+    except ValueError as exc:  # a model option or precision the checkpoint cannot take
+        print(f"recur serve: {exc}", file=sys.stderr)
         return 2
     embedded = None
     if not settings.redis_url:

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from harness import Redis, Server, emit, model_dir
+from harness import Redis, Server, emit, model_dir, write_section
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 SECTION = "## 8. Prefix reuse"
 SCENE = [{"role": "system", "content": "Enter Romeo and Juliet."}]
 USER = [
@@ -135,7 +134,9 @@ def measure(repetitions: int, turns: int, max_tokens: int) -> dict:
     keys = [f"rep-{i}" for i in range(repetitions + 1)]  # (the last one warms the servers up)
     common = dict(cpu_threads=1, max_tokens=max_tokens, api_keys=",".join(keys))
     servers = {
-        mode: Server(name, redis.url, work / mode, key_prefix=f"bench-{mode}:", prefix_reuse=mode == "on", **common)
+        mode: Server(
+            name, redis.url, work / mode, key_prefix=f"bench-{mode}:", prefix_reuse=mode == "on", **common
+        )
         for mode in ("on", "off")
     }
     runs: dict[str, list[list[dict]]] = {"on": [], "off": []}
@@ -146,8 +147,11 @@ def measure(repetitions: int, turns: int, max_tokens: int) -> dict:
             order = ("on", "off") if rep % 2 == 0 else ("off", "on")
             for mode in order:
                 runs[mode].append(conversation(servers[mode].url, name, keys[rep], turns, max_tokens))
-                print(f"repetition {rep + 1}/{repetitions}, reuse {mode}: turn 1 {runs[mode][-1][0]['ms']:.0f} ms, "
-                      f"turn {turns} {runs[mode][-1][-1]['ms']:.0f} ms", flush=True)
+                print(
+                    f"repetition {rep + 1}/{repetitions}, reuse {mode}: turn 1 {runs[mode][-1][0]['ms']:.0f} ms, "
+                    f"turn {turns} {runs[mode][-1][-1]['ms']:.0f} ms",
+                    flush=True,
+                )
     finally:
         for s in servers.values():
             s.stop()
@@ -162,19 +166,31 @@ def measure(repetitions: int, turns: int, max_tokens: int) -> dict:
     }
 
 
-def section(r: dict) -> str:
+def _table(r: dict) -> list[str]:
+    """Each turn's latency with reuse on and off, and the tokens each prefilled."""
     on, off, n = r["on"], r["off"], r["turns"]
     shown = [t for t in SHOWN if t <= n]
-    head = "| reuse | " + " | ".join(f"turn {t} (ms)" for t in shown) + f" | turn {n} ÷ turn 1 | hit rate, turns 2–{n} |"
+    head = (
+        "| reuse | "
+        + " | ".join(f"turn {t} (ms)" for t in shown)
+        + f" | turn {n} ÷ turn 1 | hit rate, turns 2–{n} |"
+    )
     rows = [
-        f"| {mode} | " + " | ".join(str(s["turn_ms"][t - 1]) for t in shown)
+        f"| {mode} | "
+        + " | ".join(str(s["turn_ms"][t - 1]) for t in shown)
         + f" | {s['ratio']}× (per run: {s['ratio_median_of_runs']}×) | {s['hit_rate'] * 100:.0f}% |"
         for mode, s in (("on", on), ("off", off))
     ]
     tokens = (
-        "| tokens prefilled | " + " | ".join(f"on {on['prefilled'][t - 1]}, off {off['prefilled'][t - 1]}" for t in shown)
+        "| tokens prefilled | "
+        + " | ".join(f"on {on['prefilled'][t - 1]}, off {off['prefilled'][t - 1]}" for t in shown)
         + " | | |"
     )
+    return [head, "|---|" + "---|" * (len(shown) + 2), *rows, tokens]
+
+
+def section(r: dict) -> str:
+    on, off, n = r["on"], r["off"], r["turns"]
     hit_ok, ratio_ok = on["hit_rate"] >= 0.95, on["ratio"] <= 1.2
     lines = [
         SECTION,
@@ -191,14 +207,13 @@ def section(r: dict) -> str:
         "| target | measured | |",
         "|---|---|---|",
         f"| hit rate, turns after the first, reuse on: ≥ 95% | {on['hit_rate'] * 100:.0f}% | "
-        + ("met" if hit_ok else "**missed**") + " |",
+        + ("met" if hit_ok else "**missed**")
+        + " |",
         f"| turn-{n} latency ÷ turn-1 latency, reuse on: ≤ 1.2× | {on['ratio']}× | "
-        + ("met" if ratio_ok else "**missed**") + " |",
+        + ("met" if ratio_ok else "**missed**")
+        + " |",
         "",
-        head,
-        "|---|" + "---|" * (len(shown) + 2),
-        *rows,
-        tokens,
+        *_table(r),
         "",
         f"With reuse off, turn {n} re-prefills its whole {off['prompt_tokens'][-1]}-token conversation and "
         f"takes {off['ratio']}× turn 1; with reuse on it forks turn {n - 1}'s state and prefills only "
@@ -219,23 +234,12 @@ def section(r: dict) -> str:
             "the RESULT line), not a cost that grows with the history.",
         ]
     if on["non_utf8_replies"]:
-        lines += ["", f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (README, Chat templates)."]
+        lines += [
+            "",
+            f"{on['non_utf8_replies']} replies held bytes that are not UTF-8 (docs/OPENAI.md, Chat templates).",
+        ]
     lines += ["", "Reproduce: `python bench/chat_reuse.py` (add `--write` to rewrite this section).", ""]
     return "\n".join(lines)
-
-
-def write(r: dict) -> None:
-    """Put the section into docs/BENCHMARKS.md: in place of the one there, else at the end."""
-    path = DOCS / "BENCHMARKS.md"
-    text = path.read_text()
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section(r)
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section(r) + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
-    path.write_text(text)
-    print(f"wrote the prefix reuse section of {path}")
 
 
 def main() -> None:
@@ -248,7 +252,7 @@ def main() -> None:
     r = measure(args.repetitions, args.turns, args.max_tokens)
     print(section(r))
     if args.write:
-        write(r)
+        write_section(SECTION, section(r))
     emit(r)
 
 

@@ -7,32 +7,62 @@ Checks (each prints PASS/FAIL and the figure):
   * state bytes round trip through pinned host memory;
   * the compiled (CUDA-graph) decode step equals the eager one.
   * GPU fp32 logits equal the CPU's within 1e-3 (the same weights and tokens).
+Each check runs for every model of `--models`: the shipped byte-level Transformer-XL, the
+shipped assistant (smollm2, a LLaMA-architecture LLM served as sinks + window state), and a
+Mamba and a Mamba-2 the shape of the published 130M checkpoints (`mamba`, `mamba2`: random
+weights); with `--small`, tiny random models of the last three's families, so that a dry run
+covers their code paths.
 Throughput: greedy decode tokens/s at batch 1, 16, 64 and 256, with the bandwidth achieved
 (bytes of weights + state read per step × steps/s), gpt-fast style; batch 256 of the
-shipped model against the 20,000 tokens/s target.
-State-space models: a Mamba and a Mamba-2 the shape of the published 130M checkpoints
-(random weights): every correctness check above, and decode tokens/s at batch 1 to 256.
+shipped `shakespeare` against the 20,000 tokens/s target.
 Roofline: a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600, random weights)
 at batch 1, eager and as a CUDA graph (torch.compile, reduce-overhead): bandwidth achieved
 ÷ the device's HBM peak (`--hbm-gbs`, H200: 4,800 GB/s), against the 60% target.
-Usage: python bench/gpu_smoke.py [--model shakespeare] [--hbm-gbs 4800]
+Usage: python bench/gpu_smoke.py [--models shakespeare,smollm2,mamba,mamba2] [--hbm-gbs 4800]
        python bench/gpu_smoke.py --device cpu --small    (a dry run of every code path)
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import sys
 import time
 
 import torch
 
 import model
+from model import IN_PLACE, LanguageModel, State
 from model.checkpoint import build
 
 BATCH_256_TARGET = 20_000  # tokens/s, the shipped model at batch 256 (issue 14)
 HBM_TARGET = 0.60  # bandwidth achieved ÷ HBM peak, WikiText-103-size model at batch 1
+# --small: the LLM family's code paths on a tiny random model (sinks and window overrun)
+TINY_LLAMA = dict(
+    n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, d_ff=128, sinks=4, window=60, tgt_len=32
+)
+
+# Mamba and Mamba-2 the shape of the published 130M checkpoints (random weights), or tiny
+SSM_SIZES = {
+    "mamba": dict(vocab_size=50280, n_layer=24, d_model=768, d_state=16),
+    "mamba2": dict(vocab_size=50288, n_layer=24, d_model=768, d_state=128, head_dim=64, chunk_size=256),
+}
+SSM_SMALL = {
+    "mamba": dict(n_layer=2, d_model=64, d_state=8),
+    "mamba2": dict(n_layer=2, d_model=64, d_state=16, head_dim=16, n_groups=2, chunk_size=16),
+}
+
+
+def load(name: str, dev: str, small: bool) -> LanguageModel:
+    """The model `name` names (random ones seeded, so that two loads hold the same weights)."""
+    if name in SSM_SIZES:
+        torch.manual_seed(0)
+        size = (SSM_SMALL if small else SSM_SIZES)[name]
+        return build(name, {**size, "tgt_len": 128, "tie_weights": True}).to(dev).eval()
+    if small and name == "smollm2":
+        torch.manual_seed(0)
+        return build("llama", TINY_LLAMA).to(dev).eval()
+    return model.load(name, device=dev, precision="fp32")
 
 
 def check(name: str, ok: bool, figure: str) -> bool:
@@ -41,41 +71,9 @@ def check(name: str, ok: bool, figure: str) -> bool:
 
 
 @torch.no_grad()
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="shakespeare")
-    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
-    ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
-    args = ap.parse_args()
-    dev = args.device
-    if dev == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
-        return 2
-    print(
-        torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
-        "torch",
-        torch.__version__,
-        flush=True,
-    )
-    lm = model.load(args.model, device=dev, precision="fp32")
-    ok, states = correctness(lm, model.load(args.model, device="cpu", precision="fp32"), dev)
-    batch_256 = throughput(lm, states[2], dev)
-    ok &= check(
-        "shipped model, batch 256",
-        batch_256 >= BATCH_256_TARGET,
-        f"{batch_256:,.0f} tokens/s (target {BATCH_256_TARGET:,})",
-    )
-    ok &= roofline(dev, args.hbm_gbs, args.small)
-    ok &= state_space_models(dev, args.small)
-    return 0 if ok else 1
-
-
-def correctness(lm, cpu_lm, dev: str) -> tuple[bool, list]:
-    """`lm` on the device against itself and against `cpu_lm` (the same weights on the CPU):
-    chunk invariance, device == CPU, batched == alone, bf16 (reported), state bytes through
-    pinned memory, the compiled step == the eager one. Returns (all passed, three states
-    of 5, 50 and 300 tokens)."""
+def correctness(lm: LanguageModel, cpu_lm: LanguageModel, dev: str) -> tuple[bool, list[State]]:
+    """Chunk invariance, the device against the CPU, batched against alone, bf16 (reported),
+    and the state's bytes round trip; and the three states (5, 50, 300 tokens) they used."""
     ok = True
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (2, 3 * lm.segment_len), generator=g).to(dev)
@@ -106,52 +104,67 @@ def correctness(lm, cpu_lm, dev: str) -> tuple[bool, list]:
     lm.precision = "fp32"
     d = (lp16 - torch.log_softmax(whole, -1)).abs().max().item()
     check("bf16 autocast vs fp32 (report)", True, f"max |Δ log-prob| {d:.3f}")
-    return ok & round_trip_and_compiled(lm, states, dev), states
 
-
-def round_trip_and_compiled(lm, states: list, dev: str) -> bool:
     blob = states[2].to_bytes()
     back = lm.load_state(blob)
     d = (lm.next_logits(back) - lm.next_logits(states[2])).abs().max().item()
-    ok = check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
+    ok &= check("state bytes round trip (pinned)", d <= 1e-5, f"{len(blob)} bytes, max |Δ| {d:.2e}")
+    return ok, states
 
-    lm.append_in_place = False  # as the engine runs a compiled step: state built functionally
-    step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default")
+
+def compiled_matches_eager(lm: LanguageModel, state: State, dev: str) -> bool:
+    """The compiled decode step (CUDA graphs on a GPU) against the eager one, 16 greedy steps."""
+    step = torch.compile(  # (forward's default: the state built functionally, as the engine compiles it)
+        lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
+    )
     tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    s_e = s_c = states[1]
+    s_e = s_c = state
     diffs = []
     for _ in range(16):
-        le, s_e = lm(tok, s_e)
+        le, s_e = lm(tok, s_e, IN_PLACE)
         lc, s_c = step(tok, s_c)
         diffs.append((le - lc).abs().max().item())
         tok = le[:, -1:].argmax(-1)
-    ok &= check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
-    lm.append_in_place = True
-    return ok
+    return check("compiled decode == eager", max(diffs) <= 1e-3, f"max |Δlogit| {max(diffs):.2e}")
 
 
-# Mamba and Mamba-2 the shape of the published 130M checkpoints (random weights), or tiny
-SSM_SIZES = {
-    "mamba": dict(vocab_size=50280, n_layer=24, d_model=768, d_state=16),
-    "mamba2": dict(vocab_size=50288, n_layer=24, d_model=768, d_state=128, head_dim=64, chunk_size=256),
-}
-SSM_SMALL = {
-    "mamba": dict(n_layer=2, d_model=64, d_state=8),
-    "mamba2": dict(n_layer=2, d_model=64, d_state=16, head_dim=16, n_groups=2, chunk_size=16),
-}
-
-
-def state_space_models(dev: str, small: bool) -> bool:
-    """Mamba and Mamba-2 (issue 29): every correctness check above, and decode throughput."""
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="shakespeare,smollm2,mamba,mamba2")
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
+    ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
+    args = ap.parse_args()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
+        return 2
+    print(
+        torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+        "torch",
+        torch.__version__,
+        flush=True,
+    )
     ok = True
-    for family, size in (SSM_SMALL if small else SSM_SIZES).items():
-        torch.manual_seed(0)
-        cpu_lm = build(family, {**size, "tgt_len": 128, "tie_weights": True}).eval()
-        lm = copy.deepcopy(cpu_lm).to(dev)
-        print(f"-- {family}, {sum(p.numel() for p in lm.parameters()):,} parameters", flush=True)
-        passed, states = correctness(lm, cpu_lm, dev)
-        ok &= passed
-        throughput(lm, states[2], dev)
+    for name in args.models.split(","):
+        print(f"-- {name}", flush=True)
+        ok &= smoke(name, dev, args.small)
+    ok &= roofline(dev, args.hbm_gbs, args.small)
+    return 0 if ok else 1
+
+
+def smoke(name: str, dev: str, small: bool) -> bool:
+    """Every correctness check and the throughput sweep for one model."""
+    lm = load(name, dev, small)
+    ok, states = correctness(lm, load(name, "cpu", small), dev)
+    ok &= compiled_matches_eager(lm, states[1], dev)
+    batch_256 = throughput(lm, states[2], dev)
+    if name == "shakespeare":
+        ok &= check(
+            "shipped model, batch 256",
+            batch_256 >= BATCH_256_TARGET,
+            f"{batch_256:,.0f} tokens/s (target {BATCH_256_TARGET:,})",
+        )
     return ok
 
 
@@ -171,13 +184,13 @@ def throughput(lm, state, dev: str) -> float:
             st = lm.stack_states([state] * batch)
             tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
             for _ in range(5):
-                _, st = lm(tok, st)
+                _, st = lm(tok, st, IN_PLACE)
             sync(dev)
             steps, t0 = 100, time.perf_counter()
             for _ in range(steps):
                 logits = lm.next_logits(st)
                 tok = logits.argmax(-1, keepdim=True)
-                _, st = lm(tok, st)
+                _, st = lm(tok, st, IN_PLACE)
             sync(dev)
             dt = time.perf_counter() - t0
             per_step_bytes = weights + st.nbytes()
@@ -209,9 +222,8 @@ def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
     per_step = weights + state.nbytes()  # every weight, and the memory's keys and values
     best = 0.0
     for name in ("eager", "cuda graph"):
-        lm.append_in_place = name == "eager"
         step = (
-            lm.forward
+            functools.partial(lm.forward, how=IN_PLACE)
             if name == "eager"
             else torch.compile(
                 lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
@@ -232,7 +244,6 @@ def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
             f"roofline {name}: {per_step / 1e6:.0f} MB/step, {achieved:,.0f} GB/s = {achieved / hbm_gbs:.0%} of HBM",
             flush=True,
         )
-    lm.append_in_place = True
     return check(
         "WikiText-103-size model, batch 1, bandwidth ÷ HBM peak",
         best >= HBM_TARGET,

@@ -79,8 +79,21 @@ class Redis:
 class Server:
     """`python -m app` as its own process; `settings` are `recur serve` flags."""
 
-    def __init__(self, model: str, redis_url: str, workdir: Path, **settings: object):
+    def __init__(
+        self,
+        model: str,
+        redis_url: str,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        wait_compiled: bool = True,
+        root: Path = ROOT,
+        **settings: object,
+    ):
+        """`env`: more of the server's environment; `wait_compiled`: with `compile`, return
+        once its background compile has finished; `root`: the source tree the server runs
+        (another worktree, for a before/after)."""
         self.port = free_port()
+        self.started = time.monotonic()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable,
@@ -101,8 +114,8 @@ class Server:
                 args.append("--" + flag if v else "--no-" + flag)
             else:
                 args += ["--" + flag, str(v)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}, **(env or {})}
+        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "server.log", "ab")
         self.proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -112,22 +125,32 @@ class Server:
                 raise RuntimeError(f"server exited: see {workdir / 'server.log'}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    if settings.get("compile", True):
-                        self._wait_compiled(deadline + 300)
+                    self.ready = time.monotonic() - self.started  # seconds from start to /readyz
+                    if wait_compiled and settings.get("compile", False):
+                        self.wait_compiled(deadline + 300)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise RuntimeError("server not ready")
 
-    def _wait_compiled(self, deadline: float) -> None:
+    def compile_state(self) -> str:
+        """The background compile's state (app/engine/compiler.py): off, compiling, ready, failed."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        prefix = "recur_decode_compile_state{state="
+        return next(
+            ln[len(prefix) + 1 :].split('"')[0]
+            for ln in text.splitlines()
+            if ln.startswith(prefix) and ln.endswith(" 1.0")
+        )
+
+    def wait_compiled(self, deadline: float) -> float:
         """Until the background compile of the decode step has finished (it would take a core
-        from the figures, and the eager step would serve meanwhile: app/engine/compiler.py)."""
+        from the figures, and the eager step would serve meanwhile: app/engine/compiler.py);
+        returns the seconds from the server's start."""
         while time.monotonic() < deadline:
-            text = httpx.get(self.url + "/metrics", timeout=5).text
-            line = next((x for x in text.splitlines() if x.startswith("recur_decode_compile_seconds ")), "")
-            if line and float(line.split()[1]) > 0:
-                return
+            if self.compile_state() in ("ready", "failed"):
+                return time.monotonic() - self.started
             time.sleep(1)
         raise RuntimeError("the decode step's background compile did not finish")
 
@@ -138,6 +161,24 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
+
+
+def write_section(heading: str, section: str) -> None:
+    """Put `section` (starting with its `## ` `heading`) into docs/BENCHMARKS.md: in place of
+    the one there (up to the next `## `), else at the end. For the benchmarks that report.py
+    does not run, whose sections must survive its rewrite of the page."""
+    text = BENCHMARKS.read_text()
+    start = text.find(heading)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
+    BENCHMARKS.write_text(text)
+    print(f"wrote the section {heading!r} of {BENCHMARKS}")
 
 
 def emit(result: dict) -> None:

@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> None:
             batch = lm.stack_states([states[i] for i in rows])
             for _ in range(16):
                 ids = lm.next_logits(batch).argmax(-1)
-                _, batch = lm(ids[:, None], batch)
+                _, batch = lm(ids[:, None], batch, model.IN_PLACE)
                 steps += 1
                 rel.worked()
             for i, st in zip(rows, lm.split_state(batch), strict=True):

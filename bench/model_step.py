@@ -7,7 +7,7 @@
    1,800, 2,800 and 3,800 (Dai et al. report 363x, 773x, 1,409x and 1,874x, on GPU).
    Context only, not a target: bench/roofline.py holds a step against the machine's limits.
 3. A decode step that grows the state in place (the default) against one that builds it
-   functionally (`lm.append_in_place = False`: `torch.cat` the new row, slice the window),
+   functionally (`model.FUNCTIONAL`: `torch.cat` the new row, slice the window),
    at 1 and 16 streams and two attention lengths. Results are the same (bit for bit
    here; tests/model/test_state.py checks them to 1e-5); only the copies differ.
 
@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from model import FUNCTIONAL, IN_PLACE, Execution, LanguageModel
 from model.checkpoint import build, resolve_device
 
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9
@@ -52,8 +53,9 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def decode_ms(lm, state, steps: int) -> float:
-    """Median wall time of one decode step (next-token logits + consuming one token)."""
+def decode_ms(lm, state, steps: int, how: Execution = IN_PLACE) -> float:
+    """Median wall time of one decode step (next-token logits + consuming one token), grown
+    as the engine's eager step grows it (in place), unless `how` says otherwise."""
     tok = torch.zeros(state.batch_size, 1, dtype=torch.long, device=lm.device)
     times = []
     for _ in range(steps):
@@ -61,7 +63,7 @@ def decode_ms(lm, state, steps: int) -> float:
         t0 = time.perf_counter()
         logits = lm.next_logits(state)
         tok[:, 0] = logits.argmax(-1)
-        _, state = lm(tok, state)
+        _, state = lm(tok, state, how)
         sync(lm.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -100,47 +102,32 @@ def profile_step(lm, streams: int, steps: int = 50) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--mem-len", type=int, default=128, help="memory for benchmark 1")
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--windows", default="800,1800,2800,3800", help="attention lengths for benchmark 2")
-    ap.add_argument("--growth-windows", default="128,3800", help="attention lengths for benchmark 3")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.profile:
-        profile_step(make(args, args.mem_len)[0], args.profile)
-        return
-
-    lm, cfg = make(args, args.mem_len)
+def history_cost(lm: LanguageModel, steps: int) -> tuple[float, float]:
+    """Per-token decode time (ms) with 1k and with 100k tokens of history."""
     short, long_ = history_state(lm, 1_000), history_state(lm, 100_000)
     decode_ms(lm, short, 20)  # warm-up
     # interleave the two measurements so machine noise hits both alike
     a, b = [], []
     for _ in range(5):
-        a.append(decode_ms(lm, short, args.steps // 5))
-        b.append(decode_ms(lm, long_, args.steps // 5))
+        a.append(decode_ms(lm, short, steps // 5))
+        b.append(decode_ms(lm, long_, steps // 5))
     t1k, t100k = statistics.median(a), statistics.median(b)
     print(
         f"decode per token, history 1k: {t1k:.3f} ms   100k: {t100k:.3f} ms   ratio 100k/1k = {t100k / t1k:.3f}"
     )
+    return t1k, t100k
 
-    speedups = []
+
+def speedups(args: argparse.Namespace) -> list[dict]:
+    """The stateful decode step against recomputing the whole window, per attention length."""
+    out = []
     for window in (int(w) for w in args.windows.split(",")):
         lm2, _ = make(args, window)
         st = history_state(lm2, window)
         decode_ms(lm2, st, 5)
         t_dec = decode_ms(lm2, st, 50)
         t_full = recompute_ms(lm2, window, 3)
-        speedups.append(
+        out.append(
             {
                 "attention_length": window,
                 "stateful_decode_ms": round(t_dec, 3),
@@ -154,8 +141,12 @@ def main() -> None:
             f"   speedup = {t_full / t_dec:.0f}x   (paper: {PAPER.get(window, '-')}x)",
             flush=True,
         )
+    return out
 
-    growth = []
+
+def growth(args: argparse.Namespace) -> list[dict]:
+    """The decode step with the state grown in place against building it functionally."""
+    out = []
     for window in (int(w) for w in args.growth_windows.split(",")):
         lm3, _ = make(args, window)
         for batch in (1, 16):
@@ -163,10 +154,10 @@ def main() -> None:
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(3):  # interleaved, so machine noise hits both alike
                 for in_place in (True, False):
-                    lm3.append_in_place = in_place
-                    times[in_place].append(decode_ms(lm3, st, args.steps // 10))
+                    how = IN_PLACE if in_place else FUNCTIONAL
+                    times[in_place].append(decode_ms(lm3, st, args.steps // 10, how))
             t_in, t_fn = min(times[True]), min(times[False])
-            growth.append(
+            out.append(
                 {
                     "attention_length": window,
                     "streams": batch,
@@ -180,7 +171,32 @@ def main() -> None:
                 f"{t_fn:.3f} ms   = {t_fn / t_in:.2f}x",
                 flush=True,
             )
+    return out
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--mem-len", type=int, default=128, help="memory for benchmark 1")
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--windows", default="800,1800,2800,3800", help="attention lengths for benchmark 2")
+    ap.add_argument("--growth-windows", default="128,3800", help="attention lengths for benchmark 3")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument(
+        "--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams"
+    )
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.profile:
+        profile_step(make(args, args.mem_len)[0], args.profile)
+        return
+    lm, cfg = make(args, args.mem_len)
+    t1k, t100k = history_cost(lm, args.steps)
     result = {
         "model": cfg,
         "device": str(lm.device),
@@ -188,8 +204,8 @@ def main() -> None:
         "decode_ms_history_1k": round(t1k, 3),
         "decode_ms_history_100k": round(t100k, 3),
         "ratio_100k_over_1k": round(t100k / t1k, 3),
-        "speedups": speedups,
-        "growth": growth,
+        "speedups": speedups(args),
+        "growth": growth(args),
     }
     print("RESULT " + json.dumps(result))
 

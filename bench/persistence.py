@@ -24,8 +24,8 @@ from prometheus_client import REGISTRY
 
 import model
 from app.config import Settings
-from app.sessions import build, build_engine
-from app.store import SessionStore
+from app.sessions import Generation, build, build_engine
+from app.store import Store
 from model.sampling import SamplingParams
 
 CONFIGS = [
@@ -43,7 +43,7 @@ def _bytes_read() -> float:
 async def run_config(lm, url: str, name: str, kw: dict, history: int, requests: int, tokens: int) -> dict:
     settings = Settings(redis_url=url, key_prefix=f"bench-{secrets.token_hex(4)}:", cpu_threads=0, **kw)
     engine = build_engine(settings, lm, "bench")
-    store = SessionStore.from_settings(settings)
+    store = Store.from_settings(settings)
     sessions = build(settings, store, engine)
     engine.start()
     meta = await sessions.create(list(b"x" * (history - 1)), 600, "")
@@ -71,9 +71,7 @@ async def _one_request(sessions, sid: str, tokens: int) -> dict:
     counters = sessions.engine.counters
     load0, read0 = counters.load_seconds, _bytes_read()
     t0 = time.perf_counter()
-    run = await sessions.generate(
-        sid, [], params=SamplingParams(0.0), seed=None, max_tokens=tokens, stop=[], expected=None, owner=""
-    )
+    run = await sessions.generate(sid, [], Generation(SamplingParams(0.0), tokens), expected=None, owner="")
     t_read = time.perf_counter() - t0  # the lock and the state, or the hot copy's confirmation
     seen = []
     try:
@@ -84,7 +82,9 @@ async def _one_request(sessions, sid: str, tokens: int) -> dict:
     total = time.perf_counter() - t0
     # after the last token: one more decode step (the engine consumes that token), the
     # encoding, and the fenced commit; less the step (the median gap between tokens)
-    step = statistics.median(b - a for a, b in zip(seen[:-1], seen[1:], strict=True)) if len(seen) > 1 else 0.0
+    step = (
+        statistics.median(b - a for a, b in zip(seen[:-1], seen[1:], strict=True)) if len(seen) > 1 else 0.0
+    )
     t_write = max(0.0, total - (seen[-1] - t0) - step)
     assert run.result.encoded is not None
     return dict(

@@ -2,17 +2,18 @@
 
 Each benchmark is its own script (model_step.py, roofline.py, serving.py, persistence.py)
 that ends by printing `RESULT {json}`; this script runs them one after another on this
-machine, then writes the figures, the targets, and by how much and why a target is missed.
+machine, then writes the page (bench/page.py: the figures, the targets, and by how much and
+why a target is missed; bench/plots.py: its plots). The sections other benchmarks put into
+the page (`write_section` in bench/harness.py: prefix reuse, the background compile, ...)
+are kept as they are.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -21,14 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import page
+from plots import PLOTS
 
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs"
-PLOTS = DOCS / "bench"
 
 
 def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
@@ -74,615 +72,41 @@ def baseline(commit: str) -> dict | None:
     }
 
 
-def _save(fig: plt.Figure, name: str) -> str:
-    """Write a plot under docs/bench/ and return its path relative to docs/."""
-    fig.tight_layout()
-    fig.savefig(PLOTS / f"{name}.png", dpi=120)
-    plt.close(fig)
-    return f"bench/{name}.png"
+def kept_sections(text: str, written: str) -> str:
+    """The `## ` sections of `text` (the page as it was) that `written` (report.py's part)
+    does not have: those other benchmarks wrote."""
+    own = {line for line in written.splitlines() if line.startswith("## ")}
+    parts = text.split("\n## ")[1:]
+    return "".join("\n## " + p for p in parts if "## " + p.splitlines()[0] not in own)
 
 
-def plot_history(rows: list[dict]) -> str:
-    xs = [r["history_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(xs, [r["stateful_ms"] for r in rows], "o-", label="recur session (state in Redis)")
-    ax.plot(xs, [r["stateless_ms"] for r in rows], "s--", label="stateless: re-send + re-prefill history")
-    ax.set(xscale="log", yscale="log", xlabel="history (tokens)", ylabel="32-token request (ms)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, "history")
-
-
-def plot_speedup(rows: list[dict]) -> str:
-    xs = [r["attention_length"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(xs, [r["speedup"] for r in rows], "o-", label="recur, this machine")
-    ax.plot(xs, [r["paper"] for r in rows], "s--", label="Dai et al. 2019 (GPU)")
-    ax.set(xlabel="attention length", ylabel="speedup over recompute (x)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, "speedup")
-
-
-def plot_concurrency(rows: list[dict]) -> str:
-    xs = [r["concurrency"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
-    a.plot(xs, [r["tokens_per_s"] for r in rows], "o-")
-    a.set(xscale="log", xlabel="concurrent streams", ylabel="aggregate tokens/s")
-    b.plot(xs, [r["itl_p50_ms"] for r in rows], "o-", label="ITL p50")
-    b.plot(xs, [r["itl_p99_ms"] for r in rows], "s--", label="ITL p99")
-    b.plot(xs, [r["ttft_p50_ms"] for r in rows], "^:", label="TTFT p50")
-    b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms")
-    b.legend()
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-    return _save(fig, "concurrency")
-
-
-def plot_persistence(rows: list[dict]) -> str:
-    names = [r["config"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.barh(names, [r["read_ms"] for r in rows], label="read ms")
-    ax.barh(names, [r["write_ms"] for r in rows], left=[r["read_ms"] for r in rows], label="write ms")
-    ax.set(xlabel="ms per 64-token request")
-    ax.legend()
-    return _save(fig, "persistence")
-
-
-def plot_roofline(roof: dict) -> str:
-    """The classic roofline: achieved GFLOP/s against FLOPs per byte, under the 1-thread
-    read bandwidth's slope and the 1-thread GEMM rate's ceiling."""
-    m = roof["machine"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    rows = roof["decode"]
-    lo = min(r["mflop_per_step"] / r["mb_per_step"] for r in rows) / 2
-    hi = max(r["mflop_per_step"] / r["mb_per_step"] for r in rows) * 4
-    xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
-    ax.plot(xs, [min(x * m["bandwidth_1t"], m["gemm_1t"]) for x in xs], "k-", label="roofline, 1 thread")
-    ax.plot(xs, [min(x * m["gemv_1t"], m["gemm_1t"]) for x in xs], "k:", label="batch-1 linear's read rate")
-    for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
-        mine = [r for r in rows if r["model"] == name]
-        ix = [r["mflop_per_step"] / r["mb_per_step"] for r in mine]
-        gf = [r["mflop_per_step"] / r["step_ms"] for r in mine]  # MFLOP/ms = GFLOP/s
-        ax.plot(ix, gf, "os^D"[i % 4] + "-", label=name)
-        for j, (x, y, r) in enumerate(zip(ix, gf, mine, strict=True)):
-            ax.annotate(f"B{r['batch']}", (x, y), textcoords="offset points", xytext=(4, (-10, 4)[j % 2]), fontsize=7)
-    ax.set(xscale="log", yscale="log", xlabel="FLOPs per byte moved", ylabel="GFLOP/s achieved")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    return _save(fig, "roofline")
-
-
-def table(rows: list[dict], cols: list[str]) -> str:
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
-def pct(x: float) -> str:
-    return f"{x * 100:.1f}%" if x < 0.1 else f"{x * 100:.0f}%"
-
-
-# -- the roofline figures, and what a profile says about them --------------------------------
-MODELS = {
-    "shakespeare": "shipped `shakespeare` (Transformer-XL 4 × 256, mem 128)",
-    "shakespeare-rlt": "shipped `shakespeare-rlt` (RLT, 2 + 2 layers × 128, context 128, window 16)",
-    "txl-6x512-mem512": "Transformer-XL 6 × 512, mem 512 (random weights)",
-    "txl-6x256-len3800": "Transformer-XL 6 × 256, attention length 3,800 (random weights)",
-}
-SHORT_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa"}
-LINEAR_OPS = ("addmm", "mm")
-ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "bmm", "baddbmm")
-
-
-def op_name(op: str) -> str:
-    return SHORT_OPS.get(op, op)
-
-
-def top_ops(row: dict, n: int = 4) -> str:
-    return ", ".join(f"{op_name(o['op'])} {pct(o['share'])}" for o in row["top_ops"][:n])
-
-
-def op_share(row: dict, ops: tuple[str, ...]) -> float:
-    return sum(o["share"] for o in row["top_ops"] if o["op"] in ops)
-
-
-def decode_row(roof: dict, name: str, batch: int) -> dict | None:
-    return next((r for r in roof["decode"] if r["model"] == name and r["batch"] == batch), None)
-
-
-def prefill_row(roof: dict, name: str) -> dict | None:
-    return next((r for r in roof["prefill"] if r["model"] == name), None)
-
-
-def shown(rows: list[dict], prefill: bool = False) -> list[dict]:
-    """The rows as the tables show them: fractions as percentages, the top ops in words."""
-    out = []
-    for r in rows:
-        row = dict(r)
-        for key in ("bandwidth_roofline", "compute_roofline", "kernel_share"):
-            if key in r:
-                row[key] = pct(r[key])
-        row["top_ops"] = top_ops(r, 3)
-        out.append(row)
-    return out
-
-
-def profile_says(row: dict, unit: str = "step") -> str:
-    return (
-        f"the kernels (matmuls, attention) take {pct(row['kernel_share'])} of the {unit} and "
-        f"everything else {pct(row['overhead_share'])}, over {row['ops_per_call']} ops per {unit}; "
-        f"the top ops by self time: {top_ops(row, 5)}"
-    )
-
-
-def closing(row: dict, m: dict) -> list[str]:
-    """What would close the gap, from where the profile puts the step's time: the rate each
-    kind of kernel reaches against the limit it is bound by, then the overhead."""
-    out = []
-    seconds = row.get("eager_step_ms", row["step_ms"]) / 1e3  # the profile is the eager step's
-    lin, attn = op_share(row, LINEAR_OPS), op_share(row, ATTENTION_OPS)
-    if lin >= 0.15 and row["batch"] == 1:
-        rate = row["weight_mb"] / 1e3 / (lin * seconds)
-        out.append(
-            f"The linear layers ({pct(lin)} of the step) read their {row['weight_mb']} MB of weights at about "
-            f"{rate:.0f} GB/s, where PyTorch's batch-1 linear reaches {m['gemv_1t']:.0f} GB/s on this machine "
-            f"and a streaming read {m['bandwidth_1t']:.0f} GB/s (section 1): a matrix-vector kernel that "
-            "streams the weights at the read rate (or a compiled step) would close this part."
-        )
-    elif lin >= 0.15:
-        rate = (row["mflop_per_step"] - row["attention_mflop"]) / 1e3 / (lin * seconds)
-        out.append(
-            f"The linear layers ({pct(lin)} of the step) run at about {rate:.0f} GFLOP/s, against "
-            f"{m['gemm_1t']:.0f} for a square GEMM: a ({row['batch']} × d) input is a thin matrix."
-        )
-    if attn >= 0.15:
-        state_mb = row["mb_per_step"] - row["weight_mb"]
-        rate = state_mb / 1e3 / (attn * seconds)
-        out.append(
-            f"Attention ({pct(attn)} of the step) reads {state_mb:.1f} MB of cached keys, values and position "
-            f"terms at about {rate:.0f} GB/s, {pct(rate / m['bandwidth_1t'])} of the streaming read: with one "
-            "query row per stream and head it is a matrix-vector product per head; a kernel that reads each "
-            "cached key and value once, contiguously, at the read rate would close this part."
-        )
-    index = op_share(row, ("index",))
-    if index >= 0.05:
-        out.append(
-            f"`index` ({pct(index)}) is a gather (of the relative-position table's rows, in Transformer-XL) "
-            "where a slice would serve."
-        )
-    if row["overhead_share"] >= 0.3:
-        out.append(
-            f"Per-op overhead ({pct(row['overhead_share'])}, {row['ops_per_call']} ops per step): fewer ops "
-            "(fused projections, masks and position tables not rebuilt per step) or a compiled step "
-            "(`torch.compile`) would cut it."
-        )
-    return out
-
-
-def why_bandwidth(n: int, label: str, row: dict, m: dict) -> list[str]:
-    x = row["bandwidth_roofline"]
-    gbs = row["mb_per_step"] / row["step_ms"]  # MB/ms = GB/s
-    return [
-        f"**Why target {n} misses.** {label} reaches {pct(x)} of the bandwidth roofline: it moves "
-        f"{row['mb_per_step']} MB in {row['step_ms']} ms ({gbs:.1f} GB/s of {m['bandwidth_1t']:.1f} GB/s), "
-        f"{0.5 / x:.1f}× short of 50%. The profile: {profile_says(row)}. " + " ".join(closing(row, m)),
-        "",
-    ]
-
-
-def why_compute(n: int, label: str, row: dict, m: dict) -> list[str]:
-    x = row["compute_roofline"]
-    gf = row["mflop_per_step"] / row["step_ms"]
-    intensity = row["mflop_per_step"] / row["mb_per_step"]
-    allowed = min(1.0, intensity * m["bandwidth_1t"] / m["gemm_1t"])
-    return [
-        f"**Why target {n} misses.** {label} reaches {pct(x)} of the GEMM rate ({gf:.1f} of "
-        f"{m['gemm_1t']:.1f} GFLOP/s), {0.5 / x:.1f}× short of 50%. At {intensity:.1f} FLOPs per byte the "
-        f"roofline allows {pct(allowed)}. The profile: {profile_says(row)}. " + " ".join(closing(row, m)),
-        "",
-    ]
-
-
-def why_rlt(n: int, what: str, ratio: float, row: dict, unit: str) -> list[str]:
-    loop = (
-        " A prompt's encoder runs as one batch over each chunk, but the decoder steps token by token "
-        "(u_t needs s_{t-1}), so prefill pays a per-token step. The server compiles that step "
-        "(`RLT.decode_token`, every token's window and memory padded to one shape so that one graph "
-        "serves them all, compiled for those shapes with its attention written out and its wrapper "
-        "in C++; section 3). What is left per token: the graph's calls to the matrix kernels for a "
-        "128-wide model (a few microseconds each, 13 a token), the guards on its inputs, and "
-        "appending each token's keys to the window cache. What would close it: those small products "
-        "generated into the graph (inductor's C++ GEMM templates) instead of library calls, and "
-        "several tokens unrolled into one call of the graph."
-        if unit == "token"
-        else " The server runs the compiled step here (section 2), its wrapper in C++; what is left is "
-        "per-call overhead around it: the guards over the state's tensors, the head and sampling."
-    )
-    return [
-        f"**Why target {n} misses.** Shipped `shakespeare-rlt` {what} is {ratio:.2f}× the baseline, "
-        f"{3 / ratio:.1f}× short of 3×. The profile: {profile_says(row, unit)}.{loop}",
-        "",
-    ]
-
-
-def compiled_lines(roof: dict) -> list[str]:
-    """What the engine's probe of the compiled step found for each model (section 2)."""
-    out = ["**The compiled step** (the engine's probe, per batch class: up to 1, 4, 16 and 64 rows):", ""]
-    for name, c in roof.get("compiled_step", {}).items():
-        if c.get("state") != "ready":
-            out.append(f"- {name}: {c.get('state')} {c.get('error', '')}".rstrip())
-            continue
-        parts = [
-            f"{k} row{'' if k == '1' else 's'}: eager {v['eager_ms']} ms, compiled {v['compiled_ms']} ms, "
-            f"max |Δlogit| {v['max_diff']:.1e} → {'compiled' if v['adopted'] else 'eager'}"
-            for k, v in c["verdicts"].items()
-        ]
-        out.append(f"- {name} (compiled and probed in {c['seconds']} s): " + "; ".join(parts) + ".")
-    return [*out, ""]
-
-
-def where_time_goes(roof: dict) -> list[str]:
-    out = []
-    for name, label in MODELS.items():
-        rows = [r for r in roof["decode"] if r["model"] == name]
-        if not rows:
-            continue
-        first, last = rows[0], rows[-1]
-        out.append(
-            f"- {label}: kernels take {pct(first['kernel_share'])} of a batch-{first['batch']} step "
-            f"({top_ops(first, 3)}) and {pct(last['kernel_share'])} at batch {last['batch']} "
-            f"({top_ops(last, 3)}); {first['ops_per_call']} ops per step."
-        )
-    return out
-
-
-def write(step: dict, roof: dict, serving: dict, persist: dict, minutes: float | None) -> None:
-    hist, conc, pers, speed = (
-        serving["history"],
-        serving["concurrency"],
-        persist["persistence"],
-        step["speedups"],
-    )
-    m = roof["machine"]
-    base = roof["rlt_baseline"]
-    by_len = {r["history_tokens"]: r for r in hist}
-    r1 = by_len[max(by_len)]["stateful_ms"] / by_len[min(by_len)]["stateful_ms"]
-    by_c = {r["concurrency"]: r for r in conc}
-    r3 = by_c[16]["tokens_per_s"] / by_c[1]["tokens_per_s"] if 16 in by_c and 1 in by_c else float("nan")
-    share = pers[-1]["persistence_share"]
-    nan = float("nan")
-
-    def frac(name: str, batch: int, key: str) -> float:
-        row = decode_row(roof, name, batch)
-        return row[key] if row else nan
-
-    t1 = frac("txl-6x512-mem512", 1, "bandwidth_roofline")
-    t2 = frac("txl-6x256-len3800", 1, "bandwidth_roofline")
-    t3 = frac("shakespeare", 64, "compute_roofline")
-    rlt_dec, rlt_pre = decode_row(roof, "shakespeare-rlt", 1), prefill_row(roof, "shakespeare-rlt")
-    t4 = rlt_dec["tokens_per_s"] / base["decode_tokens_per_s"] if rlt_dec else nan
-    t5 = rlt_pre["tokens_per_s"] / base["prefill_tokens_per_s"] if rlt_pre else nan
-    here = roof.get("rlt_baseline_here")
-
-    def side_by_side(row: dict | None, key: str) -> str:
-        if not (here and row):
-            return ""
-        return f"; {row['tokens_per_s'] / here[key]:.2f}× the baseline re-measured in this run ({here[key]})"
-    one, sixteen = decode_row(roof, "shakespeare", 1), decode_row(roof, "shakespeare", 16)
-    model_16 = sixteen["tokens_per_s"] / one["tokens_per_s"] if one and sixteen else nan
-    lines = [
-        "# Benchmarks",
-        "",
-        f"Written by `make bench` (`bench/report.py`) on {datetime.date.today()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}. "
-        f"Model: {serving['model']}. Every figure below comes from this one run; read the ratios, "
-        "which are measured side by side, and the fractions of the machine's limits measured in the "
-        "same run, rather than the absolute times of a shared machine.",
-        "",
-        "## Targets",
-        "",
-        f"The model-level figures use 1 torch thread and this run's 1-thread limits (section 1: "
-        f"{m['bandwidth_1t']:.1f} GB/s read bandwidth, {m['gemm_1t']:.1f} GFLOP/s fp32 GEMM).",
-        "",
-        "| figure | target | measured | |",
-        "|---|---|---|---|",
-        f"| 1. batch-1 decode, Transformer-XL 6 × 512 mem 512, bandwidth roofline | ≥ 50% | {pct(t1)} | "
-        f"{verdict(t1 >= 0.5)} |",
-        f"| 2. batch-1 decode, attention length 3,800, bandwidth roofline | ≥ 50% | {pct(t2)} | "
-        f"{verdict(t2 >= 0.5)} |",
-        f"| 3. batch-64 decode, shipped `shakespeare`, fraction of measured GEMM rate | ≥ 50% | {pct(t3)} | "
-        f"{verdict(t3 >= 0.5)} |",
-        f"| 4. shipped `shakespeare-rlt`, batch-1 decode tokens/s ÷ baseline | ≥ 3× | {t4:.2f}× "
-        f"({rlt_dec['tokens_per_s'] if rlt_dec else nan} ÷ {base['decode_tokens_per_s']}"
-        f"{side_by_side(rlt_dec, 'decode_tokens_per_s')}) | {verdict(t4 >= 3)} |",
-        f"| 5. shipped `shakespeare-rlt`, 2k-token prefill tokens/s ÷ baseline | ≥ 3× | {t5:.2f}× "
-        f"({rlt_pre['tokens_per_s'] if rlt_pre else nan} ÷ {base['prefill_tokens_per_s']}"
-        f"{side_by_side(rlt_pre, 'prefill_tokens_per_s')}) | {verdict(t5 >= 3)} |",
-        f"| 6. aggregate tokens/s over HTTP/SSE, 16 streams ÷ 1 stream | ≥ 8× | {r3:.1f}× | {verdict(r3 >= 8)} |",
-        f"| 7. cost at 100k ÷ cost at 1k | ≤ 1.1 | {r1:.2f} | {verdict(r1 <= 1.1)} |",
-        f"| 8. persistence share of a 64-token request | ≤ 5% | {share * 100:.2f}% | {verdict(share <= 0.05)} |",
-        "",
-        f"The baseline of targets 4 and 5 is the code before issue 14 (commit {base['commit']}): the "
-        "verdict divides by the figures recorded in `RLT_BASELINE` (`bench/roofline.py` says when and how "
-        "they were measured); `make bench` also runs that commit's model/ side by side in this run "
-        "(`git archive`), the second ratio, which machine noise between runs does not move.",
-        "",
-        "**On a GPU** (not measured here: this page is a CPU run). `bench/gpu_smoke.sh` on a CUDA host "
-        "checks the CUDA paths (pinned copies, the "
-        "CUDA-graph decode step, bf16, in-place state growth), GPU fp32 logits against the CPU's "
-        "(1e-3), and measures the two GPU targets: the bandwidth achieved by a batch-1 decode step of "
-        "a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600) ÷ the HBM peak, ≥ 60%, and "
-        "aggregate tokens/s at batch 256, ≥ 20,000. `python bench/gpu_smoke.py --device cpu --small` "
-        "runs every one of its code paths on a CPU.",
-        "",
-    ]
-    row1 = decode_row(roof, "txl-6x512-mem512", 1)
-    if row1 and t1 < 0.5:
-        lines += why_bandwidth(1, "A batch-1 decode step of Transformer-XL 6 × 512 (mem 512)", row1, m)
-    row2 = decode_row(roof, "txl-6x256-len3800", 1)
-    if row2 and t2 < 0.5:
-        lines += why_bandwidth(2, "A batch-1 decode step at attention length 3,800", row2, m)
-    row3 = decode_row(roof, "shakespeare", 64)
-    if row3 and t3 < 0.5:
-        lines += why_compute(3, "A batch-64 decode step of shipped `shakespeare`", row3, m)
-    if rlt_dec and t4 < 3:
-        lines += why_rlt(4, "batch-1 decode", t4, rlt_dec, "step")
-    if rlt_pre and t5 < 3:
-        lines += why_rlt(5, "2k-token prefill", t5, rlt_pre, "token")
-    if r3 < 8:
-        if r3 < 0.8 * model_16:
-            where = (
-                f"The model allows more: at the model level (section 2, shipped `shakespeare`, 1 thread) a "
-                f"16-row decode step gives {model_16:.1f}× the tokens/s of a 1-row step, so the server keeps "
-                f"{pct(r3 / model_16)} of it; the rest goes to per-token work outside the step (sampling, "
-                "detokenising and stop matching per row, one SSE event per token encoded in Python on the "
-                "event loop), on the two cores the step, Redis and the benchmark client share. Closing it: "
-                "batched sampling with one host sync per step and cheap per-token SSE frames."
-            )
-        else:
-            where = (
-                f"The model step is most of it: at the model level (section 2, shipped `shakespeare`, 1 "
-                f"thread) a 16-row decode step gives only {model_16:.1f}× the tokens/s of a 1-row step, and "
-                f"the server keeps {pct(r3 / model_16)} of that. "
-                + (
-                    f"In the 16-row step attention takes {pct(op_share(sixteen, ATTENTION_OPS))} (the top ops: "
-                    f"{top_ops(sixteen, 3)}): it grows with the rows, where the weights are read once for "
-                    "all of them. Closing it is a step nearer its roofline (targets 1–3)."
-                    if sixteen
-                    else ""
-                )
-            )
-        lines += [
-            f"**Why target 6 misses.** Over HTTP, 16 streams give {r3:.1f}× the tokens/s of one, short of 8× "
-            f"by {8 / r3:.1f}×; a 16-row step takes {by_c[16]['itl_p50_ms'] / by_c[1]['itl_p50_ms']:.1f}× as "
-            f"long as a 1-row step over HTTP (ITL p50, section 6). {where}",
-            "",
-        ]
-    skipped = roof.get("skipped") or []
-    lines += [
-        "## 1. The machine",
-        "",
-        "Measured by `bench/roofline.py` in this run: read bandwidth is a streaming read well beyond the "
-        "caches (summing a 1 GiB fp32 tensor, best of 5); the GEMM rate is a 2,048² fp32 matmul (best of "
-        "5); the batch-1 linear row is the rate at which `F.linear` reads a 256 MiB weight for one input "
-        "row, the ceiling of an eager step's matrix-vector products. `torch.set_num_threads` is set for "
-        f"each. The 1-thread limits were sampled {m['samples']} times (at the start, before each model and "
-        "at the end): every fraction in this page is of the best sample, so a sample taken while another "
-        "job ran cannot flatter a figure; the lowest sample shows how much the shared machine moved "
-        "during the run.",
-        "",
-        f"| limit | 1 thread, best | 1 thread, lowest | {m['cores']} threads |",
-        "|---|---|---|---|",
-        f"| read bandwidth (GB/s) | {m['bandwidth_1t']} | {m['bandwidth_1t_lowest']} | {m['bandwidth_all']} |",
-        f"| fp32 GEMM (GFLOP/s) | {m['gemm_1t']} | {m['gemm_1t_lowest']} | {m['gemm_all']} |",
-        f"| batch-1 linear, weight read (GB/s) | {m['gemv_1t']} | {m['gemv_1t_lowest']} | |",
-        "",
-        "## 2. Decode against the roofline",
-        "",
-        "One decode step as the server's runner takes it (`lm.next_logits(state)`, pick the token, "
-        "`lm(ids[:, None], state)`), 1 torch thread, on a state filled to its attention length and "
-        "stacked to the batch; the time is the median step (a state grown in place is copied to a new "
-        "arena once every 64 steps, `model/state.py`, which the median leaves out). Per step:",
-        "",
-        "- **bytes** it must move (reads): every weight once; for Transformer-XL, per layer the cached keys "
-        "and values over the attention length K (2·B·L·K·H·d_head), and what the position scores need, "
-        "shared by the batch: W_{k,R} R over the K distances as a table per layer (L·K·H·d_head) or "
-        "`r_net`'s weights and one sinusoid table (L·H·d_head·d + d·K), whichever is less; for RLT, the "
-        "encoder's cached keys and values, each decoder layer's memory group in reach and the window "
-        "caches (2·B·d per row); × 4 bytes (fp32). The one row per layer a step writes is left out.",
-        "- **FLOPs** it must do: 2 × the multiply-adds of its matmuls: B × every weight matrix once (the "
-        "head once) + attention, B·L·K·H·d_head × 3 for Transformer-XL (content and position scores, "
-        "weighted values), B·2·d·K per attention for RLT.",
-        "- **bandwidth roofline**: bytes ÷ time ÷ the 1-thread read bandwidth; **compute roofline**: "
-        "FLOPs ÷ time ÷ the 1-thread GEMM rate. A step whose bytes fit the last-level cache can exceed "
-        "the first (the shipped models' weights are "
-        + " and ".join(
-            f"{r['weight_mb']:.0f} MB" for r in roof["decode"] if r["batch"] == 1 and r["model"].startswith("shakespeare")
-        )
-        + ").",
-        "- **kernels**: the share of a profiled step (torch.profiler, self CPU time) spent in matmul and "
-        "attention kernels (`mm`, `addmm`, `bmm`, `baddbmm`, the fused attention `sdpa`); the rest is "
-        "per-op overhead: small ops, copies, views, dispatch and Python (the profiler adds a little to "
-        "every op, so a step of many small ops reads a little more overhead than it has). **ops_per_call**: "
-        "top-level ops per step. **top_ops**: self time as a share of the profiled step.",
-        "- **step_ms**: the step the server runs (`compiled`: yes where the engine's background probe, "
-        "`app/engine/compiler.py`, adopted the compiled step for that batch class, run here as the server "
-        "runs it); **eager_step_ms**: the eager step on the same state. The profile and its shares are the "
-        "eager step's (a compiled step's generated kernels hide where its time goes).",
-        "",
-        *compiled_lines(roof),
-        table(
-            shown(roof["decode"]),
-            [
-                "model",
-                "batch",
-                "attention_length",
-                "mb_per_step",
-                "mflop_per_step",
-                "step_ms",
-                "eager_step_ms",
-                "compiled",
-                "tokens_per_s",
-                "bandwidth_roofline",
-                "compute_roofline",
-                "kernel_share",
-                "ops_per_call",
-                "top_ops",
-            ],
-        ),
-        "",
-    ]
-    if skipped:
-        lines += [
-            "Not measured in this run (the state would not fit half the memory free at the time): "
-            + ", ".join(f"{s['model']} batch {s['batch']} ({s['gib']} GiB)" for s in skipped)
-            + ".",
-            "",
-        ]
-    lines += [
-        "**Where the time goes** (the profile of each step):",
-        "",
-        *where_time_goes(roof),
-        "",
-        f"![roofline]({plot_roofline(roof)})",
-        "",
-        "## 3. Prefill",
-        "",
-        "Tokens/s of `lm.consume` on a 2,048-token prompt from an empty state, batch 1, 1 torch thread "
-        "(best of 3; `consume` also returns each token's log-prob). The compute roofline counts each "
-        "token as a full-context step's FLOPs. The profile covers the prompt's first chunks; "
-        "`ops_per_call` is ops per token. **tokens_per_s** is the prefill the server runs (`compiled`: the "
-        "model's compiled per-token parts, where the engine's probe adopted them: RLT's recurrence), "
-        "**eager_tokens_per_s** the eager one; the profile is the eager one's.",
-        "",
-        table(
-            shown(roof["prefill"]),
-            [
-                "model",
-                "tokens",
-                "seconds",
-                "tokens_per_s",
-                "eager_tokens_per_s",
-                "compiled",
-                "compute_roofline",
-                "kernel_share",
-                "ops_per_call",
-                "top_ops",
-            ],
-        ),
-        "",
-        "**Where the time goes:** "
-        + "; ".join(
-            f"`{r['model']}`: kernels {pct(r['kernel_share'])} ({top_ops(r, 4)}), {r['ops_per_call']} ops per token"
-            for r in roof["prefill"]
-        )
-        + ".",
-        "",
-        "## 4. Cost against history",
-        "",
-        "A 32-token greedy request on a session that already holds the history, against a stateless "
-        "baseline that re-sends the whole history and re-prefills it (a new session created with "
-        "the history as its prompt, then the same request). Both over real HTTP.",
-        "",
-        table(
-            hist,
-            ["history_tokens", "stateful_ms", "stateless_ms", "stateless_over_stateful", "stateful_vs_first"],
-        ),
-        "",
-        f"![cost against history]({plot_history(hist)})",
-        "",
-        "## 5. Decode speedup over recompute (context)",
-        "",
-        f"Per-token decode with {step['model']['n_layer']} layers, d_model {step['model']['d_model']}, "
-        "against recomputing the whole attention window from scratch for every token (the paper's "
-        "vanilla evaluation). No longer a target: it is a ratio between two programs, and on a CPU a "
-        "stateful step is bound by memory bandwidth while the recompute is a large matmul near the "
-        f"peak FLOP rate (section 2 measures the step against those limits). Here the step costs "
-        f"{speed[0]['stateful_decode_ms']} ms at {speed[0]['attention_length']} and "
-        f"{speed[-1]['stateful_decode_ms']} ms at {speed[-1]['attention_length']}: it reads every cached "
-        "key and value once per layer, so it grows with the attention length, where the paper's GPU step "
-        "is dominated by fixed launch cost. Also: decode with 1k vs 100k tokens of history: "
-        f"{step['decode_ms_history_1k']} vs {step['decode_ms_history_100k']} ms "
-        f"(ratio {step['ratio_100k_over_1k']}).",
-        "",
-        table(speed, ["attention_length", "stateful_decode_ms", "recompute_window_ms", "speedup", "paper"]),
-        "",
-        f"![decode speedup]({plot_speedup(speed)})",
-        "",
-        "### 5b. Growing the state in place",
-        "",
-        "The same decode step with the state grown in place (the default: each new row is written "
-        "into spare rows behind the window, `model/state.py`) against building it functionally "
-        "(`torch.cat` the new row, then slice the window: a copy of every window, per layer, per "
-        "step). The two give the same results (`tests/model/test_state.py` checks them to 1e-5).",
-        "",
-        table(step["growth"], ["attention_length", "streams", "in_place_ms", "functional_ms", "speedup"]),
-        "",
-        "## 6. Concurrency over HTTP with SSE",
-        "",
-        "N sessions each stream 64 tokens at temperature 0.8, all started together; the server "
-        f"batches their decode steps (`max_batch_size` 64, {serving['cpu_threads']} torch thread).",
-        "",
-        table(
-            conc,
-            [
-                "concurrency",
-                "tokens",
-                "wall_s",
-                "tokens_per_s",
-                "ttft_p50_ms",
-                "ttft_p99_ms",
-                "itl_p50_ms",
-                "itl_p99_ms",
-            ],
-        ),
-        "",
-        f"**Where the time goes:** the model alone gives {model_16:.1f}× the tokens/s at 16 rows as at one "
-        f"(section 2); over HTTP the server gives {r3:.1f}×. What the server loses beyond the model goes to "
-        "per-token work outside the model step (sampling, detokenising, SSE framing) and to the cores it "
-        "shares with Redis and the client.",
-        "",
-        f"![concurrency]({plot_concurrency(conc)})",
-        "",
-        "## 7. Persistence cost per request",
-        "",
-        f"A {persist['tokens']}-token greedy generate on a session with {persist['history']} tokens of history "
-        "(memory full). Read = Redis round trip + bytes → state; write = state → bytes + fenced commit. "
-        "Bytes are per request (mean), times are medians.",
-        "",
-        table(
-            pers,
-            ["config", "read_bytes", "write_bytes", "read_ms", "write_ms", "request_ms", "persistence_share"],
-        ),
-        "",
-        f"![persistence]({plot_persistence(pers)})",
-        "",
-        "Reproduce: `make bench`"
-        + (f" (this run took {minutes:.0f} minutes on {os.cpu_count()} cores)" if minutes else "")
-        + ", or each script on its own: `python bench/model_step.py --threads 1`, "
-        "`python bench/roofline.py`, `python bench/serving.py`, `python bench/persistence.py`. "
-        "`python bench/report.py --rewrite` rewrites this page from the last run's "
-        "`docs/bench/results.json`.",
-        "",
-    ]
-    (DOCS / "BENCHMARKS.md").write_text("\n".join(lines))
-    print(f"wrote {DOCS / 'BENCHMARKS.md'}")
+def write(results: page.Results) -> None:
+    path = DOCS / "BENCHMARKS.md"
+    written = page.page(results)
+    old = path.read_text() if path.exists() else ""
+    path.write_text(written.rstrip("\n") + "\n" + kept_sections(old, written))
+    print(f"wrote {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="shakespeare")
-    ap.add_argument("--rewrite", action="store_true", help="rewrite the document from the last run's results.json")
+    ap.add_argument(
+        "--rewrite", action="store_true", help="rewrite the document from the last run's results.json"
+    )
     args = ap.parse_args()
     PLOTS.mkdir(parents=True, exist_ok=True)
     if args.rewrite:
         last = json.loads((PLOTS / "results.json").read_text())
-        write(last["model_step"], last["roofline"], last["serving"], last["persistence"], last.get("minutes"))
+        write(
+            page.Results(
+                last["model_step"],
+                last["roofline"],
+                last["serving"],
+                last["persistence"],
+                last.get("minutes"),
+            )
+        )
         return
     t0 = time.perf_counter()
     step = run("model_step.py", "--threads", "1")
@@ -691,9 +115,15 @@ def main() -> None:
     serving = run("serving.py", "--model", args.model)
     persist = run("persistence.py", "--model", args.model)
     minutes = (time.perf_counter() - t0) / 60
-    results = {"model_step": step, "roofline": roof, "serving": serving, "persistence": persist, "minutes": minutes}
+    results = {
+        "model_step": step,
+        "roofline": roof,
+        "serving": serving,
+        "persistence": persist,
+        "minutes": minutes,
+    }
     (PLOTS / "results.json").write_text(json.dumps(results, indent=1))
-    write(step, roof, serving, persist, minutes)
+    write(page.Results(step, roof, serving, persist, minutes))
 
 
 if __name__ == "__main__":

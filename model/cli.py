@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import evaluate, hf, train
+from . import checkpoint, evaluate, hf, hf_ssm, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -46,20 +46,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
     train.add_subcommand(sub)
     evaluate.add_subcommand(sub)
-    hf.add_subcommand(sub)  # recur convert (issue 9)
+    hf.add_subcommand(  # recur convert (issues 9, 28, 29)
+        sub, [(hf_ssm.claims, hf_ssm.convert, ("tgt_len",)), (checkpoint.converts, checkpoint.convert, ())]
+    )
 
 
 def _init(args: argparse.Namespace) -> int:
     import dataclasses
-
-    from . import checkpoint
 
     cls = checkpoint.families()[args.family]
     fields = {f.name for f in dataclasses.fields(cls.config_class)}
     given = {k: getattr(args, k) for k in INIT_FLAGS if getattr(args, k) is not None}
     bad = sorted(set(given) - fields)
     if bad:
-        raise SystemExit(f"recur init: --family {args.family} has no option(s) {', '.join('--' + b.replace('_', '-') for b in bad)}")
+        raise SystemExit(
+            f"recur init: --family {args.family} has no option(s) {', '.join('--' + b.replace('_', '-') for b in bad)}"
+        )
     lm = checkpoint.init(args.dir, family=args.family, seed=args.seed, **given)
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dir, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))

@@ -65,7 +65,10 @@ def read_works(path: str | Path) -> list[Work]:
         files = sorted(f for f in p.rglob("*.txt") if f.is_file())
         if not files:
             raise FileNotFoundError(f"no .txt files under {p}")
-        return [(str(f.relative_to(p).with_suffix("")), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+        return [
+            (str(f.relative_to(p).with_suffix("")), f.read_text(encoding="utf-8", errors="replace"))
+            for f in files
+        ]
     raise FileNotFoundError(f"no such corpus file or folder: {p}")
 
 

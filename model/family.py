@@ -19,33 +19,55 @@ those are written once for every family. Weight init is shared too (GPT-2's).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .state import Arena, State, StateError, merge
+from .state import Arena, Declared, State, StateError, merge
 from .tokenizer import Tokenizer
 
-# the parts a forward in this thread runs in place of its own (`LanguageModel.using`): the
-# model they were made for, and its parts by name
-_PARTS: contextvars.ContextVar[tuple[int, dict[str, Callable]]] = contextvars.ContextVar(
-    "recur_model_parts", default=(0, {})
-)
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How one forward runs, as its caller says (nothing is read from the surroundings):
+
+    - `in_place`: whether it appends to its state's arenas in place (`model.state.Arena`),
+      which only a forward without autograd and outside a graph being compiled may do (the
+      arena's bookkeeping is Python over buffers the step mutates); else the state grows
+      functionally, a new tensor per step, which autograd and a compiled graph follow;
+    - `parts`: compiled versions of the family's `parts()`, by name, to run in place of its
+      own (an RLT per-token step, say).
+
+    `FUNCTIONAL` is `forward`'s default (training, and the graph a compiler traces);
+    `IN_PLACE` is `prefill`'s and `consume`'s, which never track gradients."""
+
+    in_place: bool = False
+    parts: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+
+
+FUNCTIONAL = Execution()
+IN_PLACE = Execution(in_place=True)
 
 
 class TimeAxis(NamedTuple):
-    """A state tensor [B, layers, M, width] along a time axis (dim 2): a sliding window of
-    at most `bound` rows that gains one row per consumed token (`model.state`)."""
+    """A state tensor [B, layers, M, width] along a time axis (dim 2) of at most `bound`
+    rows, one per consumed token (`model.state`): a sliding window of the last tokens' rows,
+    or, where it `fills`, the first tokens' rows, kept once the axis is full (attention
+    sinks)."""
 
     layers: int
     width: int
     bound: int
+    fills: bool = False
+
+
+# safetensors' names of the dtypes a stored state's tensors may have
+_STORED_FLOATS = ("F32", "BF16", "F16")
 
 
 class LanguageModel(nn.Module):
@@ -53,6 +75,13 @@ class LanguageModel(nn.Module):
     config_class: ClassVar[type]
     # the state tensors that are serialised; the others are caches `rebuild_state` recomputes
     persistent: ClassVar[tuple[str, ...]]
+    # config fields a server may set at load time (`with_options`): they change how the
+    # weights are served (a span, a chunk size), never the weights
+    serving_options: ClassVar[tuple[str, ...]] = ()
+    # the most tokens a stream may have consumed: positions stay exact in float64 (RoPE's
+    # angles) and n_tokens plus any chunk stays far from int64's overflow. A family whose
+    # positions are bounded tighter says so here.
+    max_stream_tokens: ClassVar[int] = 2**53
 
     def __init__(self, config: Any):
         super().__init__()
@@ -61,10 +90,30 @@ class LanguageModel(nn.Module):
         self.fingerprint = "unset"
         # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
-        # outside autograd, time-axis tensors grow in place (`model.state.Growth`); False
-        # builds every step functionally (the benchmarks' baseline; the same results)
-        self.append_in_place = True
         self.register_state_dict_post_hook(_contiguous_state)
+
+    @classmethod
+    def without_init(cls, config: Any) -> LanguageModel:
+        """The model with its weights uninitialised, for a reader to load them into: built on
+        the meta device and given memory, which skips the random init (for a pretrained LLM,
+        seconds of random numbers about to be overwritten). Non-persistent buffers are made
+        again by each module's `reset_buffers`."""
+        with torch.device("meta"):
+            lm = cls(config)
+        first: dict[int, str] = {}  # a tied weight's first name (giving it memory unties it)
+        ties = [
+            (name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)
+        ]
+        lm = lm.to_empty(device="cpu")
+        for name, owner in ties:
+            if name != owner:
+                path, _, attr = name.rpartition(".")
+                setattr(lm.get_submodule(path), attr, lm.get_parameter(owner))
+        for m in lm.modules():
+            reset = getattr(m, "reset_buffers", None)
+            if callable(reset):
+                reset()
+        return lm
 
     # -- to implement -------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -82,7 +131,9 @@ class LanguageModel(nn.Module):
         the recurrent state, so a stream itself has no length limit."""
         return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
 
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
 
     def next_logits(self, state: State) -> torch.Tensor:
@@ -95,8 +146,10 @@ class LanguageModel(nn.Module):
 
     # -- the state, from the family's layout ----------------------------------------------
     def _state(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
-        seq_dims = dict.fromkeys(self.time_axes(), 2)
-        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {})
+        axes = self.time_axes()
+        seq_dims = dict.fromkeys(axes, 2)
+        fills = tuple(name for name, axis in axes.items() if axis.fills)
+        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {}, fills)
 
     def new_state(self, batch_size: int = 1) -> State:
         """A state for `batch_size` streams that have consumed nothing: empty time axes,
@@ -123,6 +176,11 @@ class LanguageModel(nn.Module):
         n = tensors["n_tokens"]
         if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
             raise StateError("state n_tokens must be a non-negative int64 vector")
+        if (n > self.max_stream_tokens).any():
+            raise StateError(
+                f"state n_tokens {int(n.max())} is past the most a stream of this model may consume "
+                f"({self.max_stream_tokens})"
+            )
         B = n.shape[0]
         if B < 1:
             raise StateError("state has an empty batch")
@@ -133,12 +191,57 @@ class LanguageModel(nn.Module):
             t = tensors[name]
             if not t.is_floating_point():
                 raise StateError(f"state {name} must be floating point")
-            if name in axes:
-                _check_time_axis(name, t, axes[name], n)
-            elif list(t.shape) != [B, *fixed[name]]:
-                raise StateError(f"state {name} has shape {list(t.shape)}, expected {[B, *fixed[name]]}")
+            _check_layout(name, list(t.shape), B, axes, fixed)
+            if name in axes and t.shape[2] < int(n.clamp(max=axes[name].bound).max()):
+                raise StateError(
+                    f"state {name}: memory length {t.shape[2]} does not fit the bound {axes[name].bound} and n_tokens"
+                )
         if not all(torch.isfinite(t).all() for name, t in tensors.items() if name != "n_tokens"):
             raise StateError("state holds non-finite values")
+
+    def check_declared(self, declared: Declared) -> None:
+        """Raise StateError unless the tensors a blob's header declares (a snapshot or a
+        delta) could be this model's state: its names, a stored dtype, and shapes within the
+        layout (a time axis's rows within its bound). Checked before the payload is loaded,
+        so a blob's size cannot exceed what its batch of this model's states needs."""
+        header = declared.header
+        if header.get("family") != self.family:
+            raise StateError(
+                f"state is for model family {header.get('family')!r}, this model is {self.family!r}"
+            )
+        if header.get("fingerprint") != self.fingerprint:
+            raise StateError(
+                f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
+            )
+        t = declared.tensors
+        if set(t) != set(self.persistent):
+            raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(self.persistent)}")
+        dtype, shape = t["n_tokens"]
+        if dtype != "I64" or len(shape) != 1:
+            raise StateError("state n_tokens must be a non-negative int64 vector")
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        for name, (dtype, shape) in t.items():
+            if name == "n_tokens":
+                continue
+            if dtype not in _STORED_FLOATS:
+                raise StateError(
+                    f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}"
+                )
+            _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
+
+    def max_state_bytes(self) -> int:
+        """The size of the largest snapshot of one stream this model can produce (float32,
+        every time axis at its bound, its headers included): what a state import is sized by."""
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        tensors = {
+            name: torch.zeros(1, axes[name].layers, axes[name].bound, axes[name].width)
+            if name in axes
+            else torch.zeros(1, *fixed[name])
+            for name in self.persistent
+            if name != "n_tokens"
+        }
+        tensors["n_tokens"] = torch.full((1,), self.max_stream_tokens, dtype=torch.long)
+        return len(State(self.family, self.fingerprint, tensors, {}, self.persistent).to_bytes())
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
@@ -149,15 +252,6 @@ class LanguageModel(nn.Module):
     def param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """GPT-2's init for `self.apply`: weights N(0, 0.02), biases zero."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-            bias = getattr(m, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                nn.init.zeros_(bias)
-
     @property
     def segment_len(self) -> int:
         """Chunk size for consuming long inputs. For families whose results do not depend
@@ -167,57 +261,34 @@ class LanguageModel(nn.Module):
     def config_dict(self) -> dict:
         return dataclasses.asdict(self.config)
 
+    def with_options(self, options: dict[str, Any]) -> None:
+        """Set serving options (`serving_options`; a string value is parsed as its field's
+        type). The config is checked again; the caller refreshes the fingerprint, which
+        covers the config, so a state made under other options is refused. Raises ValueError."""
+        unknown = sorted(set(options) - set(self.serving_options))
+        if unknown:
+            known = ", ".join(self.serving_options) or "none"
+            raise ValueError(f"{self.family} has no serving option {', '.join(unknown)} (it has: {known})")
+        types = {f.name: type(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
+        parsed = {name: _parse_option(name, value, types[name]) for name, value in options.items()}
+        self.config = dataclasses.replace(self.config, **parsed)
+
     def train(self, mode: bool = True) -> LanguageModel:
         super().train(mode)
         if not mode and self.device.type == "cpu":
-            self._lay_out_weights()
+            lay_out_weights(self)
         return self
 
-    def _lay_out_weights(self) -> None:
-        """Lay out each (untied) linear layer's weight with its longer side contiguous in
-        memory: a tall one is stored transposed, the same tensor. One token's step
-        multiplies a vector by every weight, and a CPU's BLAS streams a long contiguous side
-        faster than a short one. `state_dict` hands out contiguous copies of these
-        (`_contiguous_state`), so checkpoints and fingerprints are unchanged."""
-        uses = Counter(id(p) for _, p in self.named_parameters(remove_duplicate=False))
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight
-                n_out, n_in = w.shape
-                if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
-                    w.data = w.data.t().contiguous().t()
+    def quantize(self) -> None:
+        """Serve with int8 weights (`model/int8.py`, `precision` "int8") where the family has
+        such a path, on CPU. Raises ValueError where it has none."""
+        raise ValueError(f"the {self.family} family has no int8 path: serve it in fp32 or bf16")
 
     def parts(self) -> dict[str, Callable]:
         """Pure tensor functions a forward runs many times over with inputs of one shape (a
         family's per-token loop), by name: a caller may compile them and run forwards with
-        the compiled ones (`using`). None by default."""
+        the compiled ones (`Execution.parts`). None by default."""
         return {}
-
-    @contextlib.contextmanager
-    def using(self, parts: dict[str, Callable]) -> Iterator[None]:
-        """Forwards of this model, in this thread and within this block, run `parts`
-        (compiled versions of `parts()`, say) in place of its own; other threads and other
-        models are not affected."""
-        token = _PARTS.set((id(self), parts))
-        try:
-            yield
-        finally:
-            _PARTS.reset(token)
-
-    def part(self, name: str) -> Callable | None:
-        """The function `using` installed as part `name` for this model, if any (never inside
-        a graph being compiled: that graph inlines the model's own code)."""
-        if torch.compiler.is_compiling():
-            return None
-        owner, parts = _PARTS.get()
-        return parts.get(name) if owner == id(self) else None
-
-    def grows_in_place(self) -> bool:
-        """Whether a forward appends to its state's arenas in place: never under autograd (the
-        functional path keeps every step in the graph) nor in a graph being compiled (the
-        arena's bookkeeping is Python over buffers the step mutates, which breaks graphs
-        and CUDA graphs), so a compiled step and the eager one can serve side by side."""
-        return self.append_in_place and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -230,13 +301,7 @@ class LanguageModel(nn.Module):
         Raises StateError with a clear message for a state of another model, or truncated,
         corrupted or malformed bytes.
         """
-        header, tensors = merge(blob, deltas)
-        if header.get("family") != self.family:
-            raise StateError(f"state is for model family {header.get('family')!r}, this model is {self.family!r}")
-        if header.get("fingerprint") != self.fingerprint:
-            raise StateError(
-                f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
-            )
+        _, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
         param_dtype = self.param_dtype
         on_gpu = self.device.type == "cuda"
@@ -254,11 +319,13 @@ class LanguageModel(nn.Module):
     def split_state(self, state: State) -> list[State]:
         return state.split(self.state_lengths(state))
 
+    @torch.no_grad()
     def prefill(
-        self, ids: torch.Tensor, state: State, logprobs: bool = False
+        self, ids: torch.Tensor, state: State, logprobs: bool = False, how: Execution = IN_PLACE
     ) -> tuple[torch.Tensor | None, State]:
         """Teacher-force one chunk `ids` [B, T] (T <= `segment_len`) into `state`: the one
-        prefill step, shared by `consume` and the server's scheduler.
+        prefill step, shared by `consume` and the server's scheduler (without gradients:
+        training runs `forward`).
 
         Returns (logprobs [B, T] or None, state'). logprobs[:, i] is log p(ids[:, i] |
         everything before it); for i = 0 it comes from `next_logits(state)`, and is NaN for
@@ -269,7 +336,7 @@ class LanguageModel(nn.Module):
             out = torch.empty(ids.shape, device=ids.device)
             first = F.log_softmax(self.next_logits(state).float(), -1).gather(1, ids[:, :1])[:, 0]
             out[:, 0] = torch.where(state.n_tokens > 0, first, torch.full_like(first, float("nan")))
-        logits, state = self(ids, state)
+        logits, state = self(ids, state, how)
         if out is not None:
             # logits at position i predict token i+1
             lp = F.log_softmax(logits[:, :-1].float(), -1)
@@ -277,7 +344,9 @@ class LanguageModel(nn.Module):
         return out, state
 
     @torch.no_grad()
-    def consume(self, tokens: list[int] | torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+    def consume(
+        self, tokens: list[int] | torch.Tensor, state: State, how: Execution = IN_PLACE
+    ) -> tuple[torch.Tensor, State]:
         """Teacher-force `tokens` into a single- or multi-stream state, `segment_len` tokens
         at a time (`prefill`). Returns (logprobs [B, T], state'), as `prefill` defines them."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
@@ -285,26 +354,72 @@ class LanguageModel(nn.Module):
             ids = ids[None]
         parts = []
         for start in range(0, ids.shape[1], self.segment_len):
-            lp, state = self.prefill(ids[:, start : start + self.segment_len], state, logprobs=True)
+            lp, state = self.prefill(ids[:, start : start + self.segment_len], state, True, how)
             assert lp is not None
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
 
 
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's init, for a family's `self.apply`: weights N(0, 0.02), biases zero."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+        bias = getattr(m, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            nn.init.zeros_(bias)
+
+
+def lay_out_weights(module: nn.Module) -> None:
+    """Lay out each (untied) linear layer's weight with its longer side contiguous in
+    memory: a tall one is stored transposed, the same tensor. One token's step multiplies
+    a vector by every weight, and a CPU's BLAS streams a long contiguous side faster than a
+    short one. `state_dict` hands out contiguous copies of these (`_contiguous_state`), so
+    checkpoints and fingerprints are unchanged."""
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            n_out, n_in = w.shape
+            if n_out > n_in and w.is_contiguous() and uses[id(w)] == 1:
+                w.data = w.data.t().contiguous().t()
+
+
+def _parse_option(name: str, value: Any, typ: type) -> Any:
+    """A serving option's value as its config field's type (`LanguageModel.with_options`)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if typ is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        return typ(value)
+    except ValueError:
+        raise ValueError(f"serving option {name} must be a {typ.__name__}, not {value!r}") from None
+
+
 def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A state_dict's tensors in the standard layout (see `LanguageModel._lay_out_weights`):
+    """A state_dict's tensors in the standard layout (see `lay_out_weights`):
     safetensors saves only contiguous tensors."""
     for name, t in state_dict.items():
         if not t.is_contiguous():
             state_dict[name] = t.contiguous()
 
 
-def _check_time_axis(name: str, t: torch.Tensor, axis: TimeAxis, n_tokens: torch.Tensor) -> None:
-    """Raise StateError unless `t` is [B, layers, M, width] with M rows in reach: no more
-    than the bound, and no fewer than the tokens consumed give (up to the bound)."""
-    B = n_tokens.shape[0]
-    if t.dim() != 4 or t.shape[0] != B or t.shape[1] != axis.layers or t.shape[3] != axis.width:
-        raise StateError(f"state {name} has shape {list(t.shape)}, expected [{B}, {axis.layers}, M, {axis.width}]")
-    if t.shape[2] > axis.bound or t.shape[2] < int(n_tokens.clamp(max=axis.bound).max()):
-        raise StateError(f"state {name}: memory length {t.shape[2]} does not fit the bound {axis.bound} and n_tokens")
+def _check_layout(
+    name: str, shape: list[int], B: int, axes: dict[str, TimeAxis], fixed: dict[str, tuple[int, ...]]
+) -> None:
+    """Raise StateError unless a state tensor of `shape` fits the layout for a batch of B:
+    a time axis [B, layers, M, width] with M within its bound, a fixed tensor its shape."""
+    if name not in axes:
+        if shape != [B, *fixed[name]]:
+            raise StateError(f"state {name} has shape {shape}, expected {[B, *fixed[name]]}")
+        return
+    axis = axes[name]
+    if len(shape) != 4 or shape[0] != B or shape[1] != axis.layers or shape[3] != axis.width:
+        raise StateError(f"state {name} has shape {shape}, expected [{B}, {axis.layers}, M, {axis.width}]")
+    if shape[2] > axis.bound:
+        raise StateError(
+            f"state {name}: memory length {shape[2]} does not fit the bound {axis.bound} and n_tokens"
+        )

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from . import hf_ssm
 from .native import build, fingerprint, save
 from .tokenizer import WordTokenizer
 from .transformer_xl import TransformerXL
@@ -43,9 +43,13 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A HF `TransfoXLConfig` dict -> the native TransformerXLConfig fields."""
     model_type = hf.get("model_type", "transfo-xl")
     if model_type != "transfo-xl":
-        raise ValueError(f"config.json describes a {model_type!r} model; only Transformer-XL (transfo-xl) converts")
+        raise ValueError(
+            f"config.json describes a {model_type!r} model; only Transformer-XL (transfo-xl) converts"
+        )
     if hf.get("attn_type", 0) != 0:
-        raise ValueError(f"attn_type {hf['attn_type']} is not supported (only 0, relative attention, was published)")
+        raise ValueError(
+            f"attn_type {hf['attn_type']} is not supported (only 0, relative attention, was published)"
+        )
     if hf.get("sample_softmax", -1) > 0:
         raise ValueError("sample_softmax checkpoints are not supported")
     d_model = hf.get("d_model", 1024)
@@ -86,7 +90,10 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor in the directory's weights: safetensors preferred, `.bin` as plain tensors only."""
     path = Path(path)
-    for index, loader in (("model.safetensors.index.json", _load_safetensors), ("pytorch_model.bin.index.json", _load_bin)):
+    for index, loader in (
+        ("model.safetensors.index.json", _load_safetensors),
+        ("pytorch_model.bin.index.json", _load_bin),
+    ):
         if (path / index).is_file():
             shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
             out: dict[str, torch.Tensor] = {}
@@ -155,9 +162,7 @@ def native_state_dict(lm: TransformerXL, source: dict[str, torch.Tensor]) -> dic
     return {name: src[aliases.get(name, name)].to(torch.float32) for name in target}
 
 
-def read(
-    path: str | Path, vocab: str | Path | None = None, **overrides: Any
-) -> TransformerXL:
+def read(path: str | Path, vocab: str | Path | None = None, **overrides: Any) -> TransformerXL:
     """Build the native model for an original / HF directory (on CPU, fp32, eval mode).
 
     `vocab` defaults to DIR/vocab.txt; `overrides` replace native config fields
@@ -174,7 +179,9 @@ def read(
         )
     tok = WordTokenizer.from_vocab_file(vocab_path)
     if tok.vocab_size != cfg["vocab_size"]:
-        raise ValueError(f"{vocab_path} has {tok.vocab_size} symbols, the model's vocab_size is {cfg['vocab_size']}")
+        raise ValueError(
+            f"{vocab_path} has {tok.vocab_size} symbols, the model's vocab_size is {cfg['vocab_size']}"
+        )
     lm = build("transformer-xl", cfg, tok.spec())
     assert isinstance(lm, TransformerXL)
     lm.load_state_dict(native_state_dict(lm, read_weights(path)), strict=True)
@@ -182,22 +189,33 @@ def read(
     return lm.eval()
 
 
-def convert(src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any) -> TransformerXL:
+def convert(
+    src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any
+) -> TransformerXL:
     """Write the original / HF checkpoint at `src` as a native checkpoint at `dst`."""
     lm = read(src, vocab=vocab, **overrides)
     save(lm, dst)
     return lm
 
 
-def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
+# another reader of `recur convert`: whether it reads SRC, its convert(SRC, DST, **flags), and
+# the names of the flags it takes (each None when not given)
+Source = tuple[Callable[[str], bool], Callable[..., Any], tuple[str, ...]]
+
+
+def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argparse._SubParsersAction
+    """`recur convert`; a SRC that one of `sources` reads goes to it, any other is an original
+    / HF Transformer-XL checkpoint."""
     import argparse
 
     p = sub.add_parser(
         "convert",
-        help="convert an original / HF Transformer-XL, or an HF Mamba / Mamba-2, checkpoint to the native format",
-        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL) "
-        "or tokenizer.json (Mamba, Mamba-2: config.json's model_type picks the reader). "
-        "Flags override the serving settings (the native config).",
+        help="convert a checkpoint (original / HF Transformer-XL, GGUF, HF LLaMA or Mistral, HF Mamba or "
+        "Mamba-2) to the native format",
+        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL; "
+        "flags override the serving settings, the native config), or is a GGUF file or a HF LLaMA / Mistral "
+        "directory (its weights, tokenizer and chat template), or a HF Mamba / Mamba-2 directory (its weights and "
+        "tokenizer.json; --tgt-len sets its serving chunk). config.json's model_type picks the reader.",
     )
     p.add_argument("src")
     p.add_argument("dst")
@@ -206,14 +224,16 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
     p.add_argument("--mem-len", dest="mem_len", type=int, default=None)
     p.add_argument("--clamp-len", dest="clamp_len", type=int, default=None)
     p.add_argument("--same-length", dest="same_length", action=argparse.BooleanOptionalAction, default=None)
-    p.set_defaults(func=_convert_main)
+    p.set_defaults(func=_convert_main, sources=tuple(sources))
 
 
 def _convert_main(args) -> int:
-    overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
-    if hf_ssm.claims(args.src):  # HF Mamba / Mamba-2 (model/hf_ssm.py)
-        lm = hf_ssm.convert(args.src, args.dst, tgt_len=args.tgt_len)
+    source = next((source for source in args.sources if source[0](args.src)), None)
+    if source is not None:
+        _, convert_with, flags = source
+        lm = convert_with(args.src, args.dst, **{k: getattr(args, k) for k in flags})
     else:
+        overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
         lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dst, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))

@@ -104,7 +104,7 @@ def tokenizer_spec(path: Path, hf: dict[str, Any]) -> dict:
         return x[0] if isinstance(x, list) and x else x if isinstance(x, int) else None
 
     return {
-        "kind": "hf",
+        "kind": "bpe",
         "tokenizer": json.loads((path / "tokenizer.json").read_text(encoding="utf-8")),
         "vocab_size": vocab,
         "bos_id": first(hf.get("bos_token_id")),

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel, TimeAxis
+from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
 from .rlt import RMSNorm, rms_norm
 from .state import State
 
@@ -266,7 +266,7 @@ class Mamba(LanguageModel):
         self.layers = nn.ModuleList(Block(cfg, mixer) for mixer in mixers)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         for mixer in mixers:
             mixer.reset_ssm()
             # the residual branches' outputs, scaled for depth (GPT-2's, as mamba_ssm does)
@@ -296,7 +296,10 @@ class Mamba(LanguageModel):
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
+        # `how` changes nothing here: no state tensor grows (every step rewrites all of it)
         if state is None:
             state = self.new_state(tokens.shape[0])
         conv, ssm = state["conv"], state["ssm"]  # (b, L, K-1, C), (b, L, ...)

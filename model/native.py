@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from safetensors.torch import load_model, save_model
 
 from . import tokenizer as tokenizers
 from .family import LanguageModel
+from .llama import Llama
 from .mamba import Mamba
 from .mamba2 import Mamba2
 from .rlt import RLT
@@ -32,11 +34,17 @@ from .transformer_xl import TransformerXL
 
 def families() -> dict[str, type[LanguageModel]]:
     """Every model family, by name. The one registry."""
-    return {cls.family: cls for cls in (TransformerXL, RLT, Mamba, Mamba2)}
+    return {cls.family: cls for cls in (TransformerXL, RLT, Llama, Mamba, Mamba2)}
 
 
-def build(family: str, config: dict, tokenizer_spec: dict | None = None) -> LanguageModel:
-    """A randomly initialised model of `family` (weights depend on torch's RNG state)."""
+def build(
+    family: str,
+    config: dict,
+    tokenizer_spec: dict | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> LanguageModel:
+    """A model of `family`: randomly initialised (weights depend on torch's RNG state), or
+    holding `weights` (every one, strictly), made without the random init's cost."""
     try:
         cls = families()[family]
     except KeyError:
@@ -45,7 +53,12 @@ def build(family: str, config: dict, tokenizer_spec: dict | None = None) -> Lang
     unknown = set(config) - fields
     if unknown:
         raise ValueError(f"unknown {family} config keys: {sorted(unknown)}")
-    lm = cls(cls.config_class(**config))
+    cfg = cls.config_class(**config)
+    if weights is None:
+        lm = cls(cfg)
+    else:
+        lm = cls.without_init(cfg)
+        lm.load_state_dict(weights, strict=True)
     lm.tokenizer = tokenizers.from_spec(tokenizer_spec or {"kind": "byte"})
     lm.fingerprint = fingerprint(lm)
     return lm
@@ -66,8 +79,12 @@ def fingerprint(lm: LanguageModel) -> str:
 def save(lm: LanguageModel, directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({"family": lm.family, "config": lm.config_dict()}, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(lm.tokenizer.spec() if lm.tokenizer else {"kind": "byte"}) + "\n")
+    (out / "config.json").write_text(
+        json.dumps({"family": lm.family, "config": lm.config_dict()}, indent=2) + "\n"
+    )
+    (out / "tokenizer.json").write_text(
+        json.dumps(lm.tokenizer.spec() if lm.tokenizer else {"kind": "byte"}) + "\n"
+    )
     save_model(lm, str(out / "model.safetensors"))
     return out
 

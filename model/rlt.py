@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel, TimeAxis
+from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, StateError, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
@@ -186,6 +186,10 @@ class RMSNorm(nn.RMSNorm):
     def __init__(self, d: int, eps: float):
         super().__init__(d, eps=eps)
         self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Make eps_tensor again (`LanguageModel.without_init` leaves buffers uninitialised)."""
+        self.eps_tensor = torch.tensor(self.eps if self.eps is not None else 0.0, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self)
@@ -397,7 +401,7 @@ class RLT(LanguageModel):
         self.decoder = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_decoder_layers))
         self.norm_out = RMSNorm(d, cfg.norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)  # W_o
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         nn.init.normal_(self.s_star, 0.0, 0.02)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
@@ -433,7 +437,9 @@ class RLT(LanguageModel):
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
 
     # -- forward --------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
         if state is None:
@@ -445,14 +451,22 @@ class RLT(LanguageModel):
         # one host read: which time axes hold left padding (`_padded`); a graph being compiled
         # reads nothing from the host (it would break in two) and masks as if every axis might
         n_min = 0 if torch.compiler.is_compiling() else int(n.min())
-        in_place = self.grows_in_place()
+        in_place = how.in_place
         axes = self.time_axes()
         grown = {name: state.window(name).grow(T, in_place) for name in axes}
         with self.autocast():
             e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid, n_min)  # (B, T, d)
             mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
             s_all = self._recur(
-                e, cs, state, mem, ctx_valid, n_min, grown["swa_k"], grown["swa_v"]
+                e,
+                cs,
+                state,
+                mem,
+                ctx_valid,
+                n_min,
+                grown["swa_k"],
+                grown["swa_v"],
+                how.parts.get("decode_token"),
             )  # (B, T, d)
             logits = F.linear(rms_norm(s_all, self.norm_out), self.head.weight)  # (B, T, V)
         tensors, arenas = unzip({name: g.result(min(axes[name].bound, g.M + T)) for name, g in grown.items()})
@@ -497,6 +511,7 @@ class RLT(LanguageModel):
         n_min: int,
         sk: Growth,  # the window caches' keys and values (B, L_D, S, d), growing by T
         sv: Growth,
+        token: Callable | None,  # a compiled `decode_token` to run each step with (`parts`)
     ) -> torch.Tensor:
         """The decoder over the chunk: s_t for every position (B, T, d)."""
         T, S = e.shape[1], sk.M
@@ -507,6 +522,8 @@ class RLT(LanguageModel):
         padded = (self._padded(n_min, "swa_k", S), self._padded(n_min, "mem_k", Mm))
         if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
             return self._decode_chunk(e, cs, sk, sv, mem, swa_first, mem_first, padded)
+        if token is not None:  # a compiled step of one shape
+            return self._decode_fixed(token, e, cs, state["s"], sk, sv, mem, swa_first, mem_first)
         return self._decode_steps(e, cs, state["s"], sk, sv, mem, swa_first, mem_first, padded)
 
     def _decode_chunk(
@@ -555,9 +572,6 @@ class RLT(LanguageModel):
         Mm = mem[0][0].shape[1] - T
         swa_real, mem_real = real_keys(swa_first, S + T, padded[0]), real_keys(mem_first, Mm + T, padded[1])
         assert self.merge is not None
-        token = self.part("decode_token")
-        if token is not None:  # a compiled step of one shape (`parts`)
-            return self._decode_fixed(token, e, cs, s0, sk, sv, mem, swa_first, mem_first)
         ge, w_r = self.merge.prepare(e)
         mem_h = [(split_heads(k, cfg.n_head), split_heads(v, cfg.n_head)) for k, v in zip(*mem, strict=True)]
         s = s0[:, None]  # (B, 1, d) s_{t-1}

@@ -6,13 +6,15 @@ equals `decode(all_ids)` exactly, multi-byte UTF-8 included.
 
 Tokenizers are described by a small JSON spec stored in each checkpoint
 (`tokenizer.json`); `from_spec` is the only constructor the loader uses. Three kinds: UTF-8
-bytes (the native models), word-level vocabularies (pretrained WikiText-103 models), and an
-HF `tokenizer.json` (converted HF checkpoints, e.g. Mamba's), run by the `tokenizers` library.
+bytes (the native models), word-level vocabularies (pretrained WikiText-103 models), and
+subword tokenizers run by Hugging Face's `tokenizers` library (pretrained LLMs and converted
+HF Mamba checkpoints: the spec holds the library's own tokenizer JSON, `BPETokenizer`).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -168,67 +170,70 @@ class WordTokenizer:
         return {"kind": self.kind, "symbols": self.symbols}
 
 
-class _HFStreamDecoder:
-    """The `tokenizers` library's own incremental decoder: text once it is complete."""
+class _IncrementalDecoder:
+    """Text out as ids come in, for a tokenizer whose decoding is not per token: a token may
+    hold part of a character (byte-level BPE), so the text of the ids since the last complete
+    character is decoded again with each new id, and released once it no longer ends in a
+    partial one (U+FFFD). What is released adds up to `decode(all ids)` (vLLM's scheme)."""
 
-    def __init__(self, tok: HFTokenizer):
-        from tokenizers.decoders import DecodeStream
-
+    def __init__(self, tok: BPETokenizer):
         self._tok = tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._start = 0  # the ids decoded and released so far begin here ...
+        self._end = 0  # ... and end here
 
     def feed(self, token_id: int) -> str:
-        if not 0 <= token_id < self._tok.known:
-            return ""  # an id past the tokenizer's (a padded embedding's) has no text
-        return self._stream.step(self._tok.inner, token_id) or ""
+        self._ids.append(token_id)
+        return self._release(final=False)
 
     def flush(self) -> str:
-        return ""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        done = self._tok.decode(self._ids[self._start : self._end])
+        text = self._tok.decode(self._ids[self._start :])
+        if not final and (len(text) <= len(done) or text.endswith("\ufffd")):
+            return ""
+        self._start, self._end = self._end, len(self._ids)
+        return text[len(done) :]
 
 
-class HFTokenizer:
-    """An HF `tokenizer.json` (BPE, WordPiece, Unigram or word-level), run by `tokenizers`.
+class BPETokenizer:
+    """A subword tokenizer (byte-level BPE, say) that Hugging Face's `tokenizers` library
+    runs from its JSON description (a `tokenizer.json`), with the model's BOS (None when a
+    stream does not start with one) and EOS ids. Special tokens in a text (e.g. `<|im_end|>`)
+    encode as their ids and decode as their text, so a transcript encodes back to its ids."""
 
-    The spec holds the tokenizer.json itself, so a converted checkpoint is self-contained;
-    `vocab_size` is the model's, which may exceed the tokenizer's (padded embeddings: ids
-    past the tokenizer's decode to nothing). Text in gets no special tokens (the server adds
-    BOS itself); text out skips them, as the stream decoder does.
-    """
+    kind = "bpe"
 
-    kind = "hf"
+    def __init__(self, tokenizer_json: str, vocab_size: int, bos_id: int | None, eos_id: int | None):
+        from tokenizers import Tokenizer as HFTokenizer
 
-    def __init__(self, tokenizer_json: dict, vocab_size: int, bos_id: int | None, eos_id: int | None):
-        import json
-
-        from tokenizers import Tokenizer as Inner
-
-        self.tokenizer_json = tokenizer_json
-        self.inner = Inner.from_str(json.dumps(tokenizer_json))
-        self.known = self.inner.get_vocab_size(with_added_tokens=True)
-        self.vocab_size = max(vocab_size, self.known)
+        self._json = tokenizer_json
+        self._tok = HFTokenizer.from_str(tokenizer_json)
+        self.vocab_size = max(vocab_size, self._tok.get_vocab_size(with_added_tokens=True))
         self.bos_id, self.eos_id = bos_id, eos_id
 
     def encode(self, text: str) -> list[int]:
-        return list(self.inner.encode(text, add_special_tokens=False).ids)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.inner.decode([i for i in ids if 0 <= i < self.known], skip_special_tokens=True))
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def stream_decoder(self) -> StreamDecoder:
-        return _HFStreamDecoder(self)
+        return _IncrementalDecoder(self)
 
     def token_text(self, token_id: int) -> str:
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
-        return str(self.inner.decode([token_id], skip_special_tokens=False)) if token_id < self.known else ""
+        """Text of one id on its own (part of a character shows as U+FFFD)."""
+        return self.decode([token_id])
 
     def spec(self) -> dict:
         return {
             "kind": self.kind,
+            "tokenizer": json.loads(self._json),
             "vocab_size": self.vocab_size,
             "bos_id": self.bos_id,
             "eos_id": self.eos_id,
-            "tokenizer": self.tokenizer_json,
         }
 
 
@@ -241,8 +246,11 @@ def from_spec(spec: dict, directory: str | None = None) -> Tokenizer:
         if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
             raise ValueError("a word tokenizer spec needs 'symbols': a list of strings")
         return WordTokenizer(symbols)
-    if kind == "hf":
-        if not isinstance(spec.get("tokenizer"), dict) or not isinstance(spec.get("vocab_size"), int):
-            raise ValueError("an hf tokenizer spec needs 'tokenizer' (a tokenizer.json object) and 'vocab_size'")
-        return HFTokenizer(spec["tokenizer"], spec["vocab_size"], spec.get("bos_id"), spec.get("eos_id"))
+    if kind == "bpe":
+        ids = [spec.get(k) for k in ("vocab_size", "bos_id", "eos_id")]
+        if not isinstance(spec.get("tokenizer"), dict) or not all(
+            i is None or isinstance(i, int) for i in ids
+        ):
+            raise ValueError("a bpe tokenizer spec needs 'tokenizer' (an object) and integer ids")
+        return BPETokenizer(json.dumps(spec["tokenizer"]), spec.get("vocab_size") or 0, ids[1], ids[2])
     raise ValueError(f"unknown tokenizer kind {kind!r}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -136,6 +137,7 @@ def save_trainer(
             "fingerprint": state.fingerprint,
             "seq_dims": state.seq_dims,
             "persistent": list(state.persistent),
+            "fills": list(state.fills),
         }
     save_file(tensors, str(tmp / "trainer.safetensors"))
     meta = {
@@ -182,6 +184,7 @@ def load_trainer(
             {k[len("state/") :]: t.to(lm.device) for k, t in tensors.items() if k.startswith("state/")},
             {k: int(v) for k, v in sm["seq_dims"].items()},
             tuple(sm["persistent"]),
+            fills=tuple(sm.get("fills", ())),
         )
     return int(meta["step"]), state, meta
 
@@ -222,9 +225,13 @@ def plot_curve(log_csv: str | Path, png: str | Path, title: str = "") -> Path:
     valid = [(int(r["tokens"]), float(r["valid_bpb"])) for r in rows if r["valid_bpb"]]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
-        ax.plot([t / 1e6 for t, _ in train], [b for _, b in train], lw=1, alpha=0.8, label="train (running mean)")
+        ax.plot(
+            [t / 1e6 for t, _ in train], [b for _, b in train], lw=1, alpha=0.8, label="train (running mean)"
+        )
     if valid:
-        ax.plot([t / 1e6 for t, _ in valid], [b for _, b in valid], "o-", ms=4, label="validation (with memory)")
+        ax.plot(
+            [t / 1e6 for t, _ in valid], [b for _, b in valid], "o-", ms=4, label="validation (with memory)"
+        )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("bits per byte")
     if train or valid:
@@ -234,7 +241,14 @@ def plot_curve(log_csv: str | Path, png: str | Path, title: str = "") -> Path:
     lrs = [(int(r["tokens"]), float(r["lr"])) for r in rows if r["lr"]]
     if lrs:
         ax2 = ax.twinx()
-        ax2.plot([t / 1e6 for t, _ in lrs], [lr for _, lr in lrs], color="0.6", lw=0.8, ls="--", label="learning rate")
+        ax2.plot(
+            [t / 1e6 for t, _ in lrs],
+            [lr for _, lr in lrs],
+            color="0.6",
+            lw=0.8,
+            ls="--",
+            label="learning rate",
+        )
         ax2.set_ylabel("learning rate", color="0.45")
         ax2.set_ylim(0, max(lr for _, lr in lrs) * 1.1)
         handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
@@ -385,8 +399,12 @@ class Report:
         self.running_n += 1
         self.now = time.perf_counter()
         rate = self.bar.format_dict.get("rate")  # tqdm's smoothed steps/s (None until it knows)
-        tok_s = (rate if rate else (step - self.step_last) / max(self.now - self.t_last, 1e-9)) * self.tokens_per_step
-        self.bar.set_postfix(loss=f"{loss:.3f}", bpb=f"{loss / math.log(2):.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        tok_s = (
+            rate if rate else (step - self.step_last) / max(self.now - self.t_last, 1e-9)
+        ) * self.tokens_per_step
+        self.bar.set_postfix(
+            loss=f"{loss:.3f}", bpb=f"{loss / math.log(2):.3f}", tok_s=f"{tok_s:,.0f}", refresh=False
+        )
         self.bar.update(1)
 
     def log(self, step: int, lr: float, valid_bpb: float | None) -> None:
@@ -394,7 +412,9 @@ class Report:
         a new window; after a validation, re-render loss.png."""
         mean = self.running / self.running_n
         if valid_bpb is not None:
-            self.bar.write(f"step {step}: validation {valid_bpb:.4f} bits/byte (train {mean / math.log(2):.4f})")
+            self.bar.write(
+                f"step {step}: validation {valid_bpb:.4f} bits/byte (train {mean / math.log(2):.4f})"
+            )
         row = {
             "step": step,
             "tokens": step * self.tokens_per_step,
@@ -407,7 +427,8 @@ class Report:
         append_log(self.out / "log.csv", row)
         self.running, self.running_n = 0.0, 0
         self.t_last, self.step_last = time.perf_counter(), step
-        if valid_bpb is not None:
+        if valid_bpb is not None and importlib.util.find_spec("matplotlib") is not None:
+            # (the curve is a convenience: without the `train` extra, log.csv alone is kept)
             title = f"{self.cfg.family} on {Path(self.cfg.corpus).name}"
             plot_curve(self.out / "log.csv", self.out / "loss.png", title=title)
 
@@ -467,7 +488,17 @@ def load_config(out: str | Path) -> TrainConfig:
 
 
 # -- CLI wiring (called from model/cli.py's register) -------------------------------------------
-MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len", "tgt_len", "dropout", "dropatt")
+MODEL_FLAGS = (
+    "n_layer",
+    "d_model",
+    "n_head",
+    "d_head",
+    "d_inner",
+    "mem_len",
+    "tgt_len",
+    "dropout",
+    "dropatt",
+)
 
 
 def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
@@ -478,7 +509,9 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
     )
     p.add_argument("--out", required=False, help="run directory (default runs/<family>)")
     p.add_argument("--family", default="transformer-xl")
-    p.add_argument("--corpus", default="shakespeare", help="'shakespeare' or a .txt file or folder of .txt files")
+    p.add_argument(
+        "--corpus", default="shakespeare", help="'shakespeare' or a .txt file or folder of .txt files"
+    )
     p.add_argument("--config", help="JSON object of family config fields (merged under the flags below)")
     for name in MODEL_FLAGS:
         typ = float if name.startswith("drop") else int
@@ -489,16 +522,24 @@ def add_subcommand(sub) -> None:  # sub: argparse._SubParsersAction
             continue
         typ = type(getattr(defaults, f.name))
         if f.name == "steps":  # None = not given, so --resume can tell an explicit re-plan
-            p.add_argument("--steps", type=int, default=None, help=f"optimiser steps (default {defaults.steps})")
+            p.add_argument(
+                "--steps", type=int, default=None, help=f"optimiser steps (default {defaults.steps})"
+            )
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=getattr(defaults, f.name))
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=getattr(defaults, f.name)
+        )
     p.add_argument(
         "--resume",
         action="store_true",
         help="continue OUT's run from OUT/last with its saved config (only --steps may re-plan the schedule)",
     )
-    p.add_argument("--stop-at", type=int, help="stop after this step (checkpointed; the schedule still spans --steps)")
-    p.add_argument("--plot", metavar="RUN_DIR", help="only render RUN_DIR/log.csv to RUN_DIR/loss.png, then exit")
+    p.add_argument(
+        "--stop-at", type=int, help="stop after this step (checkpointed; the schedule still spans --steps)"
+    )
+    p.add_argument(
+        "--plot", metavar="RUN_DIR", help="only render RUN_DIR/log.csv to RUN_DIR/loss.png, then exit"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_main)
 
@@ -518,7 +559,9 @@ def _main(args) -> int:
     else:
         model_cfg = json.loads(args.config) if args.config else {}
         model_cfg.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
-        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+        kwargs = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)
+        }
         kwargs.update(out=out, family=args.family, corpus=args.corpus, model=model_cfg)
         if kwargs["steps"] is None:
             kwargs["steps"] = TrainConfig(out=out).steps

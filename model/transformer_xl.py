@@ -18,7 +18,7 @@ the memory rows are also cached in the state, so a decode step projects one new 
 instead of re-projecting the whole memory; the cache is derived data and is rebuilt from
 the memory when a state is loaded from bytes. A decode step (one new token per stream, at
 inference) runs `RelPartialLearnableMultiHeadAttn.step`, the same attention arranged for a
-step bound by memory bandwidth: no relative shift, the position table sliced, and a single
+step bound by memory bandwidth: no relative shift, the position table sliced, and every
 stream's cache kept time-major (`model.state.Arena`) so its scores scan contiguous rows.
 
 Pretrained checkpoints (the original / HF `TransfoXLLMHeadModel` layout, see model/hf.py)
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import LanguageModel, TimeAxis
+from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, kv_appender, unzip
 
 
@@ -84,7 +84,9 @@ class TransformerXLConfig:
         if (self.cutoffs or self.div_val != 1 or self.d_embed or self.tie_projs) and not self.adaptive:
             raise ValueError("cutoffs, div_val, d_embed and tie_projs need adaptive=True")
         if self.adaptive:
-            if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(not 0 < c < self.vocab_size for c in self.cutoffs):
+            if list(self.cutoffs) != sorted(set(self.cutoffs)) or any(
+                not 0 < c < self.vocab_size for c in self.cutoffs
+            ):
                 raise ValueError(f"cutoffs must increase strictly inside (0, vocab_size): {self.cutoffs}")
             if self.div_val < 1:
                 raise ValueError("div_val must be >= 1")
@@ -149,24 +151,22 @@ def attend_one(
     mask: torch.Tensor | None,  # (B, 1, K) True = may not attend
     scale: float,
 ) -> torch.Tensor:
-    """softmax(scale * (q k^T + bias)) v for one query per stream -> (B, H, dh)."""
+    """softmax(scale * (q k^T + bias)) v for one query per stream -> (B, H, dh).
+
+    The (stream, head) pairs are the batch of two matrix-vector products that read each
+    cached key and value once, where it lies: in a time-major arena (`model.state.Arena`,
+    every decode step's) a pair's keys are dh rows of K contiguous values, and the
+    streams' and heads' rows are equally spaced, so both reshapes below are views. The
+    position term goes in as the scores' starting value (one pass, no separate mask)."""
     B, H, dh = q.shape
     K = k.shape[1]
-    if B > 1:
-        bias = bias[:, :, None] * scale  # (B, H, 1, K)
-        if mask is not None:
-            bias = bias.masked_fill(mask[:, None], float("-inf"))
-        kh, vh = k.view(B, K, H, dh).transpose(1, 2), v.view(B, K, H, dh).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None], kh, vh, attn_mask=bias.to(q.dtype), scale=scale)
-        return out[:, :, 0]  # (B, H, dh)
-    # one stream: the heads are the batch of two matrix products that read the cache where
-    # it lies; a time-major arena (`model.state.Arena`) makes the scores scan contiguous rows
-    kt = k[0].t().view(H, dh, K)  # (H, dh, K)
-    s = torch.baddbmm(bias.view(H, 1, K), q.view(H, 1, dh), kt, beta=scale, alpha=scale)  # (H, 1, K)
+    kt = k.transpose(1, 2).reshape(B * H, dh, K)  # (B*H, dh, K)
+    vt = v.transpose(1, 2).reshape(B * H, dh, K)
+    s = torch.baddbmm(bias.reshape(B * H, 1, K), q.reshape(B * H, 1, dh), kt, beta=scale, alpha=scale)
     if mask is not None:
-        s = s.masked_fill(mask[0], float("-inf"))
-    out = torch.bmm(s.softmax(-1), v[0].view(K, H, dh).transpose(0, 1))  # (H, 1, dh)
-    return out.view(1, H, dh)
+        s = s.view(B, H, K).masked_fill(mask, float("-inf")).view(B * H, 1, K)
+    out = torch.bmm(s.softmax(-1), vt.transpose(1, 2))  # (B*H, 1, dh)
+    return out.view(B, H, dh)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -400,7 +400,9 @@ class TransformerXL(LanguageModel):
         if not cfg.untie_r:
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
+        self.final_norm = (
+            nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon) if cfg.final_norm else nn.Identity()
+        )
         # the output layer: `out` (native) or `crit` (adaptive, named as in the original)
         if cfg.adaptive:
             self.crit = ProjectedAdaptiveLogSoftmax(cfg)
@@ -410,7 +412,7 @@ class TransformerXL(LanguageModel):
                 self.out.weight = self.word_emb.weight  # type: ignore[assignment]
         self._tables: PositionTables | None = None  # inference only (`_positions`)
         self._masks: dict[tuple, tuple[torch.Tensor, bool]] = {}  # by shape (`_mask`)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         if cfg.adaptive:
             self._init_adaptive()
 
@@ -538,7 +540,9 @@ class TransformerXL(LanguageModel):
         r = sinusoid(self._distances(K, device), cfg.d_model)
         return self.blocks()[layer].dec_attn.r_net(r).view(K, cfg.n_head, cfg.d_head)
 
-    def forward(self, tokens: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+    def forward(
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+    ) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
         if state is None:
@@ -548,11 +552,11 @@ class TransformerXL(LanguageModel):
         mem = state["mem"]  # (B, L, M, d)
         M = mem.shape[2]
         keep = min(cfg.mem_len, M + T)  # memory rows carried to the next call
-        in_place = self.grows_in_place()
+        in_place = how.in_place
         grown = {"mem": state.window("mem").grow(T, in_place)}
         if not self.training:  # training projects the memory afresh (with gradients): no cache
-            # a single stream's decode steps scan its keys and values along time (`attend_one`)
-            time_major = B == 1 and T == 1
+            # decode steps scan each stream's keys and values along time (`attend_one`)
+            time_major = T == 1
             grown.update({name: state.window(name).grow(T, in_place, time_major) for name in ("k", "v")})
         mask = self._mask(T, M, state.n_tokens.clamp(max=cfg.mem_len))
 

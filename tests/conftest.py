@@ -134,9 +134,7 @@ class ServerProcess:
         self.model_dir = model_dir
         self.workdir = workdir
         self.redis_url = redis_url
-        # the background compile of the decode step (app/engine/compiler.py) costs a core for
-        # tens of seconds: off unless a test asks for it
-        self.settings = {"key_prefix": f"test-{secrets.token_hex(4)}:", "compile": False, **settings}
+        self.settings = {"key_prefix": f"test-{secrets.token_hex(4)}:", **settings}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

@@ -1,20 +1,18 @@
-"""The house in ../shared/STYLE.md, asserted: imports point one way (app/api -> app/sessions ->
-app/store and app/engine -> model/), rooms keep to themselves, functions stay short, and the
-picture in docs/ARCHITECTURE.md matches the code. The reading is docs/import_graph.py's (ast only:
+"""The house in docs/ARCHITECTURE.md, asserted: imports point one way (app/api -> app/sessions ->
+app/store and app/engine -> model/), rooms keep to themselves, functions stay short, classes and files stay narrow, and the
+picture in docs/ARCHITECTURE.md matches the code. The reading is docs/tools/import_graph.py's (ast only:
 nothing here imports app or model)."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import textwrap
 from pathlib import Path
 
-from tests.docs_scripts import load
+from docs.tools import import_graph as ig
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-ig = load("import_graph")
 
 
 @functools.cache
@@ -63,14 +61,42 @@ def test_house_rules_are_the_ones_asserted() -> None:
         (("model",), ("app",)),
         (("app.engine",), ("app",)),
         (("app.store",), ("app.engine", "app.api", "model")),
+        (("app.sessions", "app.tenants"), ("app.api",)),
     }
+
+
+def test_sessions_and_tenants_know_no_http() -> None:
+    _assert_no_imports(
+        ("app.sessions", "app.tenants"),
+        ("app.api",),
+        "app/sessions and app/tenants run the transaction and its accounting: never app.api (HTTP)",
+    )
 
 
 def test_no_long_functions() -> None:
     long = ig.long_functions(60, ROOT)
     assert not long, (
-        "functions over 60 lines (def line to last line) in app/ and model/; split them:\n"
+        "functions over 60 lines (def line to last line) in app/, model/ and bench/; split them:\n"
         + "\n".join(f"  {f}" for f in long)
+    )
+
+
+def test_no_wide_classes_or_long_files() -> None:
+    """Width, as the 60-line rule bounds length: no class in app/ or model/ over 300 lines
+    (split its concerns into rooms), and no file in app/ over 700."""
+    wide = [
+        f"  {path.relative_to(ROOT)}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
+        for path in ig.sources(ROOT, ("app", "model"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno + 1 > 300
+    ]
+    long = [
+        f"  {path.relative_to(ROOT)}: {n} lines"
+        for path in ig.sources(ROOT, ("app",))
+        if (n := len(path.read_text().splitlines())) > 700
+    ]
+    assert not wide and not long, "classes over 300 lines, files over 700; split them:\n" + "\n".join(
+        wide + long
     )
 
 

@@ -1,30 +1,39 @@
 """The request path in docs/ARCHITECTURE.md, asserted: the files its block lists are the files a
-traced generate runs now (docs/request_path.py serves the shipped model against the test Redis),
+traced generate runs now (docs/tools/request_path.py serves the shipped model against the test Redis),
 and the script counts what it says it counts."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from tests.docs_scripts import load, load_file
+from docs.tools import request_path as rp
+
+
+def load_file(path: Path, name: str) -> ModuleType:
+    """The Python file at `path` (a fixture this test writes) as a module named `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "docs" / "request_path.py"
-
-
-rp = load("request_path")
 
 
 def test_architecture_request_path_is_current(redis_url: str) -> None:
     # a process of its own, as `make docs` runs it: the profile hook then sees only its threads
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--check", "--redis-url", redis_url],
+        [sys.executable, "-m", "docs.tools.request_path", "--check", "--redis-url", redis_url],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ import model
 from app import metrics as service_metrics
 from app import sessions as sessions_service
 from app.config import Settings
-from app.store import SessionStore
+from app.store import Store
 
 from . import (
     chat_completions,
@@ -28,8 +28,8 @@ from . import (
     tokens,
     usage,
 )
-from .deps import admit, authenticate, bind_session
-from .middleware import BodyLimit, RequestContext
+from .deps import authenticate, bind_client, bind_session, check_rate
+from .middleware import BodyLimit, BrowserGuard, RequestContext
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -46,12 +46,16 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = SessionStore.from_settings(settings)
+        store = Store.from_settings(settings)
         loaded = (
             lm
             if lm is not None
             else await asyncio.to_thread(
-                model.load, settings.model, device=settings.device, precision=settings.precision
+                model.load,
+                settings.model,
+                device=settings.device,
+                precision=settings.precision,
+                options=settings.model_options,
             )
         )
         # the checkpoint's chat template, checked now: a broken one fails the start, not a chat
@@ -59,6 +63,8 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
         engine = sessions_service.build_engine(settings, loaded, model_name(settings.model))
         engine.start()
         sessions = sessions_service.build(settings, store, engine)
+        store.connection.watch_memory(settings.storage_guard)
+        app.state.store = store
         app.state.sessions = sessions
         service_metrics.bind_engine(engine, sessions.cache)
         try:
@@ -71,6 +77,12 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
     return _assemble(settings, lifespan)
 
 
+def _import_limit(app: FastAPI) -> int:
+    """The largest state import the app takes now (before the model is loaded, none)."""
+    sessions = app.state.sessions
+    return sessions.import_limit if sessions is not None else 0
+
+
 def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     """The routers, error handlers and middleware around `lifespan`."""
     app = FastAPI(
@@ -81,17 +93,20 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = None
+    app.state.store = None
     app.state.chat_template = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
-        by_path={"/v1/sessions/import": int(settings.max_import_mb * 2**20)},
+        # (sized by the served model, once it is loaded: `sessions.build`)
+        by_path={"/v1/sessions/import": lambda: _import_limit(app)},
     )
+    app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestContext)
     # every /v1 route authenticates (when keys are set) and logs with its session id
-    v1 = [Depends(authenticate), Depends(bind_session), Depends(admit)]
+    v1 = [Depends(authenticate), Depends(bind_client), Depends(bind_session), Depends(check_rate)]
     routers = [
         (health.router, []),
         (metrics.router, []),

@@ -11,7 +11,7 @@ string is left out of the message, OpenAI's way, though the session's state has 
 it. A template that renders every assistant message followed by exactly its turn stop
 (the shipped play-script one does) so renders, for a client that resends the whole
 conversation, the tokens the previous turn's state consumed followed by the new ones
-(README "Chat templates").
+(docs/OPENAI.md "Chat templates").
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from model.chat_template import ChatTemplate
 from . import openai_framing as oai
 from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids, served_model
 from .errors import ApiError, ErrorType, responses
-from .schemas import (
+from .openai_schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -43,8 +43,8 @@ from .schemas import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionUsage,
-    ErrorBody,
 )
+from .schemas import ErrorBody
 from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -90,28 +90,34 @@ async def create_chat_completion(
     sid = oai.session_asked(body.session_id, x_session_id)
     text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
     ids = prompt_ids(engine, settings.max_prompt_tokens, text)
-    generation = oai.generation(body, settings, body.max_completion_tokens or body.max_tokens, engine)
     logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own
     # the turn stop always ends the assistant's turn, as an end-of-turn token would
     stop = list(dict.fromkeys([*template.stop, *oai.stop_strings(body.stop)]))
+    generation = oai.generation(
+        body,
+        settings,
+        body.max_completion_tokens or body.max_tokens,
+        engine,
+        stop=stop,
+        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(),
+        started=started,
+    )
     choices = await oai.start(
         sessions,
         settings,
         owner,
         sid,
         [ids],
-        stop=stop,
+        generation,
+        n=body.n or 1,
         keep_stop=body.include_stop_str_in_output,
-        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else None,
         user=body.user,
-        started=started,
-        **generation,
     )
     token_text = engine.tokenizer.token_text if logprobs else None
     framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return oai.stream(choices, framer, include_usage)
+        return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
     entries = [

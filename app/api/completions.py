@@ -4,7 +4,7 @@ A completion runs in a recur session: the body field `session_id` or the `X-Sess
 header continues one (its recurrent state is the context, so the prompt only needs the
 new text); without either, a new session is created. Either way the session's id comes
 back in the `X-Session-Id` header and the body, and the generation is committed to it
-exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions.py).
+exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions/).
 `prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
 (and one new session) per prompt; with `n`, n choices per prompt, the others in forks of
 its session. What the OpenAI routes share is in openai_framing.py.
@@ -47,16 +47,16 @@ from .deps import (
     served_model,
 )
 from .errors import ApiError, ErrorType, responses
-from .schemas import (
+from .openai_schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResult,
     CompletionUsage,
-    ErrorBody,
     ModelCard,
     ModelList,
 )
+from .schemas import ErrorBody
 from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -65,7 +65,7 @@ _STARTED = time.time()
 
 
 @router.get("/models", response_model=ModelList, summary="The served model (OpenAI format)")
-async def list_models(engine: EngineDep) -> ModelList:
+async def list_models(engine: EngineDep, request: Request) -> ModelList:
     lm = engine.lm
     card = ModelCard(
         id=engine.name,
@@ -74,6 +74,7 @@ async def list_models(engine: EngineDep) -> ModelList:
         vocab_size=engine.vocab_size,
         context_window=lm.context_window,
         precision=lm.precision,
+        chat_template=request.app.state.chat_template is not None,
     )
     return ModelList(data=[card])
 
@@ -146,19 +147,25 @@ async def create_completion(
         owner,
         sid,
         prompts,
-        stop=oai.stop_strings(body.stop),
+        oai.generation(
+            body,
+            settings,
+            body.max_tokens,
+            engine,
+            stop=oai.stop_strings(body.stop),
+            logprobs=Logprobs(top=body.logprobs or 0, prompt=body.echo and body.logprobs is not None),
+            started=started,
+        ),
+        n=body.n or 1,
         keep_stop=body.include_stop_str_in_output,
         user=body.user,
-        started=started,
-        logprobs=Logprobs(top=body.logprobs or 0, prompt=body.echo and body.logprobs is not None),
-        **oai.generation(body, settings, body.max_tokens, engine),
     )
     lp = None if body.logprobs is None else _Logprobs(engine.tokenizer.token_text, body.logprobs)
     echoed = [_prompt_texts(engine, ids) if body.echo else [] for ids in prompts]
     framer = _Chunks(oai.head("cmpl", engine.name, engine.fingerprint, choices), lp, echoed)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return oai.stream(choices, framer, include_usage)
+        return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
     entries = [framer.whole(c) for c in choices.items]

@@ -13,8 +13,9 @@ from fastapi import Depends, Header, Request
 from app import logs
 from app.config import Settings
 from app.engine import Engine
-from app.sessions import Sessions
+from app.sessions import SessionService
 from app.store import owner_of
+from app.tenants import CLIENT
 from model.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType
@@ -31,14 +32,14 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_sessions(request: Request) -> Sessions:
+def get_sessions(request: Request) -> SessionService:
     sessions = getattr(request.app.state, "sessions", None)
     if sessions is None:
         raise ApiError(ErrorType.not_ready, "the model is not loaded yet")
     return sessions
 
 
-def get_engine(sessions: Annotated[Sessions, Depends(get_sessions)]) -> Engine:
+def get_engine(sessions: Annotated[SessionService, Depends(get_sessions)]) -> Engine:
     return sessions.engine
 
 
@@ -166,12 +167,17 @@ async def authenticate(request: Request) -> str:
     return owner_of(key)
 
 
-async def admit(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
-    """The tenant's request rate (and, for a route that generates, its token rate), shared
-    by all replicas: 429 quota_exceeded past it, with Retry-After."""
-    sessions = get_sessions(request)
-    generates = request.url.path.endswith(("/generate", "/completions"))
-    await sessions.admit(owner, generates)
+async def check_rate(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
+    """The tenant's request rate, shared by all replicas: 429 quota_exceeded past it, with
+    Retry-After. (Its token rate: `Tenants.starting`, once a route knows its max_tokens.)"""
+    await get_sessions(request).tenants.check_rate(owner)
+
+
+async def bind_client(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
+    """Name the client this request serves, for the engine's fairness and the stream limit:
+    its key's owner, or without keys (every client one tenant) its address. (async, as
+    `bind_session`: the value sticks for the rest of the request.)"""
+    CLIENT.set(owner or "address:" + (request.client.host if request.client else "unknown"))
 
 
 async def bind_session(request: Request) -> None:
@@ -183,7 +189,7 @@ async def bind_session(request: Request) -> None:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionsDep = Annotated[Sessions, Depends(get_sessions)]
+SessionsDep = Annotated[SessionService, Depends(get_sessions)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 IfMatchDep = Annotated[int | None, Depends(if_match)]
 SessionIdHeader = Annotated[

@@ -14,6 +14,7 @@ import enum
 class ErrorType(str, enum.Enum):
     invalid_request = "invalid_request"
     unauthorized = "unauthorized"
+    forbidden = "forbidden"
     model_not_found = "model_not_found"
     no_chat_template = "no_chat_template"
     not_found = "not_found"
@@ -33,5 +34,6 @@ class ErrorType(str, enum.Enum):
     invalid_state = "invalid_state"
     redis_unavailable = "redis_unavailable"
     not_ready = "not_ready"
+    engine_stalled = "engine_stalled"
     internal_error = "internal_error"
     client_disconnected = "client_disconnected"

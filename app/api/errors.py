@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from app import logs
-from app.engine import EmptyContext, EngineError, QueueFull
+from app.engine import EmptyContext, EngineError, EngineStalled, NonFinite, QueueFull
 from app.sessions import ClientDisconnected, ModelMismatch, StateRejected
 from app.store import (
     CommitConflict,
@@ -43,6 +43,7 @@ log = logging.getLogger("recur.api")
 STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
     ErrorType.unauthorized: 401,
+    ErrorType.forbidden: 403,  # a host this server does not answer to, or another site's request
     ErrorType.model_not_found: 404,
     ErrorType.no_chat_template: 400,  # the request is fine; the served checkpoint cannot chat
     ErrorType.not_found: 404,
@@ -62,6 +63,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_state: 422,
     ErrorType.redis_unavailable: 503,
     ErrorType.not_ready: 503,
+    ErrorType.engine_stalled: 503,
     ErrorType.internal_error: 500,
     ErrorType.client_disconnected: 499,  # nginx's "client closed request": only ever seen in logs
 }
@@ -79,10 +81,12 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (ModelMismatch, ErrorType.model_mismatch),
     (ClientDisconnected, ErrorType.client_disconnected),
     (StateRejected, ErrorType.invalid_state),
+    (NonFinite, ErrorType.invalid_state),  # a session whose (imported) state the model cannot continue
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation
     (QueueFull, ErrorType.queue_full),
+    (EngineStalled, ErrorType.engine_stalled),
     (EngineError, ErrorType.internal_error),
 ]
 
@@ -115,6 +119,7 @@ RETRY_AFTER = {
     ErrorType.queue_full: 1,
     ErrorType.redis_unavailable: 1,
     ErrorType.not_ready: 5,
+    ErrorType.engine_stalled: 5,
     ErrorType.storage_full: 30,
 }
 
@@ -208,19 +213,27 @@ def documented_methods(request: Request) -> list[str]:
     return sorted(m.upper() for m in paths[template])
 
 
+def unexpected(exc: BaseException, id_header: bool = False) -> JSONResponse:
+    """The answer to an exception no handler took: 500 naming the request id, which the log
+    line of its traceback carries too (and, with `id_header`, in `X-Request-Id`: outside the
+    RequestContext middleware, which adds it otherwise)."""
+    etype, message = classify(exc)
+    rid = logs.request_id.get()
+    if rid is None:
+        return response(etype, message)
+    return response(
+        etype, f"{message} (request id {rid})", headers={"X-Request-Id": rid} if id_header else None
+    )
+
+
 def install(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         etype, message = classify(exc)
         return response(etype, message, headers=error_headers(exc))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette answers these outside every middleware (ServerErrorMiddleware), so the
-        # request id the RequestContext middleware would add is added here
-        etype, message = classify(exc)
-        rid = logs.request_id.get()
-        if rid is None:
-            return response(etype, message)
-        return response(etype, f"{message} (request id {rid})", headers={"X-Request-Id": rid})
+        # (the last resort: RequestContext answers every exception a route raises itself)
+        return unexpected(exc, id_header=True)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

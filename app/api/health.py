@@ -19,13 +19,15 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Ready,
-    summary="The model is loaded and Redis answers",
-    responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready),
+    summary="The model is loaded, its engine is not stalled, and Redis answers",
+    responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready, ErrorType.engine_stalled),
 )
 async def readyz(request: Request) -> Ready:
     sessions = get_sessions(request)  # 503 until the model is loaded
-    await sessions.store.ping()
-    full = await sessions.store.storage_full(sessions.storage_guard)
+    sessions.engine.watchdog.check()  # 503 while a step has run past its deadline
+    store = request.app.state.store
+    await store.ping()
+    full = store.connection.memory_full  # the storage guard's last reading
     return Ready(
         status="ready", model=sessions.engine.name, fingerprint=sessions.engine.fingerprint, storage_full=full
     )

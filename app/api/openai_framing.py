@@ -1,6 +1,6 @@
-"""What the OpenAI-compatible routes (`completions.py`, `chat_completions.py`) share: one
-generation per choice, each in a new or a continued session, or (`n` > 1) in a fork of
-its prompt's session taken before any starts; stop strings cut from the
+"""What the OpenAI-compatible routes (`completions.py`, `chat_completions.py`) share: a
+body's generation and its choices as the sessions service starts them (`app.sessions.start`:
+each in a new or a continued session, or with `n` > 1 in forks); stop strings cut from the
 returned text OpenAI's way; the response head; the chunk stream merged from every choice,
 its usage chunk and `data: [DONE]`.
 
@@ -15,9 +15,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -26,21 +26,21 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from app import logs
 from app.config import Settings
 from app.engine import Engine, FinishReason, Logprobs, TokenEvent
-from app.sessions import Run, Sessions
-from app.store import VersionMismatch
-from model.sampling import SamplingParams
+from app.sessions import Generation, Run, SessionService
+from app.sessions import start as start_choices
 
 from .deps import sampling_params
+from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType
-from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails, SessionRef
-from .sse import guarded, respond, sse_json, until_disconnect
+from .openai_schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
+from .schemas import SessionRef
+from .sse import guarded, respond, sse_json
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 log = logging.getLogger("recur.openai")
-T = TypeVar("T")
 
 # the error types both OpenAI routes answer themselves (for their OpenAPI `responses`)
 ERRORS = (
@@ -52,19 +52,27 @@ ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.prompt_too_long,
     ErrorType.queue_full,
+    ErrorType.engine_stalled,
     ErrorType.storage_full,
     ErrorType.redis_unavailable,
+    ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
 )
 
 
 def generation(
-    body: OpenAIBody, settings: Settings, max_tokens: int | None, engine: Engine
-) -> dict[str, Any]:
-    """The sampling and limits of a body, as `Sessions.generate` takes them, and `n`, the
-    choices per prompt (`start` takes it)."""
+    body: OpenAIBody,
+    settings: Settings,
+    max_tokens: int | None,
+    engine: Engine,
+    *,
+    stop: list[str],
+    logprobs: Logprobs,
+    started: float,
+) -> Generation:
+    """What a body asks each of its choices to sample (`max_tokens` capped by the server's)."""
     capped = min(settings.max_tokens if max_tokens is None else max_tokens, settings.max_tokens)
     params = sampling_params(body, engine, capped)
-    return {"params": params, "seed": body.seed, "max_tokens": capped, "n": body.n or 1}
+    return Generation(params, capped, body.seed, stop, logprobs=logprobs, started=started)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -178,51 +186,26 @@ class Choices:
 
 
 async def start(
-    sessions: Sessions,
+    sessions: SessionService,
     settings: Settings,
     owner: str,
     sid: str | None,
     prompts: list[list[int]],
+    gen: Generation,
     *,
-    stop: list[str],
+    n: int = 1,
     keep_stop: bool = False,
     user: str | None = None,
-    n: int = 1,
-    **generate: Any,
 ) -> Choices:
-    """`n` generations per prompt, choices i*n .. i*n+n-1 for prompt i (OpenAI's order): the
-    first in session `sid` (or a new session), the others in forks of it taken before any
-    starts, all started together so the engine batches them. With `seed` s, choice j of a
-    prompt samples with seed s + j. All start, or none does: those started are closed, and
-    the sessions this request made (forks, new sessions) deleted. `user` is OpenAI's
-    end-user id: logged for the operator (with the session), never used."""
+    """`n` choices per prompt, choices i*n .. i*n+n-1 for prompt i (OpenAI's order), as the
+    sessions service starts them (`app.sessions.start`: all start, or none does). `user` is
+    OpenAI's end-user id: logged for the operator (with the session), never used."""
     _check_batch(settings, sid, len(prompts), n)
-    made: list[str] = []  # every session this request creates, deleted if it fails to start
-    try:
-        groups = await _gather(
-            *(_sessions_of(sessions, owner, sid, ids, n, made, **generate) for ids in prompts)
-        )
-        seed = generate.pop("seed")
-        runs = await _gather(
-            *(
-                sessions.generate(s, ids, expected=v, owner=owner, stop=stop, seed=_nth(seed, j), **generate)
-                for ids, targets in groups
-                for j, (s, v) in enumerate(targets)
-            )
-        )
-    except BaseException as exc:
-        await asyncio.gather(*(_forget(sessions, owner, s) for s in made))
-        if isinstance(exc, VersionMismatch):  # only n > 1 expects a version: a commit came between
-            raise ApiError(
-                ErrorType.session_conflict, f"session {sid} changed while its {n} choices were being forked"
-            ) from exc
-        raise
-    min_tokens = generate["params"].min_tokens
-    cached = [len(prompt) - len(ids) for prompt, (ids, _) in zip(prompts, groups, strict=True)]
+    started = await start_choices(sessions, owner, sid, prompts, gen, n)
     choices = Choices(
         [
-            Choice(i, i // n, r, StopText(stop, keep_stop, min_tokens), cached[i // n])
-            for i, r in enumerate(runs)
+            Choice(i, i // n, r, StopText(gen.stop, keep_stop, gen.params.min_tokens), started.cached[i // n])
+            for i, r in enumerate(started.runs)
         ]
     )
     # the runs started in tasks of their own: the request's log context learns the session here
@@ -244,61 +227,6 @@ def _check_batch(settings: Settings, sid: str | None, prompts: int, n: int) -> N
             f"n: {n} choices for each of {prompts} prompt(s) are {n * prompts} generations; this server "
             f"runs at most {settings.max_batch_size} (max_batch_size) in one request",
         )
-
-
-async def _gather(*aws: Awaitable[T]) -> list[T]:
-    """Every awaitable's result, or (once all have ended) the first failure, after closing
-    the runs that did start."""
-    done = await asyncio.gather(*aws, return_exceptions=True)
-    failed = next((r for r in done if isinstance(r, BaseException)), None)
-    if failed is None:
-        return list(done)  # type: ignore[arg-type]  # no exception among them
-    await asyncio.gather(*(r.close() for r in done if isinstance(r, Run)))
-    raise failed
-
-
-def _nth(seed: int | None, j: int) -> int | None:
-    return None if seed is None else seed + j
-
-
-async def _sessions_of(
-    sessions: Sessions, owner: str, sid: str | None, ids: list[int], n: int, made: list[str], **generate: Any
-) -> tuple[list[int], list[tuple[str, int | None]]]:
-    """The ids one prompt's generations consume, and the n (session, expected version) they
-    run in: session `sid`, or (None) one of its own, which starts from the longest committed
-    prefix of its tokens (prefix reuse); then n-1 forks of it, each at that version."""
-    stateless = sid is None
-    if sid is None:
-        sid, ids = await sessions.stateless(ids, owner, reuse=not _whole_prompt(**generate))
-        made.append(sid)
-    if n == 1:
-        return ids, [(sid, None)]
-    meta = await sessions.get(sid, owner)
-    ttl = sessions.stateless_ttl if stateless else meta.ttl
-
-    source = sid
-
-    async def fork() -> tuple[str, int | None]:
-        f = await sessions.fork(source, meta.version, owner, ttl=ttl)
-        made.append(f.id)
-        return f.id, f.version
-
-    return ids, [(source, meta.version), *await _gather(*(fork() for _ in range(n - 1)))]
-
-
-async def _forget(sessions: Sessions, owner: str, session_id: str) -> None:
-    """Delete a session a failed request made (best effort: it expires anyway)."""
-    try:
-        await sessions.delete(session_id, None, owner)
-    except Exception:
-        log.warning("could not delete session %s, made for a request that failed", session_id)
-
-
-def _whole_prompt(params: SamplingParams, logprobs: Logprobs | None = None, **_: Any) -> bool:
-    """Whether a generation must consume its whole prompt itself, not start from a reused
-    prefix (which leaves it only the rest): the repetition penalty counts the request's
-    prompt, and echo reports the prompt's log-probs."""
-    return params.repetition_penalty != 1 or (logprobs is not None and logprobs.prompt)
 
 
 def head(prefix: str, model: str, fingerprint: str, choices: Choices) -> dict[str, Any]:
@@ -340,12 +268,14 @@ class Framer(Protocol):
     def closing(self, choice: Choice) -> BaseModel: ...
 
 
-def stream(choices: Choices, framer: Framer, include_usage: bool) -> EventSourceResponse:
+def stream(
+    choices: Choices, framer: Framer, include_usage: bool, send_timeout: float = 0
+) -> EventSourceResponse:
     """The SSE response: each choice's chunks as its tokens come, a closing chunk per choice
     once it has committed (its finish_reason and session), the usage chunk if asked, then
     `data: [DONE]` (after an error chunk too: the SDK raises `{"error": ...}` chunks)."""
     frames = guarded(choices, _frames(choices, framer, include_usage), error_event=None)
-    return respond(choices, _then_done(frames), headers=session_header(choices))
+    return respond(choices, _then_done(frames), headers=session_header(choices), send_timeout=send_timeout)
 
 
 async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> AsyncIterator[ServerSentEvent]:

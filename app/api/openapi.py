@@ -35,13 +35,13 @@ from pydantic.json_schema import models_json_schema
 
 from app.config import Settings
 
-from . import deps, errors, schemas
+from . import deps, errors, openai_schemas, schemas
 from .error_types import ErrorType
 
 # what each dependency can answer, whatever the route that runs it
 RAISED_BY: dict[Callable[..., Any], tuple[ErrorType, ...]] = {
     deps.authenticate: (ErrorType.unauthorized,),
-    deps.admit: (ErrorType.quota_exceeded, ErrorType.redis_unavailable),
+    deps.check_rate: (ErrorType.quota_exceeded, ErrorType.redis_unavailable),
     deps.get_sessions: (ErrorType.not_ready,),
     deps.if_match: (ErrorType.invalid_request, ErrorType.version_mismatch),
 }
@@ -134,7 +134,7 @@ def _calls(dependant: Dependant) -> Iterator[Callable[..., Any]]:
 
 
 def _document_errors(op: dict, calls: list[Callable[..., Any]], keys: bool) -> None:
-    types = [ErrorType.internal_error]
+    types = [ErrorType.internal_error, ErrorType.forbidden]  # (app/api/middleware.py's BrowserGuard)
     if op.get("parameters") or "requestBody" in op:
         types.append(ErrorType.invalid_request)
     if "requestBody" in op:
@@ -166,12 +166,12 @@ def _no_empty_json(response: dict) -> None:
 
 
 def _add_missing_components(doc: dict) -> None:
-    """Put into components every model of schemas.py that the document refers to and
+    """Put into components every model of schemas.py and openai_schemas.py that the document refers to and
     FastAPI left out (those only in `responses=` declarations: the error body, SSE data)."""
     components = doc["components"].setdefault("schemas", {})
     missing: list[type[BaseModel]] = []
     while names := {n for n in _refs(doc) if n not in components} - {m.__name__ for m in missing}:
-        missing += [getattr(schemas, name) for name in sorted(names)]
+        missing += [getattr(schemas, name, None) or getattr(openai_schemas, name) for name in sorted(names)]
         _, defs = models_json_schema(
             [(m, "serialization") for m in missing], ref_template=_COMPONENT + "{model}"
         )

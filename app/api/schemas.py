@@ -1,4 +1,5 @@
-"""Every request and response body of the HTTP API (pydantic), in one module.
+"""The request and response bodies of the HTTP API (pydantic); the OpenAI routes' own are in
+openai_schemas.py.
 
 Request models are strict: unknown fields, wrong types, NaN and infinities are rejected
 (422). Limits that depend on the served model or the settings (vocabulary, prompt length,
@@ -14,9 +15,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -41,8 +39,27 @@ Prompt = Annotated[
 ]
 
 
+# JSON nested deeper than this is refused (422) before anything walks it: no body of this API
+# nests more than a few levels, and a walk of deeper JSON could exhaust Python's stack
+MAX_JSON_DEPTH = 32
+
+
+def _nesting(value: Any) -> int:
+    """How deep dicts and lists nest in `value` (walked without recursion)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            if depth + 1 > MAX_JSON_DEPTH:
+                return depth + 1
+            deepest = max(deepest, depth + 1)
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _integral_floats(value: Any) -> Any:
-    """`value` with every float that has no fractional part made an int, in dicts and lists."""
+    """`value` with every float that has no fractional part made an int, in dicts and lists
+    (nested at most MAX_JSON_DEPTH deep: `RequestBody` checks that first)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
@@ -52,7 +69,7 @@ def _integral_floats(value: Any) -> Any:
     return value
 
 
-class Request(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
@@ -60,26 +77,36 @@ class Request(BaseModel):
     def _json_integers(cls, data: Any) -> Any:
         # JSON has one number type, and JSON Schema's `integer` is any number without a
         # fractional part, 1938.0 too; strict mode would refuse it where an int is expected
+        if _nesting(data) > MAX_JSON_DEPTH:
+            raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
         return _integral_floats(data)
 
 
-class Response(BaseModel):
+class ResponseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 # -- errors ---------------------------------------------------------------------------------
-class ErrorDetail(Response):
+class ErrorDetail(ResponseBody):
     type: ErrorType
     message: str
 
 
-class ErrorBody(Response):
+class ErrorBody(ResponseBody):
     error: ErrorDetail
 
 
 # -- sessions -------------------------------------------------------------------------------
-class CreateSession(Request):
+OnDisconnect = Literal["discard", "commit"]
+_KEEP_WORK = (
+    "a client that hangs up before the commit: `discard` commits nothing (the work is cancelled); `commit` "
+    "runs to the commit anyway (fenced, as any commit)"
+)
+
+
+class CreateSession(RequestBody):
     prompt: Prompt = ""
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
     ttl_seconds: int | None = Field(
         None,
         ge=1,
@@ -95,27 +122,27 @@ class CreateSession(Request):
     )
 
 
-class RollbackTo(Request):
+class RollbackTo(RequestBody):
     version: int = Field(ge=0, description="a version the session still keeps (GET .../versions)")
 
 
-class ForkAt(Request):
+class ForkAt(RequestBody):
     version: int | None = Field(None, ge=0, description="fork the state as it was at this kept version")
 
 
-class VersionInfo(Response):
+class VersionInfo(ResponseBody):
     version: int
     n_tokens: int
     committed_at: datetime
 
 
-class VersionList(Response):
+class VersionList(ResponseBody):
     session_id: str
     version: int = Field(description="the current version")
     versions: list[VersionInfo] = Field(description="the versions kept, oldest first")
 
 
-class TranscriptSegment(Response):
+class TranscriptSegment(ResponseBody):
     session_id: str = Field(
         description="the session that committed it (a fork's first ones are its parent's)"
     )
@@ -139,7 +166,7 @@ class TranscriptSegment(Response):
     restores: int | None = Field(description="a rollback: the version it made current again")
 
 
-class Transcript(Response):
+class Transcript(ResponseBody):
     session_id: str
     version: int
     n_tokens: int
@@ -150,7 +177,7 @@ class Transcript(Response):
     segments: list[TranscriptSegment]
 
 
-class SessionRef(Response):
+class SessionRef(ResponseBody):
     id: str
     version: int = Field(description="rises by one with every committed change")
     n_tokens: int = Field(description="tokens consumed by the session's state (BOS included)")
@@ -169,7 +196,7 @@ class SessionDetail(SessionInfo):
     )
 
 
-class SessionList(Response):
+class SessionList(ResponseBody):
     sessions: list[SessionInfo]
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null when there is none")
 
@@ -181,7 +208,7 @@ TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$", json_schema_
 LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]]
 
 
-class SamplingFields(Request):
+class SamplingFields(RequestBody):
     """The sampling controls of every route that generates (the session generate route and
     both OpenAI routes), by vLLM's and OpenAI's names; `deps.sampling_params` maps them to
     `model.sampling.SamplingParams`, whose docstring defines each exactly. null (or absent)
@@ -248,7 +275,7 @@ class Generate(SamplingFields):
         description="each token also lists this many most probable tokens, under the distribution it was "
         "drawn from (and its logprob: implies logprobs)",
     )
-    on_disconnect: Literal["discard", "commit"] = Field(
+    on_disconnect: OnDisconnect = Field(
         "discard",
         description="a streamed generation whose client hangs up: `discard` commits nothing; `commit` "
         "commits exactly the tokens sent before the hang-up (fenced, as any commit)",
@@ -270,19 +297,19 @@ class GenerateQuery(BaseModel):
         default_factory=list, max_length=16
     )
     logprobs: bool = False
-    on_disconnect: Literal["discard", "commit"] = "discard"
+    on_disconnect: OnDisconnect = "discard"
     access_token: str | None = Field(
         None, description="the API key, for clients that cannot send headers (EventSource)"
     )
 
 
-class TopLogprob(Response):
+class TopLogprob(ResponseBody):
     id: int
     text: str
     logprob: float
 
 
-class GeneratedToken(Response):
+class GeneratedToken(ResponseBody):
     index: int
     id: int
     text: str
@@ -293,12 +320,12 @@ class GeneratedToken(Response):
     )
 
 
-class Usage(Response):
+class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
 
 
-class GenerateDone(Response):
+class GenerateDone(ResponseBody):
     text: str
     finish_reason: Literal["length", "stop", "eos"]
     usage: Usage
@@ -310,315 +337,32 @@ class GenerateResult(GenerateDone):
 
 
 # -- score ----------------------------------------------------------------------------------
-class Score(Request):
+class Score(RequestBody):
     prompt: Prompt
     commit: bool = False
+    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
 
 
-class ScoredToken(Response):
+class ScoredToken(ResponseBody):
     id: int
     text: str
     logprob: float | None = Field(description="log p(token | everything before it); null with no context")
 
 
-class ScoreResult(Response):
+class ScoreResult(ResponseBody):
     tokens: list[ScoredToken]
     total_logprob: float
     session: SessionRef
 
 
-# -- OpenAI-compatible completions ----------------------------------------------------------
-class StreamOptions(Request):
-    include_usage: bool = False
-
-
-StopString = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class OpenAIBody(SamplingFields):
-    """What the bodies of both OpenAI routes take: the model, sampling, stop strings,
-    streaming and recur's `session_id` (and `top_k`). Fields OpenAI has but recur cannot
-    honour are accepted only at their neutral values."""
-
-    model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
-    n: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_CHOICES,
-        description="choices per prompt: the first continues the prompt's session, the others forks of it "
-        "(each choice's `session` says which); with `seed` s, choice j samples with seed s + j; n times the "
-        "prompts at most the server's max_batch_size",
-    )
-    # (the bounds on each form: a Field's max_length would bound a string's characters and
-    # an array's items alike, and the document would show only the first)
-    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = Field(
-        None,
-        description="generation ends after the token that completes one; it is left out of the returned text "
-        "unless include_stop_str_in_output (the session's state has consumed it either way)",
-    )
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    user: str | None = Field(None, max_length=256, description="logged, not used")
-    include_stop_str_in_output: bool = Field(
-        False, description="vLLM: keep the stop string (or stop token) that ended the generation in the text"
-    )
-    session_id: str | None = Field(
-        None, description="continue this session (or send X-Session-Id); absent: a new session is created"
-    )
-
-
-class Completion(OpenAIBody):
-    """OpenAI's `POST /v1/completions` body (and what `OpenAIBody` adds)."""
-
-    # the one combination the route refuses (422), stated so that no client (nor a fuzzer)
-    # takes it for valid: echo with logprobs (a number) is not streamed
-    model_config = ConfigDict(
-        json_schema_extra={
-            "not": {
-                "required": ["echo", "logprobs", "stream"],
-                "properties": {
-                    "echo": {"const": True},
-                    "logprobs": {"type": "integer"},
-                    "stream": {"const": True},
-                },
-            }
-        }
-    )
-
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        "",
-        description="text, token ids, or an array of either: a batch, one choice per prompt (`index` "
-        "in order), each in a new session; at most the server's max_batch_size prompts",
-    )
-    max_tokens: int | None = Field(
-        16,
-        ge=0,
-        le=MAX_TOKENS_CEILING,
-        description="null: the server's max_tokens setting; 0: none (with echo and logprobs: score the prompt)",
-    )
-    best_of: int | None = Field(None, description="only 1", json_schema_extra={"enum": [1, None]})
-    logprobs: int | None = Field(
-        None,
-        ge=0,
-        le=20,
-        description="the sampled tokens' log-probs (behaviour log-probs), each with this many most probable "
-        "alternatives in top_logprobs",
-    )
-    echo: bool = Field(
-        False,
-        description="the prompt's text first, and with logprobs its tokens' log-probs (the model's own; null "
-        "for a token with nothing before it)",
-    )
-    suffix: str | None = Field(None, description="only null", json_schema_extra={"maxLength": 0})
-
-    @field_validator("best_of")
-    @classmethod
-    def _one(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only 1 is supported: a recurrent session has one continuation")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix (insertion) is not supported")
-        return v
-
-
-class CompletionLogprobs(Response):
-    tokens: list[str]
-    token_logprobs: list[float | None] = Field(description="null: an echoed token with nothing before it")
-    top_logprobs: list[dict[str, float] | None] | None = Field(
-        default=None,
-        description="with logprobs > 0: per token, its most probable alternatives by text (most probable "
-        "first; null where token_logprobs is)",
-    )
-    text_offset: list[int]
-
-
-class CompletionChoice(Response):
-    text: str
-    index: int = 0
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-    session: SessionRef | None = Field(
-        default=None,
-        description="the session this choice was generated in, after its commit (streamed: in its last chunk)",
-    )
-
-
-class PromptTokensDetails(Response):
-    cached_tokens: int = Field(
-        0, description="prompt tokens a stateless request did not prefill: its key's committed prefix held them"
-    )
-
-
-class CompletionUsage(Response):
-    prompt_tokens: int = Field(description="the request's whole prompt, cached tokens included")
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class OpenAIResult(Response):
-    """What every body and chunk of both OpenAI routes carries."""
-
-    id: str
-    created: int
-    model: str
-    system_fingerprint: str = Field(description="the served model's fingerprint")
-    session_id: str = Field(
-        description="the session generated in (also the X-Session-Id header); with several choices, the first's"
-    )
-    session: SessionRef | None = Field(
-        None, description="the (first choice's) session after the commit (streamed: in its last chunk)"
-    )
-
-
-class CompletionResult(OpenAIResult):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: CompletionUsage | None
-
-
-# -- OpenAI-compatible chat completions -----------------------------------------------------
-class ChatTextPart(Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Request):
-    """One message of a conversation as OpenAI's clients send it: text only (no tools,
-    images or audio)."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ChatTextPart] = Field(description="text, or text parts (joined by newlines, as vLLM does)")
-    name: str | None = Field(
-        None, min_length=1, max_length=64, description="the speaker (the play-script template's name for them)"
-    )
-
-
-class ChatCompletion(OpenAIBody):
-    """OpenAI's `POST /v1/chat/completions` body (and what `OpenAIBody` adds). By default
-    generation stops at the chat template's turn stop, left out of the message."""
-
-    messages: list[ChatMessage] = Field(
-        min_length=1, description="the conversation; continuing a session, only the new messages"
-    )
-    max_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
-    )
-    max_completion_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS_CEILING, description="OpenAI's newer name for max_tokens; wins over it"
-    )
-    logprobs: bool = Field(False, description="the sampled tokens' log-probs, in choices[].logprobs.content")
-    top_logprobs: int | None = Field(
-        None,
-        ge=0,
-        le=20,
-        description="each token's most probable alternatives, this many, under the distribution it was drawn "
-        "from (and its logprob: implies logprobs)",
-    )
-    chat_template_kwargs: dict[str, str | int | float | bool] | None = Field(
-        None,
-        description="vLLM's: variables for the chat template, e.g. the play-script's user_name and assistant_name",
-    )
-
-
-class ChatTopLogprob(Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = Field(description="the token's text as UTF-8")
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(Response):
-    content: list[ChatTokenLogprob] | None
-
-
-class ChatReply(Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(Response):
-    index: int = 0
-    message: ChatReply
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
-    session: SessionRef | None = Field(
-        default=None, description="the session this choice was generated in, after its commit"
-    )
-
-
-class ChatCompletionResult(OpenAIResult):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: CompletionUsage
-
-
-class ChatDelta(Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # as OpenAI's: the role in the first delta only, no content in the last (`{}`)
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(Response):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    session: SessionRef | None = Field(
-        default=None, description="the choice's session after its commit (in its last chunk)"
-    )
-
-
-class ChatCompletionChunk(OpenAIResult):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: CompletionUsage | None = Field(None, description="in the last chunk, with stream_options.include_usage")
-
-
-class ModelCard(Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "recur"
-    family: str = Field(description="the model family (transformer-xl, rlt, mamba, mamba2)")
-    vocab_size: int
-    context_window: int = Field(
-        description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
-        "max_context; Mamba, Mamba-2: d_conv, the convolution's reach); a session has no length limit: "
-        "older context lives on in its recurrent state"
-    )
-    precision: str = Field(
-        description="the compute precision the server runs: fp32, or bf16 (autocast); the behaviour log-probs it "
-        "records come from it, so `recur replay --precision auto` replays in it"
-    )
-
-
-class ModelList(Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
 # -- tokens (vLLM's /tokenize and /detokenize) ---------------------------------------------
-class Tokenize(Request):
+class Tokenize(RequestBody):
     model: str | None = Field(None, description="the served model's name, if given")
     prompt: str
     add_special_tokens: bool = Field(True, description="prepend BOS, as a new session's state does")
 
 
-class TokenizeResult(Response):
+class TokenizeResult(ResponseBody):
     count: int
     max_model_len: int = Field(
         description="the longest prompt one request may send (RECUR_MAX_PROMPT_TOKENS)"
@@ -626,21 +370,21 @@ class TokenizeResult(Response):
     tokens: list[int]
 
 
-class Detokenize(Request):
+class Detokenize(RequestBody):
     model: str | None = Field(None, description="the served model's name, if given")
     tokens: list[TokenId] = Field(max_length=1 << 16)
 
 
-class DetokenizeResult(Response):
+class DetokenizeResult(ResponseBody):
     prompt: str
 
 
 # -- health ---------------------------------------------------------------------------------
-class Health(Response):
+class Health(ResponseBody):
     status: Literal["ok"]
 
 
-class Ready(Response):
+class Ready(ResponseBody):
     status: Literal["ready"]
     model: str
     fingerprint: str
@@ -650,14 +394,14 @@ class Ready(Response):
 
 
 # -- quotas ---------------------------------------------------------------------------------
-class Limits(Response):
+class Limits(ResponseBody):
     sessions: int = Field(description="most live sessions")
     state_bytes: int = Field(description="most stored state, in bytes")
     requests_per_second: float = Field(description="request rate, shared by every replica (0 = no limit)")
     tokens_per_second: float = Field(description="generated tokens per second (0 = no limit)")
 
 
-class TenantUsage(Response):
+class TenantUsage(ResponseBody):
     tenant: str = Field(description="the key's id: 96 bits of its hash, never the key (`open` without keys)")
     sessions: int = Field(description="live sessions the key holds")
     state_bytes: int = Field(description="stored state bytes its sessions hold")

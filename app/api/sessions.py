@@ -5,7 +5,7 @@ its history: the kept versions, rollback, the transcript, state export and impor
 parameters come in the query string, and it always streams.
 
 Routers only translate HTTP: they parse and check bodies, call the sessions service
-(app/sessions.py, where each request's transaction runs from lock to commit), and frame
+(app/sessions/, where each request's transaction runs from lock to commit), and frame
 its results as JSON or SSE. They never touch tensors or Redis and never build error
 bodies (see errors.py).
 """
@@ -21,10 +21,11 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.engine import Logprobs, TokenEvent
-from app.sessions import Run
+from app.sessions import Generation, Run
 from app.store import SessionMeta
 
 from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
+from .disconnect import HangupDep, until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
     CreateSession,
@@ -50,7 +51,7 @@ from .schemas import (
     VersionInfo,
     VersionList,
 )
-from .sse import guarded, named_events, respond, sse_json, stream_response, until_disconnect
+from .sse import guarded, named_events, respond, sse_json, stream_response
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
@@ -63,9 +64,16 @@ _WRITE_ERRORS = (
     ErrorType.model_mismatch,
     ErrorType.invalid_request,
 )
-# every route that runs the model can find the scheduler's queue full, and every one that
-# stores a state can find Redis full
-_MODEL_ERRORS = (ErrorType.prompt_too_long, ErrorType.queue_full, ErrorType.storage_full)
+# every route that runs the model can find the scheduler's queue full or its engine stalled,
+# or the session's state one the model cannot continue (non-finite, 422 invalid_state), and
+# every one that stores a state can find Redis full
+_MODEL_ERRORS = (
+    ErrorType.prompt_too_long,
+    ErrorType.queue_full,
+    ErrorType.engine_stalled,
+    ErrorType.storage_full,
+    ErrorType.invalid_state,
+)
 
 
 # -- translation helpers ----------------------------------------------------------------------
@@ -112,6 +120,7 @@ async def create_session(
     sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     body: Annotated[CreateSession | None, Body()] = None,
 ) -> SessionInfo:
     body = body or CreateSession.model_validate({})
@@ -123,7 +132,8 @@ async def create_session(
             ErrorType.invalid_request, f"keep_versions may be at most {settings.max_history_versions}"
         )
     ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
-    return _created(response, await sessions.create(ids, ttl, owner, body.keep_versions))
+    created = sessions.create(ids, ttl, owner, body.keep_versions)
+    return _created(response, await hangup(created, keep=body.on_disconnect == "commit"))
 
 
 @router.get(
@@ -164,6 +174,8 @@ async def list_sessions(
         ErrorType.redis_unavailable,
         ErrorType.storage_full,
         ErrorType.queue_full,
+        ErrorType.engine_stalled,
+        ErrorType.quota_exceeded,
     ),
 )
 async def import_session(
@@ -172,13 +184,17 @@ async def import_session(
     sessions: SessionsDep,
     settings: SettingsDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     ttl_seconds: Annotated[int | None, Query(ge=1, description="idle seconds before it expires")] = None,
 ) -> SessionInfo:
     ttl = ttl_seconds or settings.session_ttl
     if ttl > settings.max_session_ttl:
         raise ApiError(ErrorType.invalid_request, f"ttl_seconds may be at most {settings.max_session_ttl}")
-    blob = await request.body()
-    return _created(response, await sessions.import_state(blob, ttl, owner))
+    # (a declared length past the import limit got 413 already, from the middleware)
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+    imported = sessions.import_state(hangup.body, declared, ttl, owner)
+    return _created(response, await hangup(imported, reads_body=True))
 
 
 @router.get(
@@ -193,6 +209,7 @@ async def import_session(
             ErrorType.version_gone,
             ErrorType.model_mismatch,
             ErrorType.queue_full,
+            ErrorType.engine_stalled,
         ),
     },
 )
@@ -241,9 +258,9 @@ async def get_session(
     ),
 )
 async def delete_session(
-    session_id: str, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep
+    session_id: str, sessions: SessionsDep, expected: IfMatchDep, owner: OwnerDep, hangup: HangupDep
 ) -> Response:
-    await sessions.delete(session_id, expected, owner)
+    await hangup(sessions.delete(session_id, expected, owner))
     return Response(status_code=204)
 
 
@@ -266,10 +283,11 @@ async def fork_session(
     sessions: SessionsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
     body: Annotated[ForkAt | None, Body()] = None,
 ) -> SessionInfo:
     version = body.version if body else None
-    return _created(response, await sessions.fork(session_id, expected, owner, version))
+    return _created(response, await hangup(sessions.fork(session_id, expected, owner, version)))
 
 
 @router.post(
@@ -285,8 +303,9 @@ async def rollback(
     sessions: SessionsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
 ) -> SessionInfo:
-    meta = await sessions.rollback(session_id, body.version, expected, owner)
+    meta = await hangup(sessions.rollback(session_id, body.version, expected, owner))
     response.headers.update(_etag(meta))
     return _info(meta)
 
@@ -354,10 +373,12 @@ async def score(
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
+    hangup: HangupDep,
 ) -> ScoreResult:
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
-    meta, logprobs = await sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
+    scored = sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
+    meta, logprobs = await hangup(scored, keep=body.on_disconnect == "commit")
     tokens = [
         ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
         for i, lp in zip(ids, logprobs, strict=True)
@@ -398,22 +419,22 @@ async def generate(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     max_tokens = min(body.max_tokens, settings.max_tokens)
-    run = await sessions.generate(
-        session_id,
-        ids,
-        params=sampling_params(body, engine, max_tokens),
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=list(body.stop),
-        expected=expected,
-        owner=owner,
+    gen = Generation(
+        sampling_params(body, engine, max_tokens),
+        max_tokens,
+        body.seed,
+        list(body.stop),
         keep_on_disconnect=body.stream and body.on_disconnect == "commit",
         logprobs=Logprobs(top=body.top_logprobs),
     )
+    async with sessions.tenants.starting(owner, 1, max_tokens) as admitted:
+        run = await sessions.generate(session_id, ids, gen, expected=expected, owner=owner)
+    admitted(run)
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
     if body.stream:
-        return respond(run, guarded(run, _events(run, token), error_event="error"))
-    meta = await run.complete(until_disconnect(request))
+        frames = guarded(run, _events(run, token), error_event="error")
+        return respond(run, frames, send_timeout=settings.stream_send_timeout)
+    meta = await run.complete(until_disconnect(request))  # (as `hangup`, for a Run: app/sessions/run.py)
     return GenerateResult(**_done(run, meta).model_dump(), tokens=[token(e) for e in run.tokens])
 
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from fastapi import Request
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import SendTimeoutError
 from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from . import errors
+
+log = logging.getLogger("recur.api")
 
 
 class Closes(Protocol):
@@ -26,12 +30,6 @@ def sse_json(data: dict) -> str:
     # ASCII-only JSON: generated text can hold characters (U+2028, U+0085, ...) that some
     # SSE clients take for line breaks; escaped, every event is one line of plain ASCII
     return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-
-
-async def until_disconnect(request: Request) -> None:
-    """Returns when the client hangs up."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def guarded(
@@ -52,10 +50,32 @@ async def guarded(
 
 
 def respond(
-    run: Closes, frames: AsyncIterator[ServerSentEvent], headers: dict[str, str] | None = None
+    run: Closes,
+    frames: AsyncIterator[ServerSentEvent],
+    headers: dict[str, str] | None = None,
+    send_timeout: float = 0,
 ) -> EventSourceResponse:
-    """The streaming response; the run is closed when it ends, however it ends."""
-    return EventSourceResponse(frames, headers=headers, background=BackgroundTask(run.close), ping=15)
+    """The streaming response; the run is closed when it ends, however it ends. A client
+    that reads nothing for `send_timeout` seconds (0: never) is dropped, as if it had hung
+    up: a stream never waits on it for longer."""
+    return _Stream(
+        frames,
+        headers=headers,
+        background=BackgroundTask(run.close),
+        ping=15,
+        send_timeout=send_timeout or None,
+    )
+
+
+class _Stream(EventSourceResponse):
+    """An event stream whose client, when it stops reading past the send timeout, is
+    dropped quietly (a warning), not with an error's traceback."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log.warning("dropped a stream whose client read nothing for %s s", self.send_timeout)
 
 
 # -- the OpenAPI description of the streams ----------------------------------------------------
@@ -92,7 +112,11 @@ def data_events(*models: type[BaseModel], last: str | None = "[DONE]") -> dict:
     data = json_of(*models)
     if last is not None:
         data = {"anyOf": [{"const": last}, data]}
-    return {"type": "object", "required": ["data"], "properties": {"event": {"const": "message"}, "data": data}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"const": "message"}, "data": data},
+    }
 
 
 def stream_response(description: str, item_schema: dict) -> dict:

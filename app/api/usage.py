@@ -22,6 +22,8 @@ router = APIRouter(prefix="/v1", tags=["quotas"])
     responses=responses(ErrorType.redis_unavailable),
 )
 async def usage(sessions: SessionsDep, owner: OwnerDep) -> TenantUsage:
-    held = await sessions.usage(owner)
-    limits = Limits(**dataclasses.asdict(sessions.limits_for(owner)))
-    return TenantUsage(tenant=tenant_of(owner), sessions=held.sessions, state_bytes=held.state_bytes, limits=limits)
+    held = await sessions.tenants.usage(owner)
+    limits = Limits(**dataclasses.asdict(sessions.tenants.quota_of(owner)))
+    return TenantUsage(
+        tenant=tenant_of(owner), sessions=held.sessions, state_bytes=held.state_bytes, limits=limits
+    )

@@ -10,20 +10,28 @@ from .requests import (
     Finished,
     FinishReason,
     Logprobs,
+    ModelFailed,
+    NonFinite,
     QueueFull,
     Request,
     Stored,
     TokenEvent,
 )
+from .scheduler import Fairness
+from .watchdog import EngineStalled
 
 __all__ = [
     "Alternatives",
     "EmptyContext",
     "Engine",
+    "Fairness",
     "EngineError",
+    "EngineStalled",
     "Finished",
     "FinishReason",
     "Logprobs",
+    "ModelFailed",
+    "NonFinite",
     "QueueFull",
     "Request",
     "Stored",

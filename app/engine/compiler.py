@@ -17,13 +17,30 @@ shape the compiled code has not met compiles again on the spot. So nobody waits 
 - Under the stance `eager_on_recompile`, an input the compiled code's guards refuse (rows of
   unequal length, say) runs eagerly for that step instead of compiling on the engine thread.
 
-A compiled step grows the state functionally (`LanguageModel.grows_in_place` is False while
-tracing); the eager one keeps growing in place.
+A compiled step grows the state functionally (it traces `forward` with its default
+`FUNCTIONAL` execution); the eager one grows it in place (`IN_PLACE`, `model.Execution`).
+
+Serving never depends on the compile:
+- torch.fx's tracer (AOTAutograd's make_fx, inductor's symbolic_trace) patches
+  `nn.Module.__call__` for the whole process while it traces, so a forward on another
+  thread would run through the tracer's wrapper and fail (`NameError: module is not
+  installed as a submodule`). Every trace in the process therefore takes `MODEL_LOCK`,
+  which the engine thread holds for each of its steps (`serialise_tracing`): a trace waits
+  for the step, a step for the trace. The traces are short (shipped `shakespeare`: 13 of
+  them, 10.6 s of a 150 s compile, the longest 3.8 s); the rest of the compile (dynamo,
+  inductor's lowering, the C++ compiler) runs beside the engine.
+- The compile thread runs at a lower CPU priority (`NICE`), so that it takes the cores
+  the serving threads leave idle; the C++ compilers it starts inherit it.
+- Processes on one host share inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one
+  compiles at a time (`_host_lock`), so replicas started together never build the same
+  kernel at once; the next finds the cache warm.
+- A compiled step or part that raises at serve time is dropped, and the step runs eagerly
+  from the same input (neither grows its input state in place): no request fails for it.
 
 A family may also name parts of its forward that run many times with inputs of one shape
 (`LanguageModel.parts`: RLT's recurrence, one token at a time, in a prefill). They are
 compiled, checked (log-probs within `TOLERANCE`) and timed on a prompt the same way, and a
-prefill runs them (`DecodeStep.prefilling`) only if they were faster.
+prefill runs them (`DecodeStep.prefill`) only if they were faster.
 
 This module imports only `model/`.
 """
@@ -31,20 +48,24 @@ This module imports only `model/`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from model import LanguageModel, State
+from model import IN_PLACE, Execution, LanguageModel, State
 
 log = logging.getLogger("recur.engine")
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
+T = TypeVar("T")
 
 TOLERANCE = 1e-4  # largest |logit difference| allowed between the compiled and eager step
 MARGIN = 0.9  # the compiled step is adopted when its fastest step is under 0.9 x eager's
@@ -55,6 +76,49 @@ PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest c
 # calls between its kernels (shipped `shakespeare-rlt`: 0.5 ms a step against 0.65), at the
 # price of a compile several times as long, in the background
 CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+NICE = 10  # the compile thread's niceness: below the serving threads' share of the CPU
+
+# held by the engine thread for each step, and by every torch.fx trace (`serialise_tracing`)
+MODEL_LOCK = threading.RLock()
+
+
+def serialise_tracing() -> None:
+    """Make every torch.fx trace in this process hold MODEL_LOCK (once per process): while
+    it traces, fx patches `nn.Module.__call__` process-wide, and no forward may run."""
+    trace = torch.fx.Tracer.trace
+    if getattr(trace, "_recur_serialised", False):
+        return
+
+    @functools.wraps(trace)
+    def locked(self: torch.fx.Tracer, *args: Any, **kwargs: Any) -> Any:
+        with MODEL_LOCK:
+            return trace(self, *args, **kwargs)
+
+    locked._recur_serialised = True  # type: ignore[attr-defined]
+    torch.fx.Tracer.trace = locked  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """One compile at a time on this host, per inductor cache directory (an flock, freed
+    with the process however it ends)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    path = os.path.join(cache_dir(), "recur-compile.lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _lower_priority() -> None:
+    """This thread (and what it starts) yields the CPU to the serving threads (Linux: a
+    thread's niceness is its own)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
 def _options(lm: LanguageModel) -> dict[str, Any] | None:
@@ -95,7 +159,9 @@ class DecodeStep:
     """The one-token forward the runner calls: eager, or compiled where that was measured
     to be faster."""
 
-    def __init__(self, lm: LanguageModel, compile: bool, margin: float = MARGIN, max_rows: int = PROBE_ROWS[-1]):
+    def __init__(
+        self, lm: LanguageModel, compile: bool, margin: float = MARGIN, max_rows: int = PROBE_ROWS[-1]
+    ):
         self.lm = lm
         self.margin = margin
         # the classes a batch of at most max_rows rows can fall in
@@ -105,7 +171,7 @@ class DecodeStep:
         self.compiled_steps = 0  # steps handed to the compiled step (read by the metrics)
         self._compiled: Step | None = None
         self._use: frozenset[int] = frozenset()  # batch classes that run compiled
-        self._parts: dict[str, Callable] = {}  # compiled parts prefills run (`prefilling`)
+        self._parts: dict[str, Callable] = {}  # compiled parts prefills run (`prefill`)
         self._thread: threading.Thread | None = None
         if compile:
             self.status.state = "compiling"
@@ -119,6 +185,11 @@ class DecodeStep:
         """Whether a batch of `rows` rows runs the compiled step."""
         return self._compiled is not None and batch_class(rows, self.classes) in self._use
 
+    @property
+    def prefill_compiled(self) -> bool:
+        """Whether prefills run the model's compiled parts."""
+        return bool(self._parts)
+
     def __call__(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         compiled = self._compiled
         if compiled is not None and self.serves_compiled(tokens.shape[0]):
@@ -126,28 +197,45 @@ class DecodeStep:
             if state.arenas:  # grown in place by an eager forward (a prefill): a layout the
                 # compiled code's guards were not traced on; its own outputs are plain tensors
                 state = state.clone()
-            with torch.compiler.set_stance("eager_on_recompile"):
-                return compiled(tokens, state)
-        return self.lm.forward(tokens, state)
+            try:
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return compiled(tokens, state)
+            except Exception as exc:  # (it grew nothing in place: the same input serves eagerly)
+                self._drop(exc)
+        return self.lm.forward(tokens, state, IN_PLACE)
 
-    @contextlib.contextmanager
-    def prefilling(self) -> Iterator[None]:
-        """Around a prefill: the model runs its compiled parts (its per-token loop, say) where
-        the probe adopted them, and an input their guards refuse runs eagerly."""
-        if not self._parts:
-            yield
-            return
-        with self.lm.using(self._parts), torch.compiler.set_stance("eager_on_recompile"):
-            yield
+    def prefill(self, run: Callable[[Execution], T]) -> T:
+        """`run` a prefill, given how: in place, with the model's compiled parts (its
+        per-token loop, say) where the probe adopted them; an input their guards refuse runs
+        eagerly, and if they raise, `run` runs again eagerly (a forward never changes the
+        rows of the state it is given)."""
+        parts = self._parts
+        if not parts:
+            return run(IN_PLACE)
+        try:
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return run(Execution(in_place=True, parts=parts))
+        except Exception as exc:
+            self._drop(exc)
+        return run(IN_PLACE)
+
+    def _drop(self, exc: Exception) -> None:
+        """A compiled step or part failed at serve time: the eager ones serve from now on."""
+        log.error("the compiled decode step failed; the eager one serves from now on", exc_info=exc)
+        self._use, self._parts = frozenset(), {}
+        self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
 
     # -- the background thread ----------------------------------------------------------
     def _build(self) -> None:
+        _lower_priority()
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _host_lock():
                 compiled = _compile(self.lm)
                 states = _probe_states(self.lm)
-                verdicts = {rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes}
+                verdicts = {
+                    rows: _probe(self.lm, compiled, states, rows, self.margin) for rows in self.classes
+                }
                 parts, prefill = _probe_parts(self.lm, self.margin)
         except Exception as exc:  # no compiler on this machine, say: the eager step serves on
             self.status.error = f"{type(exc).__name__}: {exc}"
@@ -213,7 +301,7 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
     for one in states:
         state = lm.stack_states([one] * rows)
         for _ in range(3):  # the first calls compile; each is checked
-            le, _ = lm.forward(tok, state)
+            le, _ = lm.forward(tok, state, IN_PLACE)
             lc, state = compiled(tok, state)
             diff = max(diff, float((lc - le).abs().max()))
     eager: list[float] = []
@@ -221,7 +309,7 @@ def _probe(lm: LanguageModel, compiled: Step, states: list[State], rows: int, ma
     s_eager = s_comp = lm.stack_states([states[0]] * rows)
     for _ in range(PROBE_STEPS if rows <= 4 else PROBE_STEPS // 2):  # a large batch's steps are long
         t0 = _clock(lm)
-        _, s_eager = lm.forward(tok, s_eager)
+        _, s_eager = lm.forward(tok, s_eager, IN_PLACE)
         eager.append(_clock(lm) - t0)
         t0 = _clock(lm)
         _, s_comp = compiled(tok, s_comp)
@@ -247,8 +335,7 @@ def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable],
     for rows in (1, 2):
         x = ids.expand(rows, n)
         le, _ = lm.consume(x, lm.new_state(rows))
-        with lm.using(parts):
-            lc, _ = lm.consume(x, lm.new_state(rows))
+        lc, _ = lm.consume(x, lm.new_state(rows), Execution(in_place=True, parts=parts))
         diff = max(diff, float((lc - le).abs().nan_to_num().max()))
     eager: list[float] = []
     comp: list[float] = []
@@ -257,8 +344,7 @@ def _probe_parts(lm: LanguageModel, margin: float) -> tuple[dict[str, Callable],
         lm.consume(ids, lm.new_state(1))
         eager.append(_clock(lm) - t0)
         t0 = _clock(lm)
-        with lm.using(parts):
-            lm.consume(ids, lm.new_state(1))
+        lm.consume(ids, lm.new_state(1), Execution(in_place=True, parts=parts))
         comp.append(_clock(lm) - t0)
     e, c = min(eager), min(comp)
     return parts, Verdict(1, e * 1e3, c * 1e3, diff, diff <= TOLERANCE and c < margin * e)

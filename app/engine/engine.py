@@ -19,11 +19,12 @@ import torch
 from model import LanguageModel
 from model.tokenizer import Tokenizer
 
-from .compiler import DecodeStep
+from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request
 from .runner import Counters, Runner
-from .scheduler import Scheduler
+from .scheduler import NO_FAIRNESS, PREFILL_TOKENS_PER_STEP, Fairness, Scheduler
+from .watchdog import Watchdog
 
 log = logging.getLogger("recur.engine")
 
@@ -42,6 +43,9 @@ class Engine:
         cpu_threads: int,
         compile: bool,
         malloc_trim_interval: float,
+        step_deadline: float,
+        prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
+        fairness: Fairness = NO_FAIRNESS,
     ):
         if lm.tokenizer is None:
             raise ValueError("the model has no tokenizer")
@@ -57,20 +61,26 @@ class Engine:
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
             segment_len=lm.segment_len,
+            prefill_tokens_per_step=prefill_tokens_per_step,
+            fairness=fairness,
         )
         self.outbox = Outbox()  # events go back to the event loop once per step
         # eager until a compiled one is measured faster, per batch class
         self.decode_step = DecodeStep(lm, compile, max_rows=max_batch_size)
         self.runner = Runner(lm, self.tokenizer, self.decode_step, self.outbox)
         self.trimmer = MallocTrimmer(malloc_trim_interval)
+        self.watchdog = Watchdog(step_deadline)  # a step past it fails its requests
+        serialise_tracing()  # a trace elsewhere in the process (a compile) never meets a step
         self._thread = threading.Thread(target=self._loop, name="recur-engine", daemon=True)
 
     # -- the event loop's side ---------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self.watchdog.start()
         self.decode_step.start()
 
     def stop(self) -> None:
+        self.watchdog.stop()
         self.scheduler.close()
         self._thread.join(timeout=10)
 
@@ -88,7 +98,9 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         """Queue `req` and return it: iterate it for its tokens, or await `req.finished()`.
-        Raises QueueFull when the scheduler's queue is at its limit."""
+        Raises QueueFull when the scheduler's queue is at its limit, EngineStalled while a
+        step has run past its deadline."""
+        self.watchdog.check()
         self.scheduler.submit(req)
         return req
 
@@ -96,13 +108,16 @@ class Engine:
     def _loop(self) -> None:
         with torch.no_grad():
             while self._receive():
-                try:
-                    self._step()
-                except Exception as exc:  # the thread must survive: fail what is in flight
-                    log.exception("engine step failed")
-                    for row in self.scheduler.drop_all():
-                        self.outbox.put(row.req, Failed(exc))
-                    self.runner.reset()
+                admitted = self.scheduler.admit()
+                with self.watchdog.watching([*self.scheduler.in_flight(), *admitted]):
+                    try:
+                        with MODEL_LOCK:  # no torch.fx trace runs meanwhile (compiler.py)
+                            self._step(admitted)
+                    except Exception as exc:  # the thread must survive: fail what is in flight
+                        log.exception("engine step failed")
+                        for row in self.scheduler.drop_all():
+                            self.outbox.put(row.req, Failed.of(exc))
+                        self.runner.reset()
                 self.outbox.flush()
                 self.scheduler.publish()
                 self.trimmer.worked()
@@ -120,28 +135,39 @@ class Engine:
                 self.trimmer.idle()
         return s.receive(wait=s.idle)
 
-    def _step(self) -> None:
+    def _step(self, admitted: list[Request]) -> None:
         s, r, out = self.scheduler, self.runner, self.outbox
-        for req in s.admit():
+        for req in admitted:
             try:
                 s.add(r.load(req))
             except Exception as exc:  # a damaged or inconsistent stored state, say
-                out.put(req, Failed(exc))
+                out.put(req, Failed.of(exc))
         for size, rows in s.prefill_groups():
             try:
-                r.prefill(rows, size)
+                r.prefill(rows, size)  # (a row that fails alone is failed alone: below)
             except Exception as exc:
                 log.exception("prefill failed")
                 s.drop(rows)
                 for row in rows:
-                    out.put(row.req, Failed(exc))
+                    out.put(row.req, Failed.of(exc))
+        self._drop_failed()
         s.prefilled()
         s.publish()  # before any token of this step is sent
         rows = s.decode_batch()
         if rows:
             r.decode(rows)
+        self._drop_failed()
         for row in s.take_done():
             try:
                 out.put(row.req, r.finish(row))
             except Exception as exc:
-                out.put(row.req, Failed(exc))
+                out.put(row.req, Failed.of(exc))
+        self._drop_failed()
+
+    def _drop_failed(self) -> None:
+        """The rows whose own part of a step failed leave, each with its error; the others
+        go on (one bad row never fails the batch)."""
+        for row, exc in self.runner.take_failed():
+            log.warning("a request failed alone: %s", exc)
+            self.scheduler.drop([row])
+            self.outbox.put(row.req, Failed.of(exc))

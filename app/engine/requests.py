@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from model import State
+from model import State, StateError
 from model.sampling import SamplingParams
 from model.state import Encoded, Persist
 
@@ -34,6 +34,15 @@ class EngineError(Exception):
 
 class EmptyContext(EngineError):
     """Nothing to condition on: a fresh session of a model without BOS, and no prompt."""
+
+
+class ModelFailed(EngineError):
+    """The model raised in a step that served this request: nothing of it was committed."""
+
+
+class NonFinite(EngineError):
+    """A session's state that this model's step turns non-finite (say, one imported with
+    values near float32's limit): the request fails, and nothing of it is committed."""
 
 
 class QueueFull(EngineError):
@@ -86,6 +95,20 @@ class Finished:
 class Failed:
     error: BaseException
 
+    @classmethod
+    def of(cls, exc: BaseException) -> Failed:
+        """A step's exception as its requests see it: the engine's own errors and a damaged
+        state as they are, anything else (the model raising) as ModelFailed, which names
+        the error's type but not its text (the log has the whole of it)."""
+        if isinstance(exc, (EngineError, StateError)):
+            return cls(exc)
+        failed = ModelFailed(
+            f"the model failed in a step serving this request ({type(exc).__name__}); nothing of "
+            "the request was committed, and the server log has the details"
+        )
+        failed.__cause__ = exc
+        return cls(failed)
+
 
 @dataclass(frozen=True)
 class Logprobs:
@@ -113,15 +136,23 @@ class Request:
     prompt_logprobs: bool = False
     persist: Persist | None = None
     top_logprobs: int = 0  # alternatives per sampled token (and prompt token, with prompt_logprobs)
+    tenant: str = ""  # who asks (an API key's owner, or a client's address): the scheduler's fairness
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Finished | None = None
+    sent: int = 0  # events the engine has handed out (engine thread)
+    taken: int = 0  # events its consumer has taken (event loop)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     # -- engine thread side ------------------------------------------------------------------
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def unread(self) -> int:
+        """Events sent and not yet taken: what a stream's client has left unread."""
+        return self.sent - self.taken
 
     # -- event loop side ---------------------------------------------------------------------
     def cancel(self) -> None:
@@ -135,6 +166,7 @@ class Request:
         if self.result is not None:
             raise StopAsyncIteration
         event = await self.events.get()
+        self.taken += 1
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Finished):
@@ -171,6 +203,7 @@ class Outbox:
         self._batch: list[tuple[Request, Event]] = []
 
     def put(self, req: Request, event: Event) -> None:
+        req.sent += 1
         self._batch.append((req, event))
 
     def flush(self) -> None:

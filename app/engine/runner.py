@@ -23,20 +23,31 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
 import torch.nn.functional as F
 
-from model import LanguageModel, State, StateError
+from model import Execution, LanguageModel, State, StateError
 from model.sampling import Context, Draw, make_generator
 from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
 from model.tokenizer import StreamDecoder, Tokenizer
 
 from .compiler import DecodeStep
-from .requests import Alternatives, EmptyContext, Finished, FinishReason, Outbox, Request, Stored, TokenEvent
+from .requests import (
+    Alternatives,
+    EmptyContext,
+    Finished,
+    FinishReason,
+    NonFinite,
+    Outbox,
+    Request,
+    Stored,
+    TokenEvent,
+)
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -82,6 +93,7 @@ class Runner:
         self._batch: State | None = None  # stacked states of _members, row i = _members[i]
         self._members: list[Row] = []
         self._context: Context | None = None  # what _members' samplers need of their requests
+        self._failed: dict[int, tuple[Row, Exception]] = {}  # rows failed alone, by id, until taken
         self.counters = Counters()
 
     # -- admission ---------------------------------------------------------------------------
@@ -115,18 +127,26 @@ class Runner:
 
     # -- prefill -----------------------------------------------------------------------------
     def prefill(self, rows: list[Row], size: int) -> None:
-        """Consume the next `size` prompt tokens of every row, as one batch."""
+        """Consume the next `size` prompt tokens of every row, as one batch; if it raises,
+        each row alone, and only a row whose own chunk raises fails (`take_failed`)."""
+        try:
+            self._prefill(rows, size)
+        except Exception as exc:  # (rows change only once the forward has succeeded)
+            self._retry_alone(rows, exc, lambda alone: self.prefill(alone, size))
+
+    def _prefill(self, rows: list[Row], size: int) -> None:
         chunk = torch.tensor([r.pending[:size] for r in rows], dtype=torch.long, device=self.lm.device)
         want = any(r.req.prompt_logprobs for r in rows)
         top = max((r.req.top_logprobs for r in rows if r.req.prompt_logprobs), default=0)
-        state = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
-        lps: torch.Tensor | None
-        tops: list[list[list[tuple[int, float]]]] = []
-        with self._decode.prefilling():  # the model's compiled parts, where they were adopted
+        start = rows[0].state if len(rows) == 1 else self.lm.stack_states([r.state for r in rows])
+
+        def run(how: Execution) -> tuple[torch.Tensor | None, list[list[list[tuple[int, float]]]], State]:
             if top:
-                lps, tops, state = self._prefill_top(chunk, state, top)
-            else:
-                lps, state = self.lm.prefill(chunk, state, logprobs=want)
+                return self._prefill_top(chunk, start, top, how)
+            lps, end = self.lm.prefill(chunk, start, want, how)
+            return lps, [], end
+
+        lps, tops, state = self._decode.prefill(run)  # the model's compiled parts, where adopted
         states = [state] if len(rows) == 1 else self.lm.split_state(state)
         for i, (r, st) in enumerate(zip(rows, states, strict=True)):
             r.state = st
@@ -138,14 +158,14 @@ class Runner:
         self.counters.prefill_tokens += size * len(rows)
 
     def _prefill_top(
-        self, chunk: torch.Tensor, state: State, top: int
+        self, chunk: torch.Tensor, state: State, top: int, how: Execution
     ) -> tuple[torch.Tensor, list[list[list[tuple[int, float]]]], State]:
         """`LanguageModel.prefill` with logprobs, written out to keep each position's whole
         distribution for its `top` most probable tokens (only for a request that asks for
         the prompt's alternatives: the usual prefill keeps only the tokens' own)."""
         had_context = state.n_tokens > 0  # read before the forward, which may grow it in place
         first = self.lm.next_logits(state)  # (B, V): predicts the chunk's first token
-        logits, state = self.lm(chunk, state)  # (B, T, V): position i predicts token i + 1
+        logits, state = self.lm(chunk, state, how)  # (B, T, V): position i predicts token i + 1
         lp = F.log_softmax(torch.cat([first[:, None], logits[:, :-1]], 1).float(), -1)  # (B, T, V)
         own = lp.gather(2, chunk[..., None])[..., 0]
         own[:, 0] = torch.where(had_context, own[:, 0], torch.full_like(own[:, 0], float("nan")))
@@ -156,11 +176,49 @@ class Runner:
                 pairs[b][0] = []  # no context, no distribution
         return own, pairs, state
 
-    # -- decode ------------------------------------------------------------------------------
+    # -- decode ----------------------------------------------------------------------------
     def decode(self, rows: list[Row]) -> None:
-        """One token for every row: sample from each row's state, then consume the samples."""
-        batch = self._rebatch(rows)
+        """One token for every row: sample from each row's state, then consume the samples.
+        A row whose part of the step fails (its state yields non-finite logits, or the
+        batched step raises and the row's step raises again alone) is failed alone
+        (`take_failed`); the others go on."""
+        batch, rows = self._rebatch(rows)
+        if not rows:
+            return
+        try:
+            d, finite = self._sample(rows, batch)
+            sampled = _to_host(d, finite)
+        except Exception as exc:  # nothing was sent yet: run each row alone
+            self._unbatch()
+            self._retry_alone(rows, exc, self.decode)
+            return
+        for r, (tid, lp, alternatives, ok) in zip(rows, sampled, strict=True):
+            if ok:
+                self._on_token(r, tid, lp, alternatives[: r.req.top_logprobs])
+            else:
+                self._fail(
+                    r, NonFinite("the session's state gives non-finite logits: it cannot be continued")
+                )
+        # the tokens go out now, so the event loop streams them while the forward below
+        # runs (its kernels release the GIL), rather than after it
+        self.outbox.flush()
+        try:
+            _, self._batch = self._decode(d.ids[:, None], batch)
+        except Exception as exc:  # the tokens are out: consume each row's alone
+            self._consume_alone(rows, d.ids, batch, exc)
+        c = self.counters
+        c.decode_steps += 1
+        c.decode_tokens += len(rows)
+        c.max_batch = max(c.max_batch, len(rows))
+        if any(r.finish_reason is not None or id(r) in self._failed for r in rows):
+            self._unbatch()
+
+    def _sample(self, rows: list[Row], batch: State) -> tuple[Draw, torch.Tensor]:
+        """Each row's token drawn from the batch's logits, and whether its logits were finite
+        (a row's that were not are drawn from zeros, harmlessly, and the row fails)."""
         logits = self.lm.next_logits(batch)  # (B, V)
+        finite = torch.isfinite(logits).all(-1)  # (B,)
+        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
         params = [r.req.params for r in rows]
         if self._context is None and any(p.uses_context for p in params):
             self._context = Context.of(
@@ -173,36 +231,77 @@ class Runner:
             )
         top = max(r.req.top_logprobs for r in rows)
         d = draw_tokens(logits, params, [r.generator for r in rows], self._context, top)
-        ids = d.ids
         if self._context is not None:
-            self._context.advance(ids)
-        for r, (tid, lp, alternatives) in zip(rows, _to_host(d), strict=True):
-            self._on_token(r, tid, lp, alternatives[: r.req.top_logprobs])
-        # the tokens go out now, so the event loop streams them while the forward below
-        # runs (its kernels release the GIL), rather than after it
-        self.outbox.flush()
-        _, self._batch = self._decode(ids[:, None], batch)
-        c = self.counters
-        c.decode_steps += 1
-        c.decode_tokens += len(rows)
-        c.max_batch = max(c.max_batch, len(rows))
-        if any(r.finish_reason is not None for r in rows):
-            self._unbatch()
+            self._context.advance(d.ids)
+        return d, finite
 
-    def _rebatch(self, rows: list[Row]) -> State:
-        """The stacked state of `rows` (re-stacked only when the membership changed)."""
+    def _retry_alone(self, rows: list[Row], exc: Exception, step: Callable[[list[Row]], None]) -> None:
+        """A batched step over `rows` raised `exc` before it changed any row's state: run it
+        for each row alone, so that only a row whose own step raises fails."""
+        if len(rows) == 1:
+            self._fail(rows[0], exc)
+            return
+        for r in rows:
+            if id(r) not in self._failed:
+                step([r])
+
+    def _consume_alone(self, rows: list[Row], ids: torch.Tensor, batch: State, exc: Exception) -> None:
+        """The batched forward raised `exc` after the sampled tokens went out: consume each
+        row's token in a forward of its own (`batch`, the state before, is untouched)."""
+        self._batch, self._members, self._context = batch, list(rows), None
+        self._unbatch()
+        for i, r in enumerate(rows):
+            if id(r) in self._failed:
+                continue
+            try:
+                _, r.state = self._decode(ids[i : i + 1, None], r.state)
+            except Exception as alone:
+                self._fail(r, alone if len(rows) > 1 else exc)
+
+    def _rebatch(self, rows: list[Row]) -> tuple[State, list[Row]]:
+        """The stacked state of `rows` (re-stacked only when the membership changed), and the
+        rows in it: those that did not fail while the old batch was split."""
         if self._batch is None or [id(r) for r in self._members] != [id(r) for r in rows]:
             self._unbatch()
+            rows = [r for r in rows if id(r) not in self._failed]
             self._members = list(rows)
-            self._batch = self.lm.stack_states([r.state for r in rows])
-        return self._batch
+            self._batch = self.lm.stack_states([r.state for r in rows]) if rows else None
+        assert self._batch is not None or not rows
+        return self._batch, rows  # type: ignore[return-value]
 
     def _unbatch(self) -> None:
-        """Give every member its own row of the batch back."""
-        if self._batch is not None:
-            for r, st in zip(self._members, self.lm.split_state(self._batch), strict=True):
-                r.state = st
+        """Give every member its own row of the batch back. If splitting the batch fails,
+        it is split row by row, and only a row that cannot be split fails."""
+        batch, members = self._batch, self._members
         self._batch, self._members, self._context = None, [], None
+        if batch is None:
+            return
+        try:
+            states: list[State | Exception] = list(self.lm.split_state(batch))
+        except Exception:
+            states = [self._split_row(batch, i) for i in range(len(members))]
+        for r, st in zip(members, states, strict=True):
+            if isinstance(st, Exception):
+                self._fail(r, st)
+            else:
+                r.state = st
+
+    def _split_row(self, batch: State, i: int) -> State | Exception:
+        try:
+            return self.lm.split_state(batch.replace(**{k: t[i : i + 1] for k, t in batch.tensors.items()}))[
+                0
+            ]
+        except Exception as exc:
+            return exc
+
+    # -- rows that failed alone ------------------------------------------------------------
+    def _fail(self, r: Row, exc: Exception) -> None:
+        self._failed[id(r)] = (r, exc)
+
+    def take_failed(self) -> list[tuple[Row, Exception]]:
+        """The rows that failed alone since the last call (each must leave the scheduler)."""
+        failed, self._failed = list(self._failed.values()), {}
+        return failed
 
     def _on_token(self, r: Row, tid: int, logprob: float, top: Alternatives) -> None:
         r.ids.append(tid)
@@ -238,6 +337,10 @@ class Runner:
         keeps it) and the bytes its commit must write."""
         if r in self._members:
             self._unbatch()
+        if id(r) in self._failed:
+            raise self._failed.pop(id(r))[1]
+        if not r.state.finite():
+            raise NonFinite("this step made the session's state non-finite: it was not committed")
         state = r.state.compact()
         encoded = None
         if r.req.persist is not None:
@@ -272,24 +375,25 @@ class Runner:
     def reset(self) -> None:
         """Forget the batch (after a failed step, whose rows have all left)."""
         self._batch, self._members, self._context = None, [], None
+        self._failed = {}
 
 
-def _to_host(d: Draw) -> list[tuple[int, float, Alternatives]]:
-    """Each row's (token id, behaviour log-prob, alternatives), read back in one transfer
-    (float64 holds token ids and float32 log-probs exactly). Alternatives the row could
-    not have drawn (-inf) are left out."""
-    parts = [d.ids[None].double(), d.logprobs[None].double()]  # (1, B) each
+def _to_host(d: Draw, finite: torch.Tensor) -> list[tuple[int, float, Alternatives, bool]]:
+    """Each row's (token id, behaviour log-prob, alternatives, whether its logits were
+    finite), read back in one transfer (float64 holds token ids and float32 log-probs
+    exactly). Alternatives the row could not have drawn (-inf) are left out."""
+    parts = [d.ids[None].double(), d.logprobs[None].double(), finite[None].double()]  # (1, B) each
     if d.top_ids is not None and d.top_logprobs is not None:
         parts += [d.top_ids.T.double(), d.top_logprobs.T.double()]  # (k, B) each
     cols = torch.cat(parts).tolist()
-    ids = [int(i) for i in cols[0]]
-    k = (len(cols) - 2) // 2
+    ids, oks = [int(i) for i in cols[0]], [bool(x) for x in cols[2]]
+    k = (len(cols) - 3) // 2
     if not k:
-        return list(zip(ids, cols[1], repeat(())))
-    top_ids, top_lps = zip(*cols[2 : 2 + k], strict=True), zip(*cols[2 + k :], strict=True)
+        return list(zip(ids, cols[1], repeat(()), oks))
+    top_ids, top_lps = zip(*cols[3 : 3 + k], strict=True), zip(*cols[3 + k :], strict=True)
     return [
-        (i, lp, _alternatives(list(zip(t, v, strict=True)), k))
-        for i, lp, t, v in zip(ids, cols[1], top_ids, top_lps, strict=True)
+        (i, lp, _alternatives(list(zip(t, v, strict=True)), k), ok)
+        for i, lp, t, v, ok in zip(ids, cols[1], top_ids, top_lps, oks, strict=True)
     ]
 
 

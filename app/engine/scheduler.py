@@ -1,10 +1,16 @@
 """The scheduler: decides what runs in the engine's next step; the runner executes it.
 
-Requests wait in arrival order. Each step the scheduler
-  1. admits waiting requests while fewer than `max_batch_size` are running;
-  2. picks the next prompt chunk (`lm.segment_len` tokens) of every admitted request that
-     still has prompt to consume, grouped by chunk length so each group is one forward
-     pass without padding: a long prompt never stalls the others for more than a chunk;
+Each step the scheduler
+  1. admits waiting requests while fewer than `max_batch_size` are running, fairly
+     between tenants (below);
+  2. picks the next prompt chunk (at most `lm.segment_len` tokens) of admitted requests
+     that still have prompt to consume, grouped by chunk length so each group is one
+     forward pass without padding (chunked prefill). While other rows decode, the chunks
+     of a step hold at most `prefill_tokens_per_step` tokens together, taken in turn
+     from the prefilling rows: a long prompt is consumed over many steps and never
+     stalls the decoding streams for more than that budget (chunking changes no result:
+     boundary invariance). With nothing decoding, every prefilling row takes a whole
+     segment per step;
   3. picks every request whose prompt is consumed and that still samples, for ONE decode
      step all together;
   4. hands back the requests that are done (their last token sampled, or, asking for no
@@ -13,41 +19,94 @@ A cancelled request leaves before its next step: nothing of it is committed.
 
 Admission control: requests not yet admitted are bounded by `max_queued_requests` and
 their prompt tokens by `max_queued_tokens`; past either, `submit` raises QueueFull at
-once (the API's 429).
+once (the API's 429). One tenant's requests may fill only `Fairness.queue_share` of
+either, so a tenant flooding the queue never shuts another out of it.
 
-`submit` and the two counters are called from the event loop; everything else runs on
-the engine thread.
+Fairness between tenants (`Request.tenant`: an API key, or a client's address). Each
+tenant waits in its own line, and admission takes from the line of the tenant with the
+fewest rows running. A tenant alone may fill the batch. While a tenant with little work
+(less than `Fairness.batch_share` of the batch) is active beside it (or was, within the
+last LINGER_STEPS steps), a tenant holds at most that share: past it, its newest rows are parked, their states kept (a recurrent
+state is small, so parking costs nothing to resume), at the front of its line. So one
+tenant's flood never makes another's steps much longer than they are alone. Tenants that
+all have much work split the batch evenly.
+
+A stream whose client does not read: once `Fairness.buffer_tokens` of its tokens wait
+unread, its row is paused (out of the batch, its state kept) until its client has read
+half of them; it never holds a place in the batch while it waits.
+
+`submit` and the counters are called from the event loop; everything else runs on the
+engine thread.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
+from dataclasses import dataclass
 
 from .requests import QueueFull, Request
 from .runner import Row
 
 _STOP = object()  # the inbox item that ends the engine thread
+# a client whose last request just ended still counts as active for this many steps: one that
+# sends request after request is not met by a batch that another client filled in between
+LINGER_STEPS = 50
+# prompt tokens one step consumes while other rows decode (`Settings.prefill_tokens_per_step`):
+# on the shipped models about as long as a 16-row decode step takes, so a prompt arriving
+# at most doubles the decoding streams' inter-token latency while it is consumed
+PREFILL_TOKENS_PER_STEP = 32
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """How the scheduler shares the engine between tenants (see the module docstring)."""
+
+    batch_share: float = 1.0  # of max_batch_size, a tenant's while a lighter one is active
+    queue_share: float = 1.0  # of the queue's requests and tokens, one tenant's at most
+    buffer_tokens: int = 0  # unread tokens past which a stream is paused (0: never)
+
+
+NO_FAIRNESS = Fairness()  # one line for all, whole batch, never paused
 
 
 class Scheduler:
     def __init__(
-        self, *, max_batch_size: int, max_queued_requests: int, max_queued_tokens: int, segment_len: int
+        self,
+        *,
+        max_batch_size: int,
+        max_queued_requests: int,
+        max_queued_tokens: int,
+        segment_len: int,
+        prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
+        fairness: Fairness = NO_FAIRNESS,
     ):
+        if prefill_tokens_per_step < 1:
+            raise ValueError("prefill_tokens_per_step must be >= 1")
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.segment_len = segment_len
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.fairness = fairness
+        self._share = max(1, math.floor(fairness.batch_share * max_batch_size))  # rows
         self._queue_lock = threading.Lock()
         self.queued_requests = 0
         self.queued_tokens = 0
+        self._queued_by: collections.Counter[str] = collections.Counter()  # requests, by tenant
+        self._tokens_by: collections.Counter[str] = collections.Counter()  # their prompt tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: collections.deque[Request] = collections.deque()
+        # each tenant's line: parked rows (to resume) first, then its requests in arrival order
+        self._lines: dict[str, collections.deque[Request | Row]] = {}
         self._prefilling: list[Row] = []
         self._decoding: list[Row] = []
         self._done: list[Row] = []
+        self._paused: list[Row] = []  # streams whose clients do not read
         self._num_running = 0
+        self._steps = 0  # admissions so far: the scheduler's clock
+        self._seen: dict[str, int] = {}  # each client's last step with work
 
     # -- the event loop's side ---------------------------------------------------------------
     @property
@@ -63,8 +122,10 @@ class Scheduler:
         return self.queued_requests
 
     def submit(self, req: Request) -> None:
-        """Queue a request; raises QueueFull when the queue is at its limits."""
-        tokens = len(req.prompt)
+        """Queue a request; raises QueueFull when the queue, or its tenant's share of it, is
+        at its limits."""
+        tokens, tenant = len(req.prompt), req.tenant
+        share = self.fairness.queue_share
         with self._queue_lock:
             if self.queued_requests >= self.max_queued_requests:
                 raise QueueFull(
@@ -74,8 +135,18 @@ class Scheduler:
                 raise QueueFull(
                     f"the server's queue is full ({self.queued_tokens} prompt tokens waiting); retry shortly"
                 )
+            mine = self._queued_by[tenant]
+            if mine >= math.ceil(share * self.max_queued_requests) or (
+                mine and self._tokens_by[tenant] + tokens > share * self.max_queued_tokens
+            ):
+                raise QueueFull(
+                    f"this client's requests fill its share of the server's queue ({mine} waiting); "
+                    "retry shortly"
+                )
             self.queued_requests += 1
             self.queued_tokens += tokens
+            self._queued_by[tenant] += 1
+            self._tokens_by[tenant] += tokens
         self._inbox.put(req)
 
     def close(self) -> None:
@@ -84,12 +155,16 @@ class Scheduler:
     # -- the engine thread's side ------------------------------------------------------------
     @property
     def idle(self) -> bool:
-        return not (self._waiting or self._prefilling or self._decoding or self._done)
+        return not (
+            any(self._lines.values()) or self._prefilling or self._decoding or self._done or self._paused
+        )
 
     def receive(self, wait: bool, timeout: float | None = None) -> bool:
         """Take newly submitted requests, first waiting (up to `timeout`) for one if `wait`.
         False once the engine is closing."""
         items = []
+        if not wait and self._only_paused():  # (nothing to run: look in again soon, never spin)
+            wait, timeout = True, 0.01
         if wait:
             try:
                 items.append(self._inbox.get(timeout=timeout))
@@ -102,30 +177,63 @@ class Scheduler:
                 break
         if any(item is _STOP for item in items):
             return False
-        self._waiting.extend(items)
+        for req in items:
+            self._lines.setdefault(req.tenant, collections.deque()).append(req)
         return True
 
     def admit(self) -> list[Request]:
-        """Requests to start now (their states are loaded, then `add`ed)."""
+        """Requests to start now (their states are loaded, then `add`ed). Parked and paused
+        rows that may run again are placed back here themselves."""
+        self._pause_unread()
+        self._resume_read()
+        running = collections.Counter(r.req.tenant for r in self._running())
+        waiting = {t for t, line in self._lines.items() if line}
+        self._steps += 1
+        for t in waiting | set(running):
+            self._seen[t] = self._steps
+        self._park_past_share(running, waiting)
         out: list[Request] = []
-        while self._waiting and self._num_admitted() + len(out) < self.max_batch_size:
-            req = self._waiting.popleft()
+        while sum(running.values()) < self.max_batch_size:
+            tenant = self._next_tenant(running, waiting)
+            if tenant is None:
+                break
+            item = self._lines[tenant].popleft()
+            if not self._lines[tenant]:
+                waiting.discard(tenant)
+            if isinstance(item, Row):
+                if not item.req.cancelled:
+                    self._place(item)
+                    running[tenant] += 1
+                continue
             with self._queue_lock:
                 self.queued_requests -= 1
-                self.queued_tokens -= len(req.prompt)
-            if not req.cancelled:
-                out.append(req)
+                self.queued_tokens -= len(item.prompt)
+                self._queued_by[tenant] -= 1
+                self._tokens_by[tenant] -= len(item.prompt)
+            if not item.cancelled:
+                out.append(item)
+                running[tenant] += 1
         return out
 
     def add(self, row: Row) -> None:
         self._place(row)
 
     def prefill_groups(self) -> list[tuple[int, list[Row]]]:
-        """This step's prompt chunks: (chunk length, the rows that consume one that long)."""
-        self._prefilling = [r for r in self._prefilling if not r.req.cancelled]
+        """This step's prompt chunks: (chunk length, the rows that consume one that long).
+        While rows decode, at most `prefill_tokens_per_step` tokens in all; the rows served
+        go to the back of the line, so that prefilling rows take the budget in turn."""
+        rows = [r for r in self._prefilling if not r.req.cancelled]
+        budget = self.prefill_tokens_per_step if self._decoding else math.inf
         groups: dict[int, list[Row]] = collections.defaultdict(list)
-        for r in self._prefilling:
-            groups[min(self.segment_len, len(r.pending))].append(r)
+        served = 0
+        for r in rows:
+            if budget <= 0:
+                break
+            size = int(min(self.segment_len, len(r.pending), budget))
+            budget -= size
+            groups[size].append(r)
+            served += 1
+        self._prefilling = rows[served:] + rows[:served]
         return list(groups.items())
 
     def prefilled(self) -> None:
@@ -151,12 +259,17 @@ class Scheduler:
         gone = {id(r) for r in rows}
         self._prefilling = [r for r in self._prefilling if id(r) not in gone]
         self._decoding = [r for r in self._decoding if id(r) not in gone]
+        self._done = [r for r in self._done if id(r) not in gone]
 
     def drop_all(self) -> list[Row]:
         """Every admitted row leaves (after a failed step); returns them."""
         rows = [*self._prefilling, *self._decoding, *self._done]
         self._prefilling, self._decoding, self._done = [], [], []
         return rows
+
+    def in_flight(self) -> list[Request]:
+        """The requests of every admitted row."""
+        return [r.req for r in (*self._prefilling, *self._decoding, *self._done)]
 
     def publish(self) -> None:
         self._num_running = self._num_admitted()
@@ -171,3 +284,77 @@ class Scheduler:
             self._decoding.append(row)
         else:
             self._done.append(row)
+
+    # -- fairness ------------------------------------------------------------------------------
+    def _running(self) -> list[Row]:
+        return [*self._prefilling, *self._decoding, *self._done]
+
+    def _active(self, running: collections.Counter[str], waiting: set[str]) -> set[str]:
+        """The clients with work, and those that had some within LINGER_STEPS."""
+        self._seen = {t: at for t, at in self._seen.items() if self._steps - at <= LINGER_STEPS}
+        return waiting | {t for t, n in running.items() if n} | set(self._seen)
+
+    def _next_tenant(self, running: collections.Counter[str], waiting: set[str]) -> str | None:
+        """The waiting tenant with the fewest rows running, among those under their cap."""
+        active = self._active(running, waiting)
+        allowed = [t for t in waiting if running[t] < self._cap(t, running, active)]
+        return min(allowed, key=lambda t: running[t], default=None)
+
+    def _cap(self, tenant: str, running: collections.Counter[str], active: set[str]) -> int:
+        """The most rows `tenant` may hold now: the whole batch alone; its share while a
+        lighter tenant (one that wants less than a share) is active; else an even split."""
+        others = active - {tenant}
+        if not others:
+            return self.max_batch_size
+        if any(self._wants(t, running) < self._share for t in others):
+            return self._share
+        return max(self._share, self.max_batch_size // len(active))
+
+    def _wants(self, tenant: str, running: collections.Counter[str]) -> int:
+        return running[tenant] + len(self._lines.get(tenant, ()))
+
+    def _park_past_share(self, running: collections.Counter[str], waiting: set[str]) -> None:
+        """Rows of a tenant past its cap go back to the front of its line, newest first
+        out: a row still consuming its prompt before one that is decoding."""
+        active = self._active(running, waiting)
+        if len(active) < 2:
+            return
+        for tenant in list(running):
+            excess = running[tenant] - self._cap(tenant, running, active)
+            if excess <= 0:
+                continue
+            mine = [r for r in (*self._decoding, *self._prefilling) if r.req.tenant == tenant]
+            parked = mine[-excess:]
+            self.drop(parked)
+            line = self._lines.setdefault(tenant, collections.deque())
+            line.extendleft(reversed(parked))
+            running[tenant] -= len(parked)
+            waiting.add(tenant)
+
+    def _only_paused(self) -> bool:
+        return bool(self._paused) and not (
+            any(self._lines.values()) or self._prefilling or self._decoding or self._done
+        )
+
+    def _pause_unread(self) -> None:
+        """Streams whose clients have left `buffer_tokens` tokens unread leave the batch."""
+        limit = self.fairness.buffer_tokens
+        if not limit:
+            return
+        slow = [r for r in self._decoding if r.req.unread > limit]
+        if slow:
+            self.drop(slow)
+            self._paused += slow
+
+    def _resume_read(self) -> None:
+        """Paused streams whose clients have read half their backlog wait to run again (at
+        the front of their tenant's line); those whose clients left, leave."""
+        keep: list[Row] = []
+        back: list[Row] = []
+        for r in self._paused:
+            if r.req.cancelled:
+                continue
+            (back if r.req.unread <= self.fairness.buffer_tokens // 2 else keep).append(r)
+        self._paused = keep
+        for r in reversed(back):
+            self._lines.setdefault(r.req.tenant, collections.deque()).appendleft(r)

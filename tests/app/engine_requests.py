@@ -12,7 +12,7 @@ from model.state import Persist
 
 def engine_for(lm, **settings) -> Engine:
     """An engine (not started) with the server's default settings but for `settings`."""
-    return build_engine(Settings(**{"compile": False, **settings}), lm, "tiny")
+    return build_engine(Settings(**settings), lm, "tiny")
 
 
 async def new_session(engine: Engine, prompt: list[int]) -> Finished:

@@ -30,7 +30,9 @@ LINES = ["Speak again, bright angel!", "With love's light wings did I o'erperch 
 
 @pytest.fixture(scope="module", params=["shakespeare", "shakespeare-rlt"])
 def server(request, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300) as srv:
+    with ServerProcess(
+        request.param, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=300
+    ) as srv:
         yield srv
 
 
@@ -53,7 +55,7 @@ def _tokenize(http: httpx.Client, text: str) -> list[int]:
 def _reply(oa: openai.OpenAI, server: ServerProcess, messages: list, finish: str = "stop", **body: object):
     """A reply that ends as `finish` says, in valid UTF-8, from the first seed that gives
     one. (A byte-level model may sample bytes that are no UTF-8: the text returned holds
-    U+FFFD for them, and a client sending it back sends other bytes; README.)"""
+    U+FFFD for them, and a client sending it back sends other bytes; docs/OPENAI.md.)"""
     for seed in range(20):
         c = oa.chat.completions.create(model=server.model_dir, messages=messages, seed=seed, **body)  # type: ignore[call-overload]
         if c.choices[0].finish_reason == finish and "\ufffd" not in c.choices[0].message.content:

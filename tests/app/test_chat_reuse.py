@@ -7,7 +7,7 @@ another key never hits the first key's prefixes; index entries expire with their
 
 The replies are greedy, so they are fixed by the weights: the prompts below give replies in
 valid UTF-8 (a byte-level model may sample bytes that are not, and such a reply, sent back
-as U+FFFD, no longer renders what the state consumed: README "Chat templates"). Each test
+as U+FFFD, no longer renders what the state consumed: docs/OPENAI.md "Chat templates"). Each test
 asserts that too, so a change of weights that breaks it fails loudly instead of missing."""
 
 from __future__ import annotations
@@ -35,7 +35,13 @@ SHORT_TTL = 3
 
 def _serve(name: str, redis_url: str, workdir, ttl: int) -> ServerProcess:
     return ServerProcess(
-        name, workdir, redis_url, cpu_threads=1, max_tokens=64, api_keys=",".join(KEYS), stateless_session_ttl=ttl
+        name,
+        workdir,
+        redis_url,
+        cpu_threads=1,
+        max_tokens=64,
+        api_keys=",".join(KEYS),
+        stateless_session_ttl=ttl,
     ).start()
 
 
@@ -55,7 +61,9 @@ def chat(c: httpx.Client, messages: list[dict]) -> dict:
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     reply = r.json()
-    assert "\ufffd" not in reply["choices"][0]["message"]["content"], "a reply that is not UTF-8: pick other lines"
+    assert "\ufffd" not in reply["choices"][0]["message"]["content"], (
+        "a reply that is not UTF-8: pick other lines"
+    )
     return reply
 
 
@@ -89,12 +97,20 @@ def test_a_resent_chat_forks_every_turn_and_matches_a_full_prefill(server):
             if previous is None:
                 assert delta(server, before) == {"hits": 0, "misses": 1, "tokens_saved": 0}
             else:  # the whole of the previous turn's state was the prefix: only the new messages prefilled
-                assert delta(server, before) == {"hits": 1, "misses": 0, "tokens_saved": len(consumed(a, previous))}
+                assert delta(server, before) == {
+                    "hits": 1,
+                    "misses": 0,
+                    "tokens_saved": len(consumed(a, previous)),
+                }
                 assert a.get(f"/v1/sessions/{previous}").json()["version"] == 1  # forked, never modified
             before = counters(server)
             with client(server, FULL[turn]) as full:  # the same request, re-prefilled whole
                 want = chat(full, messages)
-            assert delta(server, before) == {"hits": 0, "misses": 1, "tokens_saved": 0}  # never the other key's
+            assert delta(server, before) == {
+                "hits": 0,
+                "misses": 1,
+                "tokens_saved": 0,
+            }  # never the other key's
             g, w = got["choices"][0]["logprobs"]["content"], want["choices"][0]["logprobs"]["content"]
             assert [t["token"] for t in g] == [t["token"] for t in w] and len(g) > 0
             assert [t["logprob"] for t in g] == pytest.approx([t["logprob"] for t in w], abs=1e-4)

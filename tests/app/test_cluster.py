@@ -28,7 +28,7 @@ import redis.cluster
 
 import model
 from app.config import Settings
-from app.store import CLIENT_NAME, SessionStore, StateBlobs, StoreUnavailable, parse_redis_url
+from app.store import CLIENT_NAME, SessionStore, StateBlobs, Store, StoreUnavailable, parse_redis_url
 from tests.app.sse_client import events, generate
 from tests.conftest import ServerProcess
 from tests.faults.harness import error_type, mutate, store_for, stored, stream_generate, until_not_busy
@@ -66,9 +66,9 @@ def sentinel_server(sentinel, tiny_model_dir, tmp_path_factory) -> Iterator[Serv
 
 
 def _store(url: str, **settings: object) -> SessionStore:
-    return SessionStore.from_settings(
+    return Store.from_settings(
         Settings(redis_url=url, key_prefix=f"cluster-test-{secrets.token_hex(4)}:", **settings)
-    )
+    ).sessions
 
 
 def create(c: httpx.Client, prompt: str = "hi") -> dict:
@@ -113,9 +113,9 @@ def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
             meta = await store.create(
                 StateBlobs(b"snap", (b"d0",)), 1, "m", "fp", ttl=60, keep=3, transcript=[b"t"]
             )
-            node = cluster.primary_for(store.session_key(meta.id))
+            node = cluster.primary_for(store.keys.session(meta.id))
             seen.add(node.port)
-            keys = store._keys(meta.id)  # session, deltas, lock, history, transcript
+            keys = store.keys.of_session(meta.id)  # session, deltas, lock, history, transcript
             r = node.client()
             assert len({r.cluster("KEYSLOT", k) for k in keys}) == 1
             w = await store.begin(meta.id)
@@ -130,8 +130,8 @@ def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
             assert past.state == StateBlobs(b"snap", (b"d0", b"d1")) and past.transcript == [b"t"]
             await store.delete(meta.id)
             assert r.exists(*keys) == 0
-        await store.ping()
-        await store.close()
+        await store.connection.ping()
+        await store.connection.close()
 
     asyncio.run(go())
 
@@ -145,7 +145,7 @@ def test_a_burst_on_cluster_waits_for_the_connection_bound(cluster):
         store = _store(cluster.url, redis_max_connections=3)
         meta = await store.create(StateBlobs(b"s" * 100_000), 1, "m", "fp", ttl=60)
         reads = await asyncio.gather(*(store.read(meta.id, with_state=True) for _ in range(40)))
-        await store.ping()
+        await store.connection.ping()
         assert all(blobs == StateBlobs(b"s" * 100_000) for _, blobs in reads)
         ours = Counter(
             node.port
@@ -153,7 +153,7 @@ def test_a_burst_on_cluster_waits_for_the_connection_bound(cluster):
             for client in node.client().client_list()
             if client.get("name") == CLIENT_NAME
         )
-        await store.close()
+        await store.connection.close()
         assert ours and max(ours.values()) <= 3 + 1, ours
 
     asyncio.run(go())
@@ -243,7 +243,7 @@ def test_sigkill_of_a_primary_fails_only_its_own_sessions(cluster, cluster_serve
     with cluster_server.client() as c:
         while len(by_node) < len(cluster.nodes):
             sid = create(c)["id"]
-            by_node.setdefault(cluster.primary_for(keys.session_key(sid)).port, sid)
+            by_node.setdefault(cluster.primary_for(keys.session(sid)).port, sid)
         victim = cluster.nodes[1]
         for node in cluster.nodes:
             node.client().script_flush()
@@ -272,7 +272,7 @@ def test_sigkill_of_a_primary_fails_only_its_own_sessions(cluster, cluster_serve
             statuses.append(r.status_code)
             if r.status_code == 201:
                 sid = r.json()["id"]
-                assert cluster.primary_for(keys.session_key(sid)) is not victim
+                assert cluster.primary_for(keys.session(sid)) is not victim
                 assert c.get(f"/v1/sessions/{sid}").status_code == 200
                 break
             assert unavailable(r), r.text
@@ -327,7 +327,7 @@ def _survives_failover(sentinel: LocalSentinel, server: ServerProcess, fail: str
             switched = time.monotonic()
             new = sentinel.primary()
 
-            version = _serves_from(new, c, sid, store_for(server).session_key(sid), switched)
+            version = _serves_from(new, c, sid, store_for(server).session(sid), switched)
             assert version == 2
             # a Sentinel round, not the old primary's demotion (which takes Sentinel ~10 s)
             assert time.monotonic() - switched < 5
@@ -341,7 +341,7 @@ def _survives_failover(sentinel: LocalSentinel, server: ServerProcess, fail: str
             # ran before the failover), and it has not asked the Sentinels since: then the
             # old primary is demoted, as Sentinel does some seconds later, and a write
             # there fails READONLY (as a script error, which redis-py does not act on)
-            store._next_ask = time.monotonic() + 3600
+            store.connection._next_ask = time.monotonic() + 3600
             old.client().replicaof("127.0.0.1", new.port)
         outcomes: list[str] = []
         for _ in range(2):
@@ -358,7 +358,7 @@ def _survives_failover(sentinel: LocalSentinel, server: ServerProcess, fail: str
         else:
             assert outcomes in (["ok"], ["unavailable", "ok"]), outcomes
     finally:
-        loop.run_until_complete(store.close())
+        loop.run_until_complete(store.connection.close())
         loop.close()
 
 

@@ -11,6 +11,7 @@ import torch
 
 import model
 from app.engine.compiler import TOLERANCE, DecodeStep, batch_class
+from model import Execution
 
 
 def _tokens(lm, rows: int) -> torch.Tensor:
@@ -50,7 +51,7 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
             state = lm.stack_states([one] * rows)
             eager, compiled = state, state
             for _ in range(6):  # a few steps: the compiled state must feed the next step
-                le, eager = lm.forward(_tokens(lm, rows), eager)
+                le, eager = lm.forward(_tokens(lm, rows), eager, model.IN_PLACE)  # as served eagerly
                 lc, compiled = step(_tokens(lm, rows), compiled)
                 assert (lc - le).abs().max() <= TOLERANCE
                 # the compiled code ran (the eager forward, which its guards fall back to,
@@ -93,7 +94,7 @@ def test_off_means_the_eager_step_and_no_thread():
 
 def test_prefills_run_the_models_compiled_parts_once_adopted():
     """RLT's per-token recurrence (`LanguageModel.parts`), compiled in the same background
-    thread: a prefill inside `prefilling()` runs it once the probe adopted it, with the
+    thread: a prefill run by `DecodeStep.prefill` runs it once the probe adopted it, with the
     eager log-probs (1e-4), alone and as two rows of unequal history."""
     lm, step = _compiled("shakespeare-rlt")
     with torch.no_grad():
@@ -114,10 +115,13 @@ def test_prefills_run_the_models_compiled_parts_once_adopted():
         for state in (long, lm.stack_states([short, long])):
             x = ids[: state.batch_size]
             eager, _ = lm.prefill(x, state, logprobs=True)
-            with step.prefilling():
-                compiled, _ = lm.prefill(x, state, logprobs=True)
-                with lm.using({"decode_token": counted}):
-                    lm.prefill(x, state)
+
+            def both(how, x=x, state=state):  # the served prefill, then once more counting the part's calls
+                compiled, _ = lm.prefill(x, state, True, how)
+                lm.prefill(x, state, how=Execution(parts={"decode_token": counted}))
+                return compiled
+
+            compiled = step.prefill(both)
             assert (compiled - eager).abs().nan_to_num().max() <= TOLERANCE
             assert len(calls) == x.shape[1]  # one call per token: the fixed-shape loop ran
             calls.clear()

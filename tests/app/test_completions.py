@@ -17,7 +17,9 @@ from tests.conftest import ServerProcess, tiny_model_of
 @pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
 def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
     path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
-    with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=1000) as srv:
+    with ServerProcess(
+        path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=1000
+    ) as srv:
         yield srv
 
 

@@ -1,4 +1,4 @@
-"""Settings: one class, mirrored by the `recur serve` flags and documented in the README."""
+"""Settings: one class, mirrored by the `recur serve` flags and documented in docs/CONFIGURATION.md."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from app.cli import build_parser
 from app.config import Settings
+from docs.tools import config_reference
 from tests.conftest import ROOT
 
 
@@ -46,10 +47,12 @@ def test_bad_settings_are_refused():
         _serve_settings(["--max-tokens", "0"])
 
 
-def test_readme_documents_every_setting():
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_reference_is_current():
+    """docs/CONFIGURATION.md's table is generated from Settings (`make docs`)."""
+    page = config_reference.PAGE.read_text()
+    assert page == config_reference.current(), "docs/CONFIGURATION.md is stale: run `make docs`"
     for name in Settings.model_fields:
-        assert f"`RECUR_{name.upper()}`" in readme and f"`--{name.replace('_', '-')}`" in readme
+        assert f"`RECUR_{name.upper()}`" in page and f"`--{name.replace('_', '-')}`" in page
 
 
 def test_serve_without_a_model_fails_with_a_clear_message(tmp_path: Path):

@@ -116,7 +116,9 @@ def test_stop_string_ends_generation(lm):
         engine = engine_for(lm)
         engine.start()
         new = await new_session(engine, [])
-        g = generate(engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[])
+        g = generate(
+            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[]
+        )
         _, free = await _collect(g)
         # stop on a string the greedy continuation is known to produce
         stop = free.text[3:5]
@@ -204,8 +206,15 @@ def test_the_running_count_never_exceeds_the_batch_limit(lm):
         engine.start()
         new = await new_session(engine, [])
         gens = [
-            generate(engine, stored(new), list(p.encode()), SamplingParams(temperature=0.0), seed=None,
-                     max_tokens=12, stop=[])  # fmt: skip
+            generate(
+                engine,
+                stored(new),
+                list(p.encode()),
+                SamplingParams(temperature=0.0),
+                seed=None,
+                max_tokens=12,
+                stop=[],
+            )  # fmt: skip
             for p in PROMPTS * 3
         ]
         done = threading.Event()

@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 import model
 from app.config import Settings
 from app.engine import QueueFull, Stored
-from app.sessions import build, build_engine
-from app.store import SessionStore
+from app.sessions import Generation, build, build_engine
+from app.store import Store
 from model.sampling import SamplingParams
 from model.state import merge, read_blob
 
@@ -40,7 +40,7 @@ class Replica:
     def __init__(self, lm, redis_url: str, prefix: str, **settings):
         s = Settings(redis_url=redis_url, key_prefix=prefix, **settings)
         self.engine = build_engine(s, lm, "tiny")
-        self.store = SessionStore.from_settings(s)
+        self.store = Store.from_settings(s)
         self.sessions = build(s, self.store, self.engine)
         self.engine.start()
         self.bytes_read: list[float] = []
@@ -53,7 +53,7 @@ class Replica:
     async def generate(self, sid: str, prompt: list[int], max_tokens: int = 5):
         before = _bytes_read()  # (the replicas of a test take turns: no other read counts)
         run = await self.sessions.generate(
-            sid, prompt, params=GREEDY, seed=None, max_tokens=max_tokens, stop=[], expected=None, owner=""
+            sid, prompt, Generation(GREEDY, max_tokens), expected=None, owner=""
         )
         try:
             events = [ev async for ev in run.stream()]
@@ -80,7 +80,7 @@ def test_delta_commits_rebuild_the_exact_state(lm, redis_url):
         for i in range(12):
             _, meta, c = await r.generate(meta.id, list(b" and"), max_tokens=3 + i % 3)
             sizes.append(len(c.encoded.blob))
-        _, blobs = await r.store.read(meta.id, with_state=True)
+        _, blobs = await r.store.sessions.read(meta.id, with_state=True)
         await r.close()
         return meta, blobs, c, r.commits, sizes
 

@@ -40,7 +40,9 @@ def test_generation_metrics_count_what_happened(http):
     sid = http.post("/v1/sessions", json={"prompt": "abc"}).json()["id"]
     tokens, final, done = generate(http, sid, max_tokens=7, temperature=0)
     assert final == "done" and len(tokens) == 7
-    r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de", "seed": 1})
+    r = http.post(
+        f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "stream": False, "prompt": "de", "seed": 1}
+    )
     assert r.status_code == 200
     assert http.get("/v1/sessions/" + "0" * 32).status_code == 404
     ok = {"method": "POST", "route": GENERATE, "status": "200"}
@@ -123,7 +125,9 @@ def test_the_malloc_trim_counters_count_the_engines_releases(http):
     assert generate(http, sid, max_tokens=3, temperature=0)[1] == "done"
     # the engine gives the freed memory back once the process has been quiet a while
     deadline = time.monotonic() + 30
-    while value(after := scrape(http), "recur_malloc_trims_total") == value(before, "recur_malloc_trims_total"):
+    while value(after := scrape(http), "recur_malloc_trims_total") == value(
+        before, "recur_malloc_trims_total"
+    ):
         assert time.monotonic() < deadline, "the idle engine never released memory"
         time.sleep(0.05)
     assert value(after, "recur_malloc_trims_total") > value(before, "recur_malloc_trims_total")

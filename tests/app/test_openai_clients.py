@@ -20,7 +20,9 @@ MODEL = "shakespeare"
 
 @pytest.fixture(scope="module")
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200) as srv:
+    with ServerProcess(
+        MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200
+    ) as srv:
         yield srv
 
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import colorsys
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,8 +22,6 @@ from .sse_client import events
 KEY, OTHER = "key-playground-0123", "key-someone-else-4567"
 # max_tokens so high that a generation is still running when Stop is clicked
 SERVER_SETTINGS = {"max_tokens": 100_000, "api_keys": f"{KEY}, {OTHER}"}
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 TINT_FLOOR = -8.0  # the page's: log-probs at or below it get the reddest tint
 
 
@@ -35,49 +30,6 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
     """The API as the page's key sees it (overrides conftest's keyless client)."""
     with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def downloads() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="recur-downloads-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def browser(downloads: Path):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip(
-            "NO BROWSER: Debian's chromium and chromium-driver are not installed, so the playground "
-            "is NOT tested. Install them: apt-get install -y chromium chromium-driver (.ci/run does)"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="recur-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    driver.execute_cdp_cmd(
-        "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)}
-    )
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _wait(driver, predicate, timeout: float = 60):
@@ -100,12 +52,12 @@ def _status(driver) -> str:
     return driver.find_element("id", "status").text
 
 
-def _open(driver, server: ServerProcess, sid: str | None = None) -> None:
+def _open(driver, server: ServerProcess, sid: str | None = None, key: str = KEY) -> None:
     """Load the page, enter the key (the list loads), and open session `sid` from the list."""
     from selenium.webdriver.common.keys import Keys
 
     driver.get(server.url + "/")
-    driver.find_element("id", "api-key").send_keys(KEY, Keys.TAB)  # the change event
+    driver.find_element("id", "api-key").send_keys(key, Keys.TAB)  # the change event
     _wait(driver, lambda d: _attr(d, "sessions", "data-state") == "loaded" and "error" not in _status(d))
     if sid is not None:
         _wait(driver, lambda d: d.find_elements("css selector", f'#sessions button[data-id="{sid}"]'))

@@ -28,7 +28,9 @@ ABC = {str(b): 100.0 for b in b"abc"}  # only a, b and c can win against these b
 @pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
 def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
     path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
-    with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200) as srv:
+    with ServerProcess(
+        path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200
+    ) as srv:
         yield srv
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from datetime import datetime
@@ -11,8 +10,7 @@ import httpx
 import pytest
 import redis
 
-from app.config import Settings
-from app.store import SessionStore
+from app.store import Keys
 
 from .sse_client import events, generate
 
@@ -389,14 +387,14 @@ def test_error_event_and_nothing_committed_when_the_fence_fails(http, server, re
     """Another writer commits while this one streams (as after an expired lock): the
     stream ends with an `error` event and its tokens are not committed."""
     s = create(http)
-    keys = SessionStore.from_settings(Settings(redis_url=redis_url, key_prefix=server.settings["key_prefix"]))
+    keys = Keys(server.settings["key_prefix"])
     direct = redis.Redis.from_url(redis_url)
     with http.stream(
         "POST", f"/v1/sessions/{s['id']}/generate", json={"max_tokens": 300, "temperature": 0}
     ) as r:
         it = events(r)
         assert next(it)[0] == "token"
-        direct.hset(keys.session_key(s["id"]), "version", 41)  # a commit we did not make
+        direct.hset(keys.session(s["id"]), "version", 41)  # a commit we did not make
         rest = list(it)
     name, data = rest[-1]
     assert name == "error" and data["error"]["type"] == "session_conflict"
@@ -410,7 +408,6 @@ def test_error_event_and_nothing_committed_when_the_fence_fails(http, server, re
         ]
         == 42
     )
-    asyncio.run(keys.close())
     direct.close()
 
 
@@ -445,15 +442,15 @@ def test_openapi_describes_every_route_with_the_error_schema(http):
 
 
 def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis_url):
-    keys = SessionStore.from_settings(Settings(redis_url=redis_url, key_prefix=server.settings["key_prefix"]))
+    keys = Keys(server.settings["key_prefix"])
     direct = redis.Redis.from_url(redis_url)
     a, b = create(http, prompt="a"), create(http, prompt="b")
-    direct.hset(keys.session_key(a["id"]), "fingerprint", "0123456789abcdef")
+    direct.hset(keys.session(a["id"]), "fingerprint", "0123456789abcdef")
     for path, body in [("/score", {"prompt": "x"}), ("/generate", {"max_tokens": 2})]:
         error(http.post(f"/v1/sessions/{a['id']}{path}", json=body), 409, "model_mismatch")
     # a damaged state under a new commit id, as any other writer's commit would leave it
     # (the replica's hot copy belongs to the old commit id, so the bytes are read and checked)
-    direct.hset(keys.session_key(b["id"]), mapping={"state": b"\x00" * 40, "commit": "feedfacefeedface"})
+    direct.hset(keys.session(b["id"]), mapping={"state": b"\x00" * 40, "commit": "feedfacefeedface"})
     error(http.post(f"/v1/sessions/{b['id']}/score", json={"prompt": "x"}), 500, "state_corrupt")
     error(
         http.post(f"/v1/sessions/{b['id']}/generate", json={"max_tokens": 2, "stream": False}),
@@ -464,5 +461,4 @@ def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis
     assert tokens == [] and final == "error" and data["error"]["type"] == "state_corrupt"
     for sid in (a["id"], b["id"]):
         assert http.get(f"/v1/sessions/{sid}").json()["version"] == 0
-    asyncio.run(keys.close())
     direct.close()

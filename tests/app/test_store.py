@@ -19,6 +19,7 @@ from app.store import (
     SessionNotFound,
     SessionStore,
     StateBlobs,
+    Store,
     StoreUnavailable,
     VersionGone,
     VersionMismatch,
@@ -27,9 +28,9 @@ from tests.conftest import free_port
 
 
 def _store(url: str, **settings) -> SessionStore:
-    return SessionStore.from_settings(
+    return Store.from_settings(
         Settings(redis_url=url, key_prefix=f"store-test-{secrets.token_hex(4)}:", **settings)
-    )
+    ).sessions
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +55,7 @@ def test_expired_lock_never_loses_an_update(redis_url):
         with pytest.raises(SessionBusy):
             await store.begin(meta.id)
         # A stalls past its lease: the lock lapses (as PEXPIRE would) and B takes over
-        await store.redis.delete(store.lock_key(meta.id))
+        await store.connection.redis.delete(store.keys.lock(meta.id))
         b = await store.begin(meta.id)
         assert (await b.commit(2, snapshot=b"from-b")).version == 1
         with pytest.raises(CommitConflict):
@@ -68,7 +69,7 @@ def test_expired_lock_never_loses_an_update(redis_url):
         with pytest.raises(SessionBusy):
             await store.begin(meta.id)
         await c.release()
-        await store.close()
+        await store.connection.close()
 
     run(go())
 
@@ -90,7 +91,7 @@ def test_the_holder_renews_its_lease(redis_url):
             await w.commit(3, snapshot=b"u")
         with pytest.raises(VersionMismatch):
             await store.begin(meta.id, expected_version=1)
-        await store.close()
+        await store.connection.close()
 
     run(go())
 
@@ -99,29 +100,29 @@ def test_ttl_is_set_and_slides(redis_url):
     async def go():
         store = _store(redis_url)
         meta = await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=1000, keep=2)
-        key = store.session_key(meta.id)
-        await store.redis.expire(key, 10)  # as if time had passed
+        key = store.keys.session(meta.id)
+        await store.connection.redis.expire(key, 10)  # as if time had passed
         await store.read(meta.id)
-        assert 990 <= await store.redis.ttl(key) <= 1000
-        await store.redis.expire(key, 10)
+        assert 990 <= await store.connection.redis.ttl(key) <= 1000
+        await store.connection.redis.expire(key, 10)
         async with holding(store, meta.id) as w:
             await w.commit(2, snapshot=b"t")
-        assert 990 <= await store.redis.ttl(key) <= 1000
-        assert await store.redis.pttl(store.lock_key(meta.id)) == -2  # no lock left behind
+        assert 990 <= await store.connection.redis.ttl(key) <= 1000
+        assert await store.connection.redis.pttl(store.keys.lock(meta.id)) == -2  # no lock left behind
         async with holding(store, meta.id) as w:  # the history and the transcript slide with it
             await w.commit(3, delta=b"u", segment=b"seg")
-        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
-            await store.redis.expire(k, 10)
+        for k in (store.keys.history(meta.id), store.keys.transcript(meta.id), store.keys.deltas(meta.id)):
+            await store.connection.redis.expire(k, 10)
         at = await store.read_at(meta.id, 1, "", state=True, transcript=True)
         assert at.state == StateBlobs(b"t") and at.transcript == [b"seg"]
-        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
-            assert 990 <= await store.redis.ttl(k) <= 1000
+        for k in (store.keys.history(meta.id), store.keys.transcript(meta.id), store.keys.deltas(meta.id)):
+            assert 990 <= await store.connection.redis.ttl(k) <= 1000
         await store.delete(meta.id)
         with pytest.raises(SessionNotFound):
             await store.read(meta.id)
-        for k in (store.history_key(meta.id), store.transcript_key(meta.id), store.deltas_key(meta.id)):
-            assert not await store.redis.exists(k)
-        await store.close()
+        for k in (store.keys.history(meta.id), store.keys.transcript(meta.id), store.keys.deltas(meta.id)):
+            assert not await store.connection.redis.exists(k)
+        await store.connection.close()
 
     run(go())
 
@@ -164,12 +165,12 @@ def test_interleaved_writers_commit_consecutive_versions(redis_url, ops):
                 await w.release()
                 del writers[i]
             elif op == "expire":
-                await store.redis.delete(store.lock_key(meta.id))
+                await store.connection.redis.delete(store.keys.lock(meta.id))
             got, blob = await store.read(meta.id, with_state=True)
             assert got.version == version and blob == StateBlobs(state)
         for w in writers.values():
             await w.release()
-        await store.close()
+        await store.connection.close()
 
     run(go())
 
@@ -178,14 +179,14 @@ def test_dead_redis_fails_fast_with_store_unavailable():
     async def go():
         store = _store(f"redis://127.0.0.1:{free_port()}/0", redis_timeout=0.5)
         with pytest.raises(StoreUnavailable):
-            await store.ping()
+            await store.connection.ping()
         with pytest.raises(StoreUnavailable):
             await store.create(StateBlobs(b"s"), 1, "m", "fp", ttl=5)
         with pytest.raises(StoreUnavailable):
             await store.read("0" * 32)
         with pytest.raises(StoreUnavailable):
             await store.begin("0" * 32)
-        await store.close()
+        await store.connection.close()
 
     run(go())
 
@@ -196,7 +197,7 @@ def test_garbage_ids_never_reach_redis(redis_url):
         for sid in ["", "x", "0" * 31, "0" * 33, "Z" * 32, "0" * 31 + "\n", "*"]:
             with pytest.raises(SessionNotFound):
                 await store.read(sid)
-        await store.close()
+        await store.connection.close()
 
     run(go())
     assert redis.Redis.from_url(redis_url).ping()
@@ -223,7 +224,7 @@ def test_a_finished_writer_and_its_state_bytes_are_freed_at_once(redis_url, endi
         for _ in range(5):  # let the cancelled renewer finish
             await asyncio.sleep(0)
         alive = ref() is not None
-        await store.close()
+        await store.connection.close()
         return alive
 
     gc.disable()
@@ -246,8 +247,8 @@ def test_a_burst_waits_for_the_bounded_pool_instead_of_flooding_redis(tmp_path):
             store = _store(own.url, redis_max_connections=3)
             meta = await store.create(StateBlobs(b"s" * 100_000), 1, "m", "fp", ttl=60)
             reads = await asyncio.gather(*(store.read(meta.id, with_state=True) for _ in range(40)))
-            clients = await store.redis.client_list()
-            await store.close()
+            clients = await store.connection.redis.client_list()
+            await store.connection.close()
             return reads, [c for c in clients if c.get("name") == CLIENT_NAME]
 
         reads, ours = run(go())
@@ -294,7 +295,7 @@ def test_kept_versions_rebuild_from_the_history_and_nothing_else_stays(redis_url
             with pytest.raises(VersionGone):
                 await store.read_at(meta.id, v - 3 if v >= 3 else v + 1, "")
             # the history holds exactly the blobs of the replaced chains that kept versions use
-            fields = await store.redis.hkeys(store.history_key(meta.id))
+            fields = await store.connection.redis.hkeys(store.keys.history(meta.id))
             blobs = sorted(f.decode() for f in fields if f[:2] in (b"s:", b"d:"))
             needed = set()
             for u in range(max(0, v - 2), v + 1):
@@ -304,7 +305,7 @@ def test_kept_versions_rebuild_from_the_history_and_nothing_else_stays(redis_url
             assert blobs == sorted(needed), v
         at = await store.read_at(meta.id, None, "", transcript=True)
         assert at.transcript == [b"seg%d" % v for v in range(1, 11)]
-        await store.close()
+        await store.connection.close()
 
     run(go())
 
@@ -320,6 +321,6 @@ def test_the_transcript_is_bounded_and_says_so(redis_url):
         assert at.trimmed and at.transcript == [bytes([v]) * 300 for v in (3, 4, 5)]
         got = await store.read(meta.id)
         assert got[0].history_bytes == 900
-        await store.close()
+        await store.connection.close()
 
     run(go())

@@ -8,7 +8,7 @@
 #      network namespace, so nothing is published on the host and no port can collide;
 #   3. run the image's own HEALTHCHECK command in the container until it passes, within the
 #      bound Docker would allow (start period + interval x retries);
-#   4. walk the README's curl session against it: create, read, stream, generate as JSON,
+#   4. walk docs/API.md's curl session against it: create, read, stream, generate as JSON,
 #      score, fork, If-Match, delete; status codes and bodies are checked;
 #   5. check that every process of the container runs as the image's USER, never root;
 #   6. stop it (SIGTERM must end it cleanly) and remove what this script made.
@@ -315,7 +315,7 @@ fi
 HEALTHY_SECONDS=$((SECONDS - run_start))
 log "healthy after $HEALTHY_SECONDS s"
 
-# -- 4. the README's curl session -----------------------------------------------------------------------------
+# -- 4. docs/API.md's curl session -----------------------------------------------------------------------------
 B=http://127.0.0.1:$PORT
 J='content-type: application/json'
 call() { # METHOD PATH [curl arguments]: the status in CODE, the body and headers in files
@@ -330,7 +330,7 @@ call() { # METHOD PATH [curl arguments]: the status in CODE, the body and header
 # PYTHON may set `out` to what the log line shows.
 expect() {
   [ "$CODE" = "$2" ] || die "$1: HTTP $CODE, expected $2: $(head -c 2000 "$WORK/body")"
-  python3 - "$WORK" "$1" "$3" <<'EOF' || die "$1: the response is not what the README says"
+  python3 - "$WORK" "$1" "$3" <<'EOF' || die "$1: the response is not what docs/API.md says"
 import json, sys
 from pathlib import Path
 

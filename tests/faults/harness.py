@@ -24,8 +24,7 @@ import httpx
 import redis
 
 import model
-from app.config import Settings
-from app.store import SessionStore
+from app.store import Keys
 from model.state import merge
 from tests.app.sse_client import events
 from tests.conftest import ServerProcess, _wait_redis, free_port
@@ -97,10 +96,9 @@ def start_all(*servers: ServerProcess) -> None:
             f.result()
 
 
-def store_for(server: ServerProcess) -> SessionStore:
-    """A SessionStore for its key names only (it opens no connection until used)."""
-    assert server.redis_url is not None
-    return SessionStore.from_settings(Settings(redis_url=server.redis_url, key_prefix=str(server.settings["key_prefix"])))
+def store_for(server: ServerProcess) -> Keys:
+    """The server's Redis key names."""
+    return Keys(str(server.settings["key_prefix"]))
 
 
 @dataclass
@@ -110,19 +108,17 @@ class Stored:
     state: model.State
 
 
-def stored(r: redis.Redis, keys: SessionStore, sid: str, lm: model.LanguageModel) -> Stored:
+def stored(r: redis.Redis, keys: Keys, sid: str, lm: model.LanguageModel) -> Stored:
     """A session as Redis holds it, read with redis-py, every state blob verified.
 
     `merge` checks each blob's safetensors container, its header's shapes against the
     tensors present and its checksum; `load_state` checks the family, the fingerprint and
     the tensors' shapes against the model.
     """
-    h = r.hgetall(keys.session_key(sid))
+    h = r.hgetall(keys.session(sid))
     assert h, f"session {sid} is gone from Redis"
     snapshot = h[b"state"]
-    # the deltas list exists once the store persists deltas; before that it is simply empty
-    deltas_key = getattr(keys, "deltas_key", None)
-    deltas = r.lrange(deltas_key(sid), 0, -1) if deltas_key else []
+    deltas = r.lrange(keys.deltas(sid), 0, -1)
     header, tensors = merge(snapshot, deltas)
     assert header["fingerprint"] == h[b"fingerprint"].decode() == lm.fingerprint
     state = lm.load_state(snapshot, deltas)

@@ -148,7 +148,7 @@ def test_stalled_writer_cannot_commit_over_a_newer_version(cluster, lm, rdb, rou
 
         t = threading.Thread(target=stalled_request)
         t.start()
-        _wait_locked(rdb, keys.lock_key(sid))
+        _wait_locked(rdb, keys.lock(sid))
         # the stalled writer stops renewing; once its lease lapses, A takes the lock and commits
         end = time.monotonic() + 30
         while True:
@@ -224,12 +224,12 @@ def test_a_hot_cache_never_outlives_a_commit_redis_lost(cluster, rdb):
     keys = store_for(cluster.a)
     with cluster.a.client() as ca, cluster.b.client() as cb:
         sid = create(ca, "lost")["id"]
-        saved = {k: rdb.dump(k) for k in (keys.session_key(sid), keys.deltas_key(sid)) if rdb.exists(k)}
+        saved = {k: rdb.dump(k) for k in (keys.session(sid), keys.deltas(sid)) if rdb.exists(k)}
         assert (
             ca.post(f"/v1/sessions/{sid}/score", json={"prompt": " first", "commit": True}).status_code == 200
         )
         # Redis loses that commit: the keys are as they were at v0
-        rdb.delete(keys.session_key(sid), keys.deltas_key(sid))
+        rdb.delete(keys.session(sid), keys.deltas(sid))
         for k, v in saved.items():
             rdb.restore(k, 0, v)
         rb = cb.post(f"/v1/sessions/{sid}/score", json={"prompt": " other", "commit": True})  # same length

@@ -46,7 +46,7 @@ def _unchanged(http, sid: str) -> None:
 @pytest.mark.parametrize(
     "raw, status",
     [
-        (b'{"prompt": "\xff\xfe\xfd"}', 422),  # invalid UTF-8 (not JSON: 422, as the README says)
+        (b'{"prompt": "\xff\xfe\xfd"}', 422),  # invalid UTF-8 (not JSON: 422, as docs/API.md says)
         (b'{"prompt": "\xc3"}', 422),  # a truncated UTF-8 sequence
         (b'{"prompt": "a\x00b"}', 422),  # a raw NUL byte (JSON forbids unescaped control characters)
         (b"\x00\x00\x00\x00", 422),  # NUL bytes only

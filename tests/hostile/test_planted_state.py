@@ -61,12 +61,12 @@ def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_p
         sid = c.post("/v1/sessions", json={"prompt": "victim"}).json()["id"]
         healthy = c.post("/v1/sessions", json={"prompt": "bystander"}).json()["id"]
         assert c.post(f"/v1/sessions/{sid}/score", json={"prompt": "!", "commit": True}).status_code == 200
-        skey = keys.session_key(sid)
+        skey = keys.session(sid)
         if variant == "pickle-delta":
-            r.rpush(keys.deltas_key(sid), _pickle(marker))
+            r.rpush(keys.deltas(sid), _pickle(marker))
         else:
             blob = _pickle(marker) if variant == "pickle-snapshot" else _torch_save(marker)
-            r.delete(keys.deltas_key(sid))
+            r.delete(keys.deltas(sid))
             r.hset(skey, mapping={"state": blob, "delta_bytes": 0})
         version = _as_a_new_commit(r, skey)
 
@@ -114,9 +114,9 @@ def test_a_lost_delta_list_is_refused_not_silently_rolled_back(hostile_servers, 
         assert (
             c.post(f"/v1/sessions/{sid}/score", json={"prompt": " this", "commit": True}).status_code == 200
         )
-        assert r.llen(keys.deltas_key(sid)) >= 1  # the commit was stored as a delta
-        r.delete(keys.deltas_key(sid))
-        version = _as_a_new_commit(r, keys.session_key(sid))
+        assert r.llen(keys.deltas(sid)) >= 1  # the commit was stored as a delta
+        r.delete(keys.deltas(sid))
+        version = _as_a_new_commit(r, keys.session(sid))
         for path, body in [
             ("/score", {"prompt": "x"}),
             ("/score", {"prompt": "x", "commit": True}),
@@ -126,5 +126,5 @@ def test_a_lost_delta_list_is_refused_not_silently_rolled_back(hostile_servers, 
             assert resp.status_code == 500, resp.text
             assert resp.json()["error"]["type"] == "state_corrupt"
             assert "inconsistent" in resp.json()["error"]["message"]
-        assert int(r.hget(keys.session_key(sid), "version")) == version
+        assert int(r.hget(keys.session(sid), "version")) == version
     r.close()

@@ -8,6 +8,7 @@ import torch
 import model
 from model import corpus
 from model.checkpoint import build
+from model.state import State
 from tests.conftest import SSM_TINY
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
@@ -43,6 +44,24 @@ def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageM
     return lm.eval()
 
 
+def run_chunks(
+    lm: model.LanguageModel,
+    tokens: torch.Tensor,
+    sizes: list[int],
+    state: State | None = None,
+    how: model.Execution = model.FUNCTIONAL,
+) -> tuple[torch.Tensor, State]:
+    """Feed `tokens` (B, T) in chunks of `sizes`: the logits of all of them and the last state."""
+    state = state or lm.new_state(tokens.shape[0])
+    out, i = [], 0
+    for n in sizes:
+        logits, state = lm(tokens[:, i : i + n], state, how)
+        out.append(logits)
+        i += n
+    assert i == tokens.shape[1]
+    return torch.cat(out, 1), state
+
+
 @pytest.fixture(scope="module")
 def txl() -> model.LanguageModel:
     return tiny_txl()
@@ -56,3 +75,13 @@ def text_dir(tmp_path_factory):
     for name, text in works[:7]:
         (root / f"{name}.txt").write_text(text[:3000], encoding="utf-8")
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny per-token ops: intra-op threads only add wake-up latency on a shared CPU (a
+    module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,25 +32,32 @@ HERE = Path(__file__).parent
 class ReferenceEnv:
     path: Path
     requirements: Path
+    no_deps: Path | None = None  # then these, without their dependencies (torch: the main env's)
 
     def ensure(self) -> None:
         """Build the environment if it is missing (as `make ref-env` would)."""
         if (self.path / ".installed").is_file():
             return
-        cmd = [
-            sys.executable, "-m", "pip", "install", "-q", "--upgrade",
-            "--target", str(self.path), "-r", str(self.requirements),
-        ]  # fmt: skip
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target", str(self.path)]
+        steps = [[*pip, "-r", str(self.requirements)]]
+        if self.no_deps is not None:
+            steps.append([*pip, "--no-deps", "-r", str(self.no_deps)])
+        for cmd in steps:
+            self._install(cmd)
+        (self.path / ".installed").touch()
+
+    def _install(self, cmd: list[str]) -> None:
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"REFERENCE ENV MISSING: {self.path} is absent and `{' '.join(cmd)}` failed ({e}); run `make ref-env`")
+            pytest.skip(
+                f"REFERENCE ENV MISSING: {self.path} is absent and `{' '.join(cmd)}` failed ({e}); run `make ref-env`"
+            )
         if res.returncode != 0:
             pytest.skip(
                 f"REFERENCE ENV MISSING: {self.path} is absent and could not be built "
                 f"(`{' '.join(cmd)}` exited {res.returncode}: {res.stderr.strip()[-500:]}); run `make ref-env`"
             )
-        (self.path / ".installed").touch()
 
     def run(self, script: Path, *args: str | Path, home: Path, timeout: float = 300) -> str:
         """Run `script` with this environment first on the path, offline; its stdout."""
@@ -64,11 +71,19 @@ class ReferenceEnv:
             "PYTHONWARNINGS": "ignore",
         }
         res = subprocess.run(
-            [sys.executable, str(script), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, str(script), *map(str, args)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         assert res.returncode == 0, f"reference subprocess {script.name} failed:\n{res.stderr[-3000:]}"
         return res.stdout
 
 
 LEGACY = ReferenceEnv(ROOT / ".venv-ref", HERE / "reference-requirements.txt")
-CURRENT = ReferenceEnv(ROOT / ".venv-ref-current", HERE / "reference-current-requirements.txt")
+CURRENT = ReferenceEnv(
+    ROOT / ".venv-ref-current",
+    HERE / "reference-current-requirements.txt",
+    HERE / "reference-current-nodeps.txt",
+)

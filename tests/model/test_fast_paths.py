@@ -7,7 +7,7 @@
 * RLT's chunk (the encoder over the chunk at once, the recurrent decoder stepping through
   it) against `reference_rlt` below: the report's equations one token at a time, with
   nn.RMSNorm, rotate-half RoPE by concatenation and an explicit softmax.
-* The CPU weight layout (`LanguageModel._lay_out_weights`) changes no value a checkpoint
+* The CPU weight layout (`model.family.lay_out_weights`) changes no value a checkpoint
   or a fingerprint sees.
 """
 
@@ -50,8 +50,8 @@ def test_txl_decode_steps_equal_training_forward(overrides):
     want = _txl_reference(lm, tokens)
     with torch.no_grad():
         state, got = lm.new_state(1), []
-        for t in range(tokens.shape[1]):  # one stream, one token a step: the step path
-            logits, state = lm(tokens[:, t : t + 1], state)
+        for t in range(tokens.shape[1]):  # one stream, one token a step: the served step path
+            logits, state = lm(tokens[:, t : t + 1], state, model.IN_PLACE)
             got.append(logits)
         assert state["k"].stride(2) == 1  # a single stream's cache lies along time
         chunked, _ = lm(tokens, lm.new_state(1))
@@ -248,8 +248,7 @@ def test_a_compiled_step_equals_the_eager_one(name):
     lm = model.load(name, device="cpu")
     with torch.no_grad():
         _, state = lm.consume([1, 65, 66, 67] * 5, lm.new_state(1))
-        lm.append_in_place = False  # as the engine runs a compiled step
-        step = torch.compile(lm.forward, dynamic=True)
+        step = torch.compile(lm.forward, dynamic=True)  # (functional, as the engine compiles it)
         tok = torch.zeros(1, 1, dtype=torch.long)
         eager = compiled = state
         for _ in range(8):

@@ -57,7 +57,9 @@ CASES = {
 BIN_CASES = frozenset({"shared_r-post_ln", "untied_r-pre_ln"})  # saved as pytorch_model.bin
 
 
-def make_reference(out: Path, cases: dict[str, dict], bin_cases: frozenset[str] = frozenset()) -> dict[str, Path]:
+def make_reference(
+    out: Path, cases: dict[str, dict], bin_cases: frozenset[str] = frozenset()
+) -> dict[str, Path]:
     """Run the reference subprocess: name -> a save_pretrained directory with reference.safetensors.
 
     Skips (loudly) only when the reference environment is absent and cannot be built.
@@ -116,7 +118,9 @@ def test_logprobs_match_reference(reference, name):
 def test_scoring_path_matches_reference(reference, name, tmp_path):
     """Converted checkpoint, `consume` in tgt_len segments from the start, state through bytes."""
     ids, ref = _ref(reference[name])
-    assert recur_cli(["convert", str(reference[name]), str(tmp_path / "native"), "--tgt-len", str(TGT_LEN)]) == 0
+    assert (
+        recur_cli(["convert", str(reference[name]), str(tmp_path / "native"), "--tgt-len", str(TGT_LEN)]) == 0
+    )
     lm = model.load(tmp_path / "native", device="cpu")
     assert lm.config.tgt_len == TGT_LEN
     want = ref[:, :-1].gather(2, ids[:, 1:, None])[..., 0]  # reference log p(token t+1 | ...)
@@ -172,7 +176,9 @@ def test_original_layout_without_prefix_and_legacy_bin(reference, tmp_path):
     hf_model = model.load(src, device="cpu")
     for f in ("config.json", "vocab.txt"):
         (tmp_path / f).write_bytes((src / f).read_bytes())
-    original = {k.removeprefix("transformer."): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    original = {
+        k.removeprefix("transformer."): v for k, v in load_file(str(src / "model.safetensors")).items()
+    }
     for i in range(3):  # the tied output layers, saved again as the original did
         original[f"crit.out_layers.{i}.weight"] = original[f"word_emb.emb_layers.{i}.weight"]
     torch.save(original, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)

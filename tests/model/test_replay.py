@@ -17,7 +17,9 @@ from model.replay import report as replay_report
 from model.sampling import Context, SamplingParams, make_generator, sample
 
 from .conftest import tiny_ssm, tiny_txl
-from .test_rlt import one_thread, tiny_rlt  # noqa: F401  (autouse: one intra-op thread)
+from .test_rlt import tiny_rlt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SETTINGS = [
     SamplingParams(temperature=0.0),

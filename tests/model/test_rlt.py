@@ -16,6 +16,8 @@ from model.checkpoint import build
 from model.rlt import RLT
 from model.state import State, StateError
 
+from .conftest import run_chunks
+
 W, C = 3, 8  # window, max_context
 TINY_RLT = dict(
     n_encoder_layers=2, n_decoder_layers=2, d_model=16, n_head=2, d_ff=32,
@@ -23,13 +25,7 @@ TINY_RLT = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny per-token ops: intra-op threads only add wake-up latency on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_rlt(seed: int = 0, **overrides: object) -> RLT:
@@ -42,19 +38,6 @@ def tiny_rlt(seed: int = 0, **overrides: object) -> RLT:
             lm_any.merge.W_s.weight.normal_(0, 0.5)
     lm.fingerprint = model.fingerprint(lm)
     return lm.eval()  # type: ignore[return-value]
-
-
-def run_chunks(
-    lm, tokens: torch.Tensor, sizes: list[int], state: State | None = None
-) -> tuple[torch.Tensor, State]:
-    state = state or lm.new_state(tokens.shape[0])
-    out, i = [], 0
-    for n in sizes:
-        logits, state = lm(tokens[:, i : i + n], state)
-        out.append(logits)
-        i += n
-    assert i == tokens.shape[1]
-    return torch.cat(out, 1), state
 
 
 @st.composite
@@ -98,11 +81,12 @@ def test_the_fixed_shape_recurrence_equals_the_loop(case, history):
     short = lm.new_state(1)
     if history:
         _, short = lm(torch.randint(0, 258, (1, history), generator=g), short)
-    start = lm.stack_states([short, lm(torch.randint(0, 258, (1, history + 7), generator=g), lm.new_state(1))[1]])
+    start = lm.stack_states(
+        [short, lm(torch.randint(0, 258, (1, history + 7), generator=g), lm.new_state(1))[1]]
+    )
     with torch.no_grad():
         loop, s_loop = run_chunks(lm, tokens, sizes, start)
-        with lm.using(lm.parts()):
-            fixed, s_fixed = run_chunks(lm, tokens, sizes, start)
+        fixed, s_fixed = run_chunks(lm, tokens, sizes, start, model.Execution(parts=lm.parts()))
     assert set(lm.parts()) == {"decode_token"}
     assert (loop - fixed).abs().max().item() <= 1e-4
     for name, t in s_loop.tensors.items():

@@ -16,9 +16,10 @@ from model.mamba import linear_scan
 from model.mamba2 import ssd
 from model.state import Persist, State, StateError, encode
 
-from .conftest import SSM_TINY, tiny_ssm
-from .test_rlt import one_thread, run_chunks  # noqa: F401  (one_thread: autouse, one intra-op thread)
+from .conftest import SSM_TINY, run_chunks, tiny_ssm
 from .test_train import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = list(SSM_TINY)
 

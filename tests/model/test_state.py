@@ -92,14 +92,14 @@ def test_corrupted_header_is_rejected(txl_and_state):
 
 
 def _with_header(tensors, **changes):
-    from model.state import _digest
+    from model.state import checksum_of
 
     header = {
         "format": 1,
         "family": "transformer-xl",
         "dtype": "float32",
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
-        "checksum": _digest(tensors),
+        "checksum": checksum_of(tensors),
     }
     header.update(changes)
     return st_save(tensors, metadata={"recur": json.dumps(header)})
@@ -152,7 +152,9 @@ def test_pickle_payload_is_rejected_not_executed(txl_and_state):
 
 
 def test_fingerprint_is_stable_and_weight_sensitive(tmp_path):
-    lm = model.init(tmp_path / "a", n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, tgt_len=4)
+    lm = model.init(
+        tmp_path / "a", n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, tgt_len=4
+    )
     again = model.load(tmp_path / "a", device="cpu")
     assert lm.fingerprint == again.fingerprint
     with torch.no_grad():
@@ -248,14 +250,14 @@ def _batch(lm, seed: int = 0):
     return lm.stack_states(rows)
 
 
-def _decode(lm, state, steps: int, seed: int = 1):
+def _decode(lm, state, steps: int, how: model.Execution, seed: int = 1):
     """Prefill a 4-token chunk, then decode greedily for `steps` steps: (logits, state)."""
     g = torch.Generator().manual_seed(seed)
-    out, state = lm(torch.randint(0, 258, (state.batch_size, 4), generator=g), state)
+    out, state = lm(torch.randint(0, 258, (state.batch_size, 4), generator=g), state, how)
     logits = [out]
     for _ in range(steps):
         ids = lm.next_logits(state).argmax(-1, keepdim=True)
-        out, state = lm(ids, state)
+        out, state = lm(ids, state, how)
         logits.append(out)
     return torch.cat(logits, 1), state
 
@@ -267,11 +269,9 @@ def test_growing_in_place_gives_exactly_the_functional_results(family):
     lm = FAMILIES[family]()
     steps = 2 * ARENA_SLACK + 7
     with torch.no_grad():
-        lm.append_in_place = False
-        ref_logits, ref = _decode(lm, _batch(lm), steps)
+        ref_logits, ref = _decode(lm, _batch(lm), steps, model.FUNCTIONAL)
         assert not ref.arenas
-        lm.append_in_place = True
-        logits, st = _decode(lm, _batch(lm), steps)
+        logits, st = _decode(lm, _batch(lm), steps, model.IN_PLACE)
     assert st.arenas and set(st.arenas) <= set(st.seq_dims)  # it did grow in place
     _same(logits, ref_logits)
     assert set(st.tensors) == set(ref.tensors)
@@ -287,20 +287,22 @@ def test_states_grown_from_one_state_never_write_the_same_rows(family):
     in place, the second must copy, and no state's rows change after it was handed out."""
     lm = FAMILIES[family]()
     with torch.no_grad():
-        _, base = lm(torch.randint(0, 258, (1, 9)))
-        _, base = lm(torch.tensor([[5]]), base)  # a state that owns the tail of an arena
+        here = model.IN_PLACE
+        _, base = lm(torch.randint(0, 258, (1, 9)), None, here)
+        _, base = lm(torch.tensor([[5]]), base, here)  # a state that owns the tail of an arena
         before = base.clone()
-        a1, sa = lm(torch.tensor([[7]]), base)
-        b1, sb = lm(torch.tensor([[8]]), base)
-        a2, sa = lm(torch.tensor([[9, 10]]), sa)  # grows sa in place again
-        c1, _ = lm(torch.tensor([[8]]), base)  # a third extension of base: still correct
-        lm.append_in_place = False
+        a1, sa = lm(torch.tensor([[7]]), base, here)
+        b1, sb = lm(torch.tensor([[8]]), base, here)
+        a2, sa = lm(torch.tensor([[9, 10]]), sa, here)  # grows sa in place again
+        c1, _ = lm(torch.tensor([[8]]), base, here)  # a third extension of base: still correct
         ra1, rsa = lm(torch.tensor([[7]]), before)
         rb1, rsb = lm(torch.tensor([[8]]), before)
         ra2, rsa = lm(torch.tensor([[9, 10]]), rsa)
     for name in base.tensors:
         assert torch.equal(base[name], before[name]), name  # untouched by its three children
-    shared = [n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()]
+    shared = [
+        n for n in base.arenas if base[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr()
+    ]
     assert shared, "the first child should have grown in place"
     assert not any(sb[n].untyped_storage().data_ptr() == sa[n].untyped_storage().data_ptr() for n in shared)
     for got, want in [(a1, ra1), (b1, rb1), (a2, ra2), (c1, rb1)]:
@@ -315,3 +317,5 @@ def test_under_autograd_states_are_built_functionally():
     _, st = lm(torch.randint(0, 258, (1, 6)))
     _, st = lm(torch.randint(0, 258, (1, 3)), st)
     assert not st.arenas and st["swa_k"].requires_grad
+    with pytest.raises(RuntimeError, match="only without autograd"):
+        lm(torch.randint(0, 258, (1, 3)), st, model.IN_PLACE)

@@ -155,7 +155,18 @@ def test_cli_train_then_eval(tmp_path, text_dir, capsys):
     out = tmp_path / "cli"
     argv = ["train", "--out", str(out), "--corpus", str(text_dir), "--steps", "4", "--batch-size", "2"]
     argv += ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--d-head", "16", "--d-inner", "64"]
-    argv += ["--tgt-len", "16", "--mem-len", "16", "--eval-every", "4", "--eval-bytes", "300", "--threads", "1"]
+    argv += [
+        "--tgt-len",
+        "16",
+        "--mem-len",
+        "16",
+        "--eval-every",
+        "4",
+        "--eval-bytes",
+        "300",
+        "--threads",
+        "1",
+    ]
     assert recur(argv + ["--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 4 and summary["tokens"] == 4 * 2 * 16
@@ -175,7 +186,10 @@ def test_cli_stop_resume_replan_and_plot(tmp_path, text_dir, capsys):
     assert recur(argv + ["--stop-at", "3"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 3
     # --resume keeps the saved config; --steps re-plans the schedule from the resumed step
-    assert recur(["train", "--out", str(out), "--resume", "--steps", "5", "--threads", "1", "--no-progress"]) == 0
+    assert (
+        recur(["train", "--out", str(out), "--resume", "--steps", "5", "--threads", "1", "--no-progress"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 5
     saved = json.loads((out / "last" / "trainer.json").read_text())
     assert saved["step"] == 5 and saved["config"]["steps"] == 5 and saved["config"]["batch_size"] == 2

@@ -1,0 +1,94 @@
+"""The sessions service: a session's whole transaction, from its lock to its commit, the
+hot cache and the persistence policy. A reader finds the whole life of a request here:
+
+- service.py: the writes, step by step (lock, start, run, reserve, commit, settle), and
+  the persistence policy;
+- reads.py: what every request shares (the starting state, running one engine request)
+  and the requests that only read;
+- run.py: a generation in progress, from its first token to its commit;
+- choices.py: many generations of one request (OpenAI's `n`), and requests that name no
+  session (prefix reuse);
+- cache.py: the hot cache.
+
+Tenant accounting (admission, quotas, settlement) is app/tenants.py's, called at a
+transaction's start and end; Redis is app/store's; the model is app/engine's. This package
+knows neither HTTP nor tensors.
+"""
+
+from __future__ import annotations
+
+from app.config import Settings
+from app.engine import Engine, Fairness
+from app.store import Store, owner_of
+from app.tenants import Tenants
+from model import LanguageModel
+
+from .cache import Held, HotCache
+from .choices import Started, needs_whole_prompt, start, stateless
+from .reads import ModelMismatch, SessionReads
+from .run import ClientDisconnected, Run
+from .service import Generation, SessionService, StateRejected
+
+__all__ = [
+    "ClientDisconnected",
+    "Generation",
+    "Held",
+    "HotCache",
+    "ModelMismatch",
+    "Run",
+    "SessionReads",
+    "SessionService",
+    "Started",
+    "StateRejected",
+    "build",
+    "build_engine",
+    "needs_whole_prompt",
+    "start",
+    "stateless",
+]
+
+
+def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
+    """The engine as `settings` describe it (not yet started)."""
+    return Engine(
+        lm,
+        name=name,
+        max_batch_size=settings.max_batch_size,
+        max_queued_requests=settings.max_queued_requests,
+        max_queued_tokens=settings.max_queued_tokens,
+        cpu_threads=settings.cpu_threads,
+        compile=settings.compile,
+        malloc_trim_interval=settings.malloc_trim_interval,
+        step_deadline=settings.engine_step_deadline,
+        prefill_tokens_per_step=settings.prefill_tokens_per_step,
+        fairness=Fairness(
+            batch_share=settings.key_batch_share,
+            queue_share=settings.key_queue_share,
+            buffer_tokens=settings.stream_buffer_tokens,
+        ),
+    )
+
+
+def build(settings: Settings, store: Store, engine: Engine) -> SessionService:
+    """The service, and the tenants room it calls, as `settings` describe them."""
+    tenants = Tenants(
+        store.tenants,
+        store.connection,
+        quota=settings.quota(),
+        quotas={owner_of(key): quota for key, quota in settings.load_tenants().items()},
+        max_streams=settings.max_streams_per_key,
+    )
+    return SessionService(
+        store.sessions,
+        tenants,
+        engine,
+        HotCache(int(settings.hot_cache_mb * 2**20)),
+        state_dtype=settings.state_dtype,
+        delta_persistence=settings.delta_persistence,
+        history_versions=settings.history_versions,
+        prefix_reuse=settings.prefix_reuse,
+        stateless_ttl=settings.stateless_session_ttl,
+        # a small multiple of the largest state the served model can produce, unless set
+        import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
+        max_imports=settings.max_concurrent_imports,
+    )

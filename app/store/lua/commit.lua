@@ -1,0 +1,38 @@
+--! uses: now session
+-- Commit version expected + 1, only if the session is still at the expected version (the
+-- fence). KEYS: the session's five. ARGV: expected version, n_tokens, lock token, 'delta' |
+-- 'snapshot', blob, new commit id, transcript segment (or ''), transcript bound, the new
+-- tokens' hash. A delta is appended; a snapshot replaces state and deltas, which move to
+-- the history (when more than one version is kept). Returns {'status', 'ok', 'meta', meta},
+-- {'status', 'missing'} or {'status', 'conflict', 'version', v}.
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'status', 'missing'} end
+local v = redis.call('HGET', KEYS[1], 'version')
+if v ~= ARGV[1] then return {'status', 'conflict', 'version', v} end
+local new = tonumber(v) + 1
+if ARGV[4] == 'delta' then
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'delta_bytes', string.len(ARGV[5]))
+else  -- (HSET before DEL: the first write is the one a full Redis refuses, see create.lua)
+  local base, old = base_of(KEYS), redis.call('HGET', KEYS[1], 'state')
+  local chain = redis.call('LRANGE', KEYS[2], 0, -1)
+  redis.call('HSET', KEYS[1], 'state', ARGV[5], 'delta_bytes', 0)
+  redis.call('DEL', KEYS[2])
+  if num(KEYS[1], 'keep') > 1 then  -- the replaced chain, for the kept versions built on it
+    local size = string.len(old)
+    redis.call('HSET', KEYS[4], 's:' .. base, old)
+    for i, d in ipairs(chain) do
+      redis.call('HSET', KEYS[4], 'd:' .. (base + i), d)
+      size = size + string.len(d)
+    end
+    redis.call('HINCRBY', KEYS[1], 'history_bytes', size)
+  else
+    redis.call('HSET', KEYS[1], 'blob_lo', new)
+  end
+end
+redis.call('HSET', KEYS[1], 'version', new, 'n_tokens', ARGV[2], 'commit', ARGV[6])
+remember(KEYS, new, ARGV[2], base_of(KEYS), ARGV[9])
+prune(KEYS, new)
+transcribe(KEYS, ARGV[7], tonumber(ARGV[8]))
+touch(KEYS)
+if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
+return {'status', 'ok', 'meta', meta(KEYS[1])}

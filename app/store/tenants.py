@@ -1,0 +1,123 @@
+"""Tenants in Redis: each tenant's ledger, token buckets and prefix index, on its own keys
+(`{T}`, never a session's: each script here touches one slot, and runs beside, never
+inside, the session script it follows).
+
+The ledger: a tenant's live sessions by expiry (a sorted set) and their stored bytes (a
+hash with `_total`), which its quotas are checked against. `record` enters a session's
+size, refusing it past the tenant's limits when asked to check; `settle` enters it after a
+write, and the prefix index entry of the state the write committed, in one round trip.
+The buckets: requests and generated tokens per second, refilled from the Redis clock. The
+prefix index: a committed state's "session_id:version" by the hash of its tokens
+(app/prefixes.py), for the tenant's requests without a session to fork.
+"""
+
+from __future__ import annotations
+
+from app.config import Quota
+
+from .connection import Connection
+from .keys import SESSION_ID, Keys
+from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
+
+
+class TenantStore:
+    def __init__(self, connection: Connection, keys: Keys):
+        self.connection = connection
+        self.keys = keys
+
+    # -- the ledger ---------------------------------------------------------------------------
+    async def record(
+        self, owner: str, session_id: str, state_bytes: int, expires_at: float, limits: Quota | None
+    ) -> LedgerTotals:
+        """Enter a session's stored size and expiry in its tenant's ledger. With `limits`,
+        only if the tenant stays within them (else QuotaExceeded, and nothing changes)."""
+        check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
+        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check]
+        answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
+        usage, status = LedgerTotals.of(answer), answer["status"]
+        if status == b"sessions" and limits:
+            raise QuotaExceeded(
+                "sessions", f"this key holds {usage.sessions} sessions, its limit; delete some first", 60
+            )
+        if status == b"bytes" and limits:
+            raise QuotaExceeded(
+                "bytes",
+                f"this key's sessions hold {usage.state_bytes} bytes of state; {state_bytes} more would "
+                f"pass its limit of {limits.state_bytes}: delete sessions first",
+                60,
+            )
+        return usage
+
+    async def settle(self, owner: str, meta: SessionMeta, index: bool) -> LedgerTotals:
+        """After a write: the session's size and expiry as the write left them and, with
+        `index`, its state in the prefix index (until the session would expire), in one step."""
+        tenant = tenant_of(owner)
+        keys = self.keys.ledger(tenant)
+        if index:
+            keys.append(self.keys.prefix_entry(tenant, meta.tokens_hash))
+        args = [meta.id, meta.stored_bytes, f"{meta.expires_at:.3f}", f"{meta.id}:{meta.version}", meta.ttl]
+        return LedgerTotals.of(fields(await self.connection.run("settle", keys, args)))
+
+    async def forget(self, owner: str, session_id: str) -> LedgerTotals:
+        """A deleted session leaves its tenant's ledger."""
+        answer = await self.connection.run("forget", self.keys.ledger(tenant_of(owner)), [session_id])
+        return LedgerTotals.of(fields(answer))
+
+    async def usage(self, owner: str) -> LedgerTotals:
+        return LedgerTotals.of(
+            fields(await self.connection.run("usage", self.keys.ledger(tenant_of(owner)), []))
+        )
+
+    async def session_ids(self, owner: str, cursor: int, count: int) -> tuple[list[str], int]:
+        """A page of the tenant's sessions from its ledger (never `KEYS`), and the cursor of
+        the next page (0: no more). Redis's HSCAN guarantees: a session that lives through the
+        whole listing appears at least once (the page size is approximate)."""
+        bytes_key = self.keys.ledger(tenant_of(owner))[1]
+        cursor, entries = await self.connection.hscan(bytes_key, cursor, count)
+        names = (k.decode() if isinstance(k, bytes) else str(k) for k in entries)
+        return sorted(n for n in names if SESSION_ID.fullmatch(n)), int(cursor)
+
+    # -- the prefix index ---------------------------------------------------------------------
+    async def find_prefix(self, owner: str, hashes: list[str]) -> tuple[int, str, int] | None:
+        """The first of `hashes` (longest prefix first) that the owner has indexed: (its
+        position in `hashes`, session id, version), or None."""
+        if not hashes:
+            return None
+        tenant = tenant_of(owner)
+        raw = await self.connection.run(
+            "find_prefix", [self.keys.prefix_entry(tenant, h) for h in hashes], []
+        )
+        if not raw:
+            return None
+        answer = fields(raw)
+        sid, _, version = bytes(answer["entry"]).decode().partition(":")
+        return int(answer["index"]) - 1, sid, int(version)
+
+    # -- the buckets --------------------------------------------------------------------------
+    async def take_request(self, owner: str, limits: Quota) -> None:
+        """Take one request from the tenant's request bucket, shared by every replica: else
+        QuotaExceeded."""
+        if limits.requests_per_second:
+            await self._bucket(owner, limits, "request", 0)
+
+    async def reserve_tokens(self, owner: str, limits: Quota, tokens: int) -> None:
+        """Reserve the tokens a request's generations may draw from the tenant's token
+        bucket, only while it is out of debt: else QuotaExceeded, and nothing is taken."""
+        if limits.tokens_per_second:
+            await self._bucket(owner, limits, "reserve", tokens)
+
+    async def refund_tokens(self, owner: str, limits: Quota, tokens: int) -> None:
+        """Give back reserved tokens a generation did not draw."""
+        if limits.tokens_per_second and tokens > 0:
+            await self._bucket(owner, limits, "refund", tokens)
+
+    async def _bucket(self, owner: str, limits: Quota, op: str, tokens: int) -> None:
+        args = [limits.requests_per_second, limits.tokens_per_second, op, int(tokens)]
+        answer = fields(await self.connection.run("bucket", [self.keys.rate(tenant_of(owner))], args))
+        status = bytes(answer["status"]).decode()
+        if status != "ok":
+            what = "requests per second" if status == "requests" else "generated tokens per second"
+            limit = limits.requests_per_second if status == "requests" else limits.tokens_per_second
+            raise QuotaExceeded(
+                status, f"this key is at its limit of {limit:g} {what}", float(answer["retry_after"])
+            )

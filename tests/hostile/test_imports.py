@@ -1,0 +1,173 @@
+"""Imports that cannot hurt the service (issue 25, attacks 2 and 3).
+
+Attack 2: parsing an import ran on the event loop: a 39.5 MB blob of 500k empty tensors
+froze every route for about 50 s, and /healthz probes timed out at 5 s in a row.
+
+Attack 3: an import's memory was unbounded and came before any quota check: a 400 MB
+import (under the 512 MiB default) peaked at 3 GB resident, four concurrent ones at 3.9
+GB, and a key with a 2 MB quota could send them.
+
+Now: the size (a default limit sized to the served model) and the quota are checked
+before a byte of the body is read; imports in progress per replica are bounded; a blob's
+header is capped (size, tensor count, nesting) and its declared tensors checked against
+the model's layout before anything parses the payload, which the engine thread does.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+
+from tests.conftest import ServerProcess
+
+from .conftest import ATTACKER, SMALL, VICTIM, as_key
+from .states import full_state, raw_blob
+
+OCTETS = "application/octet-stream"
+
+
+def _many_empty_tensors(n: int) -> bytes:
+    """A safetensors blob of `n` empty tensors (the attack's 17 MB for 200k): built by hand,
+    as the format is just a length, a JSON header and the data."""
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
+    header["__metadata__"] = {"recur": json.dumps({"format": 1})}
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _start_import(server: ServerProcess, key: str, length: int, first: bytes = b"\0" * 1024) -> socket.socket:
+    """An import that declares `length` bytes and sends only `first`: its body never comes."""
+    url = urlsplit(server.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    head = (
+        f"POST /v1/sessions/import HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: {OCTETS}\r\nContent-Length: {length}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def _answer(sock: socket.socket, timeout: float = 10) -> tuple[int, dict]:
+    """The status and JSON body the server answers, without waiting for the body it was
+    promised (a server that waits for it answers nothing, and this raises)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection without answering"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(
+        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+    )
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return int(head.split()[1]), json.loads(rest[:length])
+
+
+def test_a_huge_import_is_refused_before_its_body_by_size_and_by_quota(tenants, server):
+    # the served model's states are a few KB: by default an import of 64 MiB is 413 at once
+    # (the old default was 512 MiB, so its body would have been read)
+    sock = _start_import(server, "", 64 * 2**20)
+    status, body = _answer(sock)
+    sock.close()
+    assert (status, body["error"]["type"]) == (413, "body_too_large"), body
+    # where the limit is raised, a key whose quota is 2 MiB is refused a 40 MB import at
+    # once: the quota is checked against the declared size, before the body
+    sock = _start_import(tenants, SMALL, 40_000_000)
+    status, body = _answer(sock)
+    sock.close()
+    assert (status, body["error"]["type"]) == (429, "quota_exceeded"), body
+
+
+def test_the_default_import_limit_takes_any_real_state(server, hostile_models):
+    _, state = full_state(hostile_models["txl"])
+    with server.client() as c:
+        r = c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})
+        assert r.status_code == 201, r.text
+
+
+def test_imports_in_progress_are_bounded_per_replica(tenants):
+    """Two imports whose bodies never come hold the replica's two slots: the next ones are
+    refused at once (429 queue_full), before their bodies; once the two hang up, imports
+    pass again."""
+    holding = [_start_import(tenants, ATTACKER, 30_000_000) for _ in range(2)]
+    time.sleep(0.5)  # (both are now reading their bodies)
+    refused = [_start_import(tenants, ATTACKER, 30_000_000) for _ in range(3)]
+    try:
+        for sock in refused:
+            status, body = _answer(sock)
+            assert (status, body["error"]["type"]) == (429, "queue_full"), body
+    finally:
+        for sock in holding + refused:
+            sock.close()
+    _, state = full_state(Path(tenants.model_dir))
+    with as_key(tenants, VICTIM) as c:
+        deadline = time.monotonic() + 10
+        while (
+            r := c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})
+        ).status_code == 429:
+            assert time.monotonic() < deadline, r.text  # (the hung-up imports free their slots)
+            time.sleep(0.2)
+        assert r.status_code == 201, r.text
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_an_imports_memory_is_a_small_multiple_of_its_size(tenants, hostile_models):
+    """A 40 MB import (one tensor far past the model's layout, every byte of the format
+    valid): the server's peak memory grows by less than three times its size."""
+    _, state = full_state(hostile_models["txl"])
+    tensors = {k: state[k].contiguous() for k in state.persistent}
+    tensors["mem"] = torch.zeros(1, 2, 156_250, 32)  # 40 MB
+    blob = raw_blob(tensors, {"family": "transformer-xl", "fingerprint": state.fingerprint, "n_tokens": [40]})
+    pid = tenants.proc.pid
+    with as_key(tenants, ATTACKER) as c:
+        c.get("/healthz")
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts again from now
+        before = _peak_rss(pid)
+        r = c.post("/v1/sessions/import", content=blob, headers={"Content-Type": OCTETS})
+        grown = _peak_rss(pid) - before
+    assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_state", r.text
+    assert grown < 3 * len(blob), (grown, len(blob))
+
+
+def test_healthz_answers_while_hostile_imports_run(tenants):
+    """Four clients send a 17 MB blob of 200k empty tensors, twice each (the limit raised so
+    that they are read); meanwhile ten /healthz probes in a row each answer within a
+    readiness probe's 5 s (a liveness bound, not a speed: bench/hostile.py measures it)."""
+    blob = _many_empty_tensors(200_000)
+    answers: list[int] = []
+
+    def attack() -> None:
+        with as_key(tenants, ATTACKER, timeout=120) as c:
+            for _ in range(2):
+                answers.append(
+                    c.post("/v1/sessions/import", content=blob, headers={"Content-Type": OCTETS}).status_code
+                )
+
+    attackers = [threading.Thread(target=attack) for _ in range(4)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(0.3)
+        with httpx.Client(base_url=tenants.url, timeout=5) as probe:
+            for _ in range(10):
+                assert probe.get("/healthz").status_code == 200
+                time.sleep(0.1)
+    finally:
+        for t in attackers:
+            t.join()
+    assert answers and set(answers) <= {422, 429}, answers
