@@ -61,10 +61,13 @@ CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Mamba-130M": ("mamba", MAMBA_130M, SMALL["mamba"]),
     "| Mamba-2 130M": ("mamba2", MAMBA2_130M, SMALL["mamba2"]),
 }
-# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json
+# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json; a
+# packaged GGUF file (smollm2) has none, and its LLM state is not in this table
 for _name in checkpoint.shipped():
-    _meta = json.loads((checkpoint.resolve(_name) / "config.json").read_text())
-    CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
+    _config = checkpoint.resolve(_name) / "config.json"
+    if _config.is_file():
+        _meta = json.loads(_config.read_text())
+        CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
 
 
 def config(family: str, overrides: dict) -> dict:
