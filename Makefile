@@ -76,7 +76,7 @@ test-image: $(STAMP)
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
 # each from its own run: prefix reuse, many streams (issue 30's figures), the SSMs (issue 29),
 # the assistant's speed and its quality (long: an hour)
-bench: $(STAMP)
+bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
 	$(PY) bench/streams.py --write

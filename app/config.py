@@ -61,6 +61,18 @@ class Settings(BaseSettings):
         description="seconds (sliding) that a session made only to serve a request without a session lives: "
         "long enough for the next turn of a chat to find it, short enough to leave no orphans",
     )
+    response_retention: int = Field(
+        30 * 86400,
+        ge=1,
+        description="seconds a stored response (and its state) or a conversation lives after its last write "
+        "(OpenAI keeps responses 30 days)",
+    )
+    response_lease_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="a background response's worker renews its lease this often (a third of it); another replica "
+        "marks a response whose lease lapsed failed within 1.5 times this (its replica died)",
+    )
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")

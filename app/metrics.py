@@ -107,6 +107,22 @@ PREFIX_TOKENS_SAVED = Counter(
     "recur_prefix_reuse_tokens_saved",
     "Prompt tokens that stateless requests did not prefill, thanks to reuse",
 )
+RESPONSES = Counter(
+    "recur_responses", "Responses of the Responses API, by the status they ended with", ["status"]
+)
+RESPONSES_BACKGROUND_QUEUED = Gauge(
+    "recur_responses_background_in_progress",
+    "Background responses queued or in progress on every replica (the lease register, as this replica last read it)",
+)
+RESPONSE_REUSE = Counter(
+    "recur_response_reuse",
+    "Responses continued by previous_response_id or conversation: `hit` prefilled only the new input, `miss` "
+    "prefilled it all (the stored state was gone, or the conversation changed)",
+    ["result"],
+)
+RESPONSE_TOKENS_REUSED = Counter(
+    "recur_response_tokens_reused", "Input tokens of continued responses that their stored state already held"
+)
 REDIS_ERRORS = Counter("recur_redis_errors", "Redis commands that failed (unreachable, timed out)")
 
 

@@ -126,21 +126,22 @@ class Tenants:
         await self.store.refund_tokens(owner, self.quota_of(owner), reserved - used)
 
     # -- reservation --------------------------------------------------------------------------
-    async def admit_session(self, owner: str, session_id: str, ttl: float) -> None:
+    async def admit_session(self, owner: str, session_id: str, ttl: float, ephemeral: bool = False) -> None:
         """A new session's place in its tenant's ledger, before any model time is spent: within
         the tenant's session quota and Redis's room (QuotaExceeded, StorageFull)."""
-        await self.reserve(owner, session_id, 0, ttl)
+        await self.reserve(owner, session_id, 0, ttl, ephemeral)
 
-    async def reserve(self, owner: str, session_id: str, state_bytes: int, ttl: float) -> None:
+    async def reserve(
+        self, owner: str, session_id: str, state_bytes: int, ttl: float, ephemeral: bool = False
+    ) -> None:
         """Enter a session's size in its tenant's ledger before writing it, only within the
-        tenant's quota and Redis's room (QuotaExceeded, StorageFull)."""
+        tenant's quota and Redis's room (QuotaExceeded, StorageFull). A new session enters
+        the tenant's listing, hidden by default when `ephemeral` (made for one request)."""
         self._room()
         quota = self.quota_of(owner)
         expiry = time.time() + ttl
-        self._seen(
-            owner,
-            await self._counted(owner, self.store.record(owner, session_id, state_bytes, expiry, quota)),
-        )
+        recorded = self.store.record(owner, session_id, state_bytes, expiry, quota, ephemeral)
+        self._seen(owner, await self._counted(owner, recorded))
 
     async def reserve_growth(self, owner: str, old: SessionMeta, state_bytes: int) -> None:
         """Before a commit makes session `old` hold `state_bytes`: nothing to check if it does

@@ -19,11 +19,13 @@ from app.store import Store
 from . import (
     chat_completions,
     completions,
+    conversations,
     errors,
     health,
     metrics,
     openapi,
     playground,
+    responses,
     sessions,
     tokens,
     usage,
@@ -66,10 +68,13 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
         store.connection.watch_memory(settings.storage_guard)
         app.state.store = store
         app.state.sessions = sessions
+        app.state.stateful = sessions_service.build_stateful(settings, store, sessions)
+        app.state.stateful[2].start()  # the sweep of background responses' lapsed leases
         service_metrics.bind_engine(engine, sessions.cache)
         try:
             yield
         finally:
+            await app.state.stateful[2].close()
             app.state.sessions = None
             await asyncio.to_thread(engine.stop)
             await store.close()
@@ -94,6 +99,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.state.settings = settings
     app.state.sessions = None
     app.state.store = None
+    app.state.stateful = None
     app.state.chat_template = None
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
@@ -114,6 +120,8 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
         (sessions.router, v1),
         (completions.router, v1),
         (chat_completions.router, v1),
+        (responses.router, v1),
+        (conversations.router, v1),
         (usage.router, v1),
         (tokens.router, v1),
     ]

@@ -20,6 +20,8 @@ class ErrorType(str, enum.Enum):
     not_found = "not_found"
     method_not_allowed = "method_not_allowed"
     session_not_found = "session_not_found"
+    object_not_found = "object_not_found"  # a response, conversation or item (Responses API)
+    unsupported = "unsupported"  # a Responses API feature recur does not implement, by field
     session_busy = "session_busy"
     session_conflict = "session_conflict"
     model_mismatch = "model_mismatch"

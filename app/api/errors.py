@@ -20,9 +20,10 @@ from starlette.routing import compile_path
 
 from app import logs
 from app.engine import EmptyContext, EngineError, EngineStalled, NonFinite, QueueFull
-from app.sessions import ClientDisconnected, ModelMismatch, StateRejected
+from app.sessions import ClientDisconnected, ModelMismatch, NotContinuable, StateRejected
 from app.store import (
     CommitConflict,
+    ObjectNotFound,
     QuotaExceeded,
     SessionBusy,
     SessionNotFound,
@@ -49,6 +50,8 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.not_found: 404,
     ErrorType.method_not_allowed: 405,
     ErrorType.session_not_found: 404,
+    ErrorType.object_not_found: 404,
+    ErrorType.unsupported: 400,
     ErrorType.session_busy: 409,
     ErrorType.session_conflict: 409,
     ErrorType.model_mismatch: 409,
@@ -71,6 +74,8 @@ STATUS: dict[ErrorType, int] = {
 # exceptions raised below the API layer, most specific first
 _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (SessionNotFound, ErrorType.session_not_found),
+    (ObjectNotFound, ErrorType.object_not_found),
+    (NotContinuable, ErrorType.unsupported),
     (SessionBusy, ErrorType.session_busy),
     (VersionMismatch, ErrorType.version_mismatch),
     (VersionGone, ErrorType.version_gone),

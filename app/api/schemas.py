@@ -196,8 +196,16 @@ class SessionDetail(SessionInfo):
     )
 
 
+class ListedSession(SessionInfo):
+    ephemeral: bool = Field(
+        description="made for one request (a stateless completion's session, an `n` choice's fork): "
+        "listed only with `ephemeral=true`"
+    )
+    preview: str = Field(description="the start of the text the session consumed (at most 80 characters)")
+
+
 class SessionList(ResponseBody):
-    sessions: list[SessionInfo]
+    sessions: list[ListedSession] = Field(description="newest first")
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null when there is none")
 
 

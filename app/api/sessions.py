@@ -21,8 +21,9 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.engine import Logprobs, TokenEvent
-from app.sessions import Generation, Run
+from app.sessions import Generation, Listed, Run
 from app.store import SessionMeta
+from app.store.tenants import LISTING_CURSOR
 
 from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
 from .disconnect import HangupDep, until_disconnect
@@ -36,6 +37,7 @@ from .schemas import (
     GeneratedToken,
     GenerateQuery,
     GenerateResult,
+    ListedSession,
     RollbackTo,
     Score,
     ScoredToken,
@@ -139,21 +141,44 @@ async def create_session(
 @router.get(
     "",
     response_model=SessionList,
-    summary="List the caller's own sessions, a page at a time",
+    summary="List the caller's own sessions, newest first, a page at a time",
     responses=responses(ErrorType.redis_unavailable, ErrorType.invalid_request),
 )
 async def list_sessions(
     sessions: SessionsDep,
     owner: OwnerDep,
-    limit: Annotated[int, Query(ge=1, le=1000, description="about how many sessions per page")] = 50,
-    # a Redis cursor indexes a hash table's slots: far below 10**19, so 19 digits always fit
-    # in the unsigned 64 bits Redis takes, and the schema's pattern is the whole check
+    limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page, at most")] = 50,
     cursor: Annotated[
-        str, Query(pattern=r"^[0-9]{1,19}$", description="`next_cursor` of the page before")
+        str,
+        Query(pattern=LISTING_CURSOR, description="`next_cursor` of the page before (`0`: the first page)"),
     ] = "0",
+    ephemeral: Annotated[
+        bool,
+        Query(
+            description="include the ephemeral sessions: those made for one request (a stateless "
+            "completion's, an `n` choice's fork)"
+        ),
+    ] = False,
 ) -> SessionList:
-    metas, after = await sessions.listing(owner, int(cursor), limit)
-    return SessionList(sessions=[_info(m) for m in metas], next_cursor=str(after) if after else None)
+    page = await sessions.listing(owner, "" if cursor == "0" else cursor, limit, ephemeral)
+    tokenizer = sessions.engine.tokenizer
+    return SessionList(
+        sessions=[_listed(s, tokenizer.decode, tokenizer.bos_id) for s in page.sessions],
+        next_cursor=page.cursor or None,
+    )
+
+
+# a listed session's preview: the start of what it consumed, at most this many characters
+PREVIEW_CHARS = 80
+
+
+def _listed(s: Listed, decode: Callable[[list[int]], str], bos: int | None) -> ListedSession:
+    text = decode(s.head[1:] if s.head[:1] == [bos] else s.head)
+    return ListedSession(
+        **_info(s.meta).model_dump(),
+        ephemeral=s.ephemeral,
+        preview=text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…",
+    )
 
 
 @router.post(

@@ -8,7 +8,10 @@ hot cache and the persistence policy. A reader finds the whole life of a request
 - run.py: a generation in progress, from its first token to its commit;
 - choices.py: many generations of one request (OpenAI's `n`), and requests that name no
   session (prefix reuse);
-- cache.py: the hot cache.
+- cache.py: the hot cache;
+- responses.py, conversations.py, background.py: the Responses and Conversations APIs'
+  transactions (a response is a session version; a conversation is a session) and the
+  background responses' workers, leases and sweep.
 
 Tenant accounting (admission, quotas, settlement) is app/tenants.py's, called at a
 transaction's start and end; Redis is app/store's; the model is app/engine's. This package
@@ -23,17 +26,29 @@ from app.store import Store, owner_of
 from app.tenants import Tenants
 from model import LanguageModel
 
+from .background import Background
 from .cache import Held, HotCache
 from .choices import Started, needs_whole_prompt, start, stateless
-from .reads import ModelMismatch, SessionReads
+from .conversations import Conversations
+from .reads import Listed, Listing, ModelMismatch, SessionReads
+from .responses import Begun, NotContinuable, Render, Responses, Turn
 from .run import ClientDisconnected, Run
 from .service import Generation, SessionService, StateRejected
 
 __all__ = [
+    "Background",
+    "Begun",
     "ClientDisconnected",
+    "Conversations",
+    "NotContinuable",
+    "Render",
+    "Responses",
+    "Turn",
     "Generation",
     "Held",
     "HotCache",
+    "Listed",
+    "Listing",
     "ModelMismatch",
     "Run",
     "SessionReads",
@@ -42,6 +57,7 @@ __all__ = [
     "StateRejected",
     "build",
     "build_engine",
+    "build_stateful",
     "needs_whole_prompt",
     "start",
     "stateless",
@@ -91,4 +107,16 @@ def build(settings: Settings, store: Store, engine: Engine) -> SessionService:
         # a small multiple of the largest state the served model can produce, unless set
         import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
         max_imports=settings.max_concurrent_imports,
+    )
+
+
+def build_stateful(
+    settings: Settings, store: Store, service: SessionService
+) -> tuple[Responses, Conversations, Background]:
+    """The Responses and Conversations APIs' rooms over the sessions service."""
+    retention = settings.response_retention
+    return (
+        Responses(service, store.responses, retention),
+        Conversations(service, store.responses, retention),
+        Background(store.responses, settings.response_lease_seconds, retention),
     )

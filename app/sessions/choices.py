@@ -69,14 +69,15 @@ async def start(
 
 
 async def stateless(
-    service: SessionService, ids: list[int], owner: str, reuse: bool = True
+    service: SessionService, ids: list[int], owner: str, reuse: bool = True, ttl: int | None = None
 ) -> tuple[str, list[int]]:
     """A session for a request that names none, and the ids it has yet to consume: a fork
     of the owner's longest committed state whose tokens are a prefix of BOS+`ids` (the
     matched session itself is never touched), or a new session holding BOS. Either lives
-    `stateless_ttl`, so stateless traffic leaves no long-lived sessions behind.
+    `stateless_ttl` (or `ttl`), so stateless traffic leaves no long-lived sessions behind.
     `reuse=False`: always the new session (the request must consume its whole prompt)."""
     tokens = service.with_bos(ids)
+    ttl = ttl or service.stateless_ttl
     if service.prefix_reuse and reuse:
         hashes = prefixes.prefixes(prefixes.root(service.engine.fingerprint), tokens)
         # (longest first; a prefix of BOS alone saves nothing a create would not do)
@@ -86,7 +87,13 @@ async def stateless(
             held = len(tokens) - i
             try:
                 meta = await service.fork(
-                    match, None, owner, version, ttl=service.stateless_ttl, tokens_hash=hashes[held - 1]
+                    match,
+                    None,
+                    owner,
+                    version,
+                    ttl=ttl,
+                    tokens_hash=hashes[held - 1],
+                    ephemeral=True,
                 )
             except (SessionNotFound, VersionGone):  # expired, or a stale entry: prefill it all
                 pass
@@ -95,7 +102,7 @@ async def stateless(
                 metrics.PREFIX_TOKENS_SAVED.inc(held)
                 return meta.id, tokens[held:]
         metrics.PREFIX_REUSE_MISSES.inc()
-    return (await service.create([], service.stateless_ttl, owner)).id, ids
+    return (await service.create([], ttl, owner, ephemeral=True)).id, ids
 
 
 def needs_whole_prompt(gen: Generation) -> bool:
@@ -128,7 +135,7 @@ async def _sessions_of(
     source = sid
 
     async def fork() -> tuple[str, int | None]:
-        f = await service.fork(source, meta.version, owner, ttl=ttl)
+        f = await service.fork(source, meta.version, owner, ttl=ttl, ephemeral=True)
         made.append(f.id)
         return f.id, f.version
 

@@ -11,6 +11,7 @@ lock; each one that re-arms a session's expiry lets the tenant's ledger follow
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from app import metrics
 from app.engine import Engine, EngineError, Finished, Request, Stored
@@ -23,6 +24,37 @@ from model.state import Persist
 from .cache import Held, HotCache
 
 log = logging.getLogger("recur.sessions")
+
+
+# a listed session's preview: the ids of its transcript's first segments, at most
+# PREVIEW_TOKENS of them (the API decodes and clips them)
+PREVIEW_SEGMENTS = 4
+PREVIEW_TOKENS = 128
+
+
+@dataclass
+class Listed:
+    """One session of a listing: its metadata, whether it is ephemeral, and the first ids it
+    consumed (BOS included, if the model has one)."""
+
+    meta: SessionMeta
+    ephemeral: bool
+    head: list[int]
+
+
+@dataclass
+class Listing:
+    sessions: list[Listed]
+    cursor: str  # the next page's ('' when there is none)
+
+
+def _head_ids(segments: list[bytes]) -> list[int]:
+    ids: list[int] = []
+    for blob in segments:
+        ids += Segment.from_bytes(blob).ids
+        if len(ids) >= PREVIEW_TOKENS:
+            break
+    return ids[:PREVIEW_TOKENS]
 
 
 class ModelMismatch(Exception):
@@ -42,11 +74,16 @@ class SessionReads:
         await self.tenants.touch(owner, meta)
         return meta
 
-    async def listing(self, owner: str, cursor: int, count: int) -> tuple[list[SessionMeta], int]:
-        """A page of the caller's own sessions, and the next page's cursor (0: no more). (A
-        session that expired or was deleted since its ledger entry was read is left out.)"""
-        ids, after = await self.tenants.store.session_ids(owner, cursor, count)
-        return await self.store.peek(ids, owner), after
+    async def listing(self, owner: str, cursor: str, count: int, ephemeral: bool = False) -> Listing:
+        """A page of the caller's own sessions, newest first (the ephemeral ones, made for
+        one request, only with `ephemeral`), each with the start of what it consumed, and the
+        next page's cursor ('': no more). (A session that expired or was deleted since its
+        ledger entry was read is left out.)"""
+        page, after = await self.tenants.store.listing(owner, cursor, count, ephemeral)
+        found = await self.store.peek([sid for sid, _ in page], owner, head=PREVIEW_SEGMENTS)
+        hidden = dict(page)
+        entries = [Listed(meta, hidden[meta.id], _head_ids(segments)) for meta, segments in found]
+        return Listing(entries, after)
 
     async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
         """The session and the versions it keeps (oldest first)."""

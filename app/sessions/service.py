@@ -101,12 +101,14 @@ class SessionService(SessionReads):
         self._imports = 0
 
     # -- new sessions -------------------------------------------------------------------------
-    async def create(self, ids: list[int], ttl: int, owner: str, keep: int | None = None) -> SessionMeta:
+    async def create(
+        self, ids: list[int], ttl: int, owner: str, keep: int | None = None, ephemeral: bool = False
+    ) -> SessionMeta:
         """A new session, owned by `owner`, with BOS (if the model has one) and `ids` consumed,
-        keeping its last `keep` versions (None: the service's default)."""
-        return await self._create(
-            Request(None, self.with_bos(ids), persist=Persist(self.state_dtype)), ttl, owner, keep
-        )
+        keeping its last `keep` versions (None: the service's default); `ephemeral`, one
+        made for a single request (the listing hides it by default)."""
+        req = Request(None, self.with_bos(ids), persist=Persist(self.state_dtype))
+        return await self._create(req, ttl, owner, keep, ephemeral=ephemeral)
 
     def with_bos(self, ids: list[int]) -> list[int]:
         """What a new state consumes for `ids`: BOS first, if the model has one."""
@@ -158,13 +160,14 @@ class SessionService(SessionReads):
         keep: int | None,
         kind: Kind = "create",
         session_id: str | None = None,
+        ephemeral: bool = False,
     ) -> SessionMeta:
         """A new session holding the state `req` makes (under `session_id`, when the caller
         has taken its place in the tenant's quota): its place first (Redis down, or the
         tenant at its limit, fails fast, before any model time is spent), then its bytes."""
         if session_id is None:
             session_id = new_session_id()
-            await self.tenants.admit_session(owner, session_id, ttl)
+            await self.tenants.admit_session(owner, session_id, ttl, ephemeral)
         try:
             res = await self._finish(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
@@ -195,10 +198,12 @@ class SessionService(SessionReads):
         *,
         ttl: int | None = None,
         tokens_hash: str | None = None,
+        ephemeral: bool = False,
     ) -> SessionMeta:
         """A new session holding the state `session_id` had at `version` (a kept one; None:
         the current one), its transcript starting with that state's lineage. With
-        `tokens_hash`, only if that state's tokens are those (else VersionGone)."""
+        `tokens_hash`, only if that state's tokens are those (else VersionGone); `ephemeral`
+        as `create`'s."""
         at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
         source = at.meta
         await self.tenants.touch(owner, source)
@@ -210,7 +215,7 @@ class SessionService(SessionReads):
         new_id, ttl = new_session_id(), ttl or source.ttl
         inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
         inherited.append(Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes())
-        await self.tenants.reserve(owner, new_id, at.state.nbytes + sum(map(len, inherited)), ttl)
+        await self.tenants.reserve(owner, new_id, at.state.nbytes + sum(map(len, inherited)), ttl, ephemeral)
         try:
             meta = await self.store.create(
                 at.state, at.version.n_tokens, source.model, source.fingerprint, ttl, owner, new_id,

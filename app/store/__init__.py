@@ -10,6 +10,8 @@ Split the way the data is split (app/store/keys.py has the schema):
   lock and the fenced commit;
 - `tenants.py`: a tenant's keys (`{T}`): the quota ledger, the token buckets, the prefix
   index;
+- `responses.py`: a stored response's keys (`{resp_…}`) and a conversation's (`{conv_…}`)
+  of the Responses and Conversations APIs, and the register of background workers' leases;
 - `types.py`: what the store hands out and raises.
 
 No script touches a session's keys and a tenant's together, so each runs on one Redis
@@ -22,12 +24,14 @@ from app.config import Settings
 
 from .connection import CLIENT_NAME, Connection, parse_redis_url
 from .keys import Keys
+from .responses import ResponseStore, new_object_id
 from .sessions import SessionStore, Writer
 from .tenants import TenantStore
 from .types import (
     AtVersion,
     CommitConflict,
     LedgerTotals,
+    ObjectNotFound,
     QuotaExceeded,
     SessionBusy,
     SessionMeta,
@@ -50,7 +54,9 @@ __all__ = [
     "CommitConflict",
     "Connection",
     "Keys",
+    "ObjectNotFound",
     "QuotaExceeded",
+    "ResponseStore",
     "SessionBusy",
     "SessionMeta",
     "SessionNotFound",
@@ -66,6 +72,7 @@ __all__ = [
     "VersionGone",
     "VersionMismatch",
     "Writer",
+    "new_object_id",
     "new_session_id",
     "owner_of",
     "parse_redis_url",
@@ -84,6 +91,7 @@ class Store:
             connection, keys, lock_lease_seconds=lock_lease_seconds, transcript_max_bytes=transcript_max_bytes
         )
         self.tenants = TenantStore(connection, keys)
+        self.responses = ResponseStore(connection, keys)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Store:

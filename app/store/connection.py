@@ -360,11 +360,3 @@ class Connection:
                 return out
         except Exception as exc:
             raise unavailable(exc) or exc from None
-
-    async def hscan(self, key: str, cursor: int, count: int) -> tuple[int, dict]:
-        try:
-            async with self.permit():
-                cursor, entries = await self.redis.hscan(key, cursor=cursor, count=count)
-                return cursor, dict(entries)  # type: ignore[arg-type]  # (a dict: HSCAN without NOVALUES)
-        except Exception as exc:
-            raise unavailable(exc) or exc from None

@@ -35,9 +35,34 @@ script touches both:
 
     P tenant:{T}:live    sorted set, the tenant's live sessions by expiry (the ledger)
     P tenant:{T}:bytes   hash, their stored bytes, and `_total`
+    P tenant:{T}:made    sorted set, 's:ID' (or 'e:ID', an ephemeral session: a stateless
+                         request's, an `n` fork's) by when it entered the ledger, in
+                         microseconds (the listing, newest first)
     P tenant:{T}:rate    hash, its request and token buckets
     P prefix:{T}:HASH    string, "session_id:version" of a committed state whose tokens hash
                          to HASH (the prefix index; lives as the session would)
+
+A stored response's keys share its id as their tag (`{resp_HEX}`), a conversation's its
+own (`{conv_HEX}`); never a session's or a tenant's: each script (app/store/responses.py)
+touches one object's keys. Both expire `response_retention` seconds after their last write.
+
+    P response:{R}       hash, a response of the Responses API
+        owner            the tenant, as a session's; another owner's response is missing
+        status           queued | in_progress | completed | incomplete | failed | cancelled
+        body             the Response object as the API returns it (JSON)
+        context          the conversation it ends, its own reply included, as the chat
+                         template reads it (JSON messages; the instructions are not kept)
+        input            its own input items, as input_items lists them (JSON)
+        session, version, n_tokens   the session (a fork of its own) holding the state the
+                         response committed, that version, its tokens
+        background       '1' for a background response; lease: its worker's lease end (unix s)
+    P events:{R}         list, a background response's stream events (JSON), index =
+                         sequence_number
+    P conversation:{C}   hash: owner, session, version, n_tokens (the conversation's session
+                         and what it has consumed), metadata (JSON), created_at
+    P items:{C}          list, the conversation's items (JSON), oldest first
+    P responses:leases   sorted set, the background responses in progress by lease end
+                         (one key, its own slot: the replicas' sweep of dead workers)
 """
 
 from __future__ import annotations
@@ -71,9 +96,24 @@ class Keys:
     def transcript(self, session_id: str) -> str:
         return f"{self.prefix}transcript:{{{session_id}}}"
 
+    def response(self, response_id: str) -> list[str]:
+        """A response's keys: its hash and its events (one slot)."""
+        return [f"{self.prefix}response:{{{response_id}}}", f"{self.prefix}events:{{{response_id}}}"]
+
+    def conversation(self, conversation_id: str) -> list[str]:
+        """A conversation's keys: its hash and its items (one slot)."""
+        return [
+            f"{self.prefix}conversation:{{{conversation_id}}}",
+            f"{self.prefix}items:{{{conversation_id}}}",
+        ]
+
+    def leases(self) -> str:
+        return f"{self.prefix}responses:leases"
+
     def ledger(self, tenant: str) -> list[str]:
-        """A tenant's ledger: its live sessions by expiry (sorted set), and their bytes (hash)."""
-        return [f"{self.prefix}tenant:{{{tenant}}}:live", f"{self.prefix}tenant:{{{tenant}}}:bytes"]
+        """A tenant's ledger: its live sessions by expiry (sorted set), their bytes (hash),
+        and when each entered it (sorted set, the listing)."""
+        return [f"{self.prefix}tenant:{{{tenant}}}:{name}" for name in ("live", "bytes", "made")]
 
     def rate(self, tenant: str) -> str:
         """A tenant's request and token buckets (hash)."""

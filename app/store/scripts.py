@@ -13,7 +13,10 @@ from pathlib import Path
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = (
     "create", "read", "begin", "commit", "renew", "release", "delete", "read_at", "versions",
-    "record", "settle", "forget", "usage", "find_prefix", "bucket",
+    "record", "settle", "forget", "usage", "listing", "find_prefix", "bucket",
+    "object_save", "object_read", "object_delete", "response_event", "response_events", "response_cancel",
+    "response_expire", "leases", "items_add", "items_read", "items_delete",
+    "unindex",
 )  # fmt: skip
 
 

@@ -98,17 +98,22 @@ class SessionStore:
         answer = fields(raw)
         return SessionMeta.from_fields(session_id, answer["meta"]), _read_blobs(answer)
 
-    async def peek(self, session_ids: list[str], owner: str) -> list[SessionMeta]:
-        """The metadata of those of `session_ids` that the owner still has, without touching
-        their TTL (a listing is no use of a session)."""
+    async def peek(
+        self, session_ids: list[str], owner: str, head: int = 0
+    ) -> list[tuple[SessionMeta, list[bytes]]]:
+        """The metadata of those of `session_ids` that the owner still has, and the first
+        `head` segments of each one's transcript, without touching their TTL (a listing is no
+        use of a session)."""
         answers = await asyncio.gather(
-            *(self._run("read", sid, ["0", "", owner, "0"]) for sid in session_ids)
+            *(self._run("read", sid, ["0", "", owner, "0", head]) for sid in session_ids)
         )
-        return [
-            SessionMeta.from_fields(sid, fields(raw)["meta"])
-            for sid, raw in zip(session_ids, answers, strict=True)
-            if raw
-        ]
+        out = []
+        for sid, raw in zip(session_ids, answers, strict=True):
+            if raw:
+                answer = fields(raw)
+                segments = [bytes(s) for s in answer.get("head", [])]
+                out.append((SessionMeta.from_fields(sid, answer["meta"]), segments))
+        return out
 
     async def read_at(
         self,

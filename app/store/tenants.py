@@ -19,6 +19,10 @@ from .connection import Connection
 from .keys import SESSION_ID, Keys
 from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
 
+# a listing's cursor: '0' (the first page), or a page's own: the microseconds and the entry
+# it ended at ('0' a session, '1' an ephemeral one, then the id)
+LISTING_CURSOR = r"^(0|[0-9]{1,17}[01][0-9a-f]{32})$"
+
 
 class TenantStore:
     def __init__(self, connection: Connection, keys: Keys):
@@ -27,12 +31,22 @@ class TenantStore:
 
     # -- the ledger ---------------------------------------------------------------------------
     async def record(
-        self, owner: str, session_id: str, state_bytes: int, expires_at: float, limits: Quota | None
+        self,
+        owner: str,
+        session_id: str,
+        state_bytes: int,
+        expires_at: float,
+        limits: Quota | None,
+        ephemeral: bool = False,
     ) -> LedgerTotals:
         """Enter a session's stored size and expiry in its tenant's ledger. With `limits`,
-        only if the tenant stays within them (else QuotaExceeded, and nothing changes)."""
+        only if the tenant stays within them (else QuotaExceeded, and nothing changes). A
+        new session enters the listing too, `ephemeral` (hidden by default) or not."""
         check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
-        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check]
+        kind = (
+            ("e" if ephemeral else "s") if SESSION_ID.fullmatch(session_id) else ""
+        )  # (a response: unlisted)
+        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind]
         answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
         usage, status = LedgerTotals.of(answer), answer["status"]
         if status == b"sessions" and limits:
@@ -68,14 +82,23 @@ class TenantStore:
             fields(await self.connection.run("usage", self.keys.ledger(tenant_of(owner)), []))
         )
 
-    async def session_ids(self, owner: str, cursor: int, count: int) -> tuple[list[str], int]:
-        """A page of the tenant's sessions from its ledger (never `KEYS`), and the cursor of
-        the next page (0: no more). Redis's HSCAN guarantees: a session that lives through the
-        whole listing appears at least once (the page size is approximate)."""
-        bytes_key = self.keys.ledger(tenant_of(owner))[1]
-        cursor, entries = await self.connection.hscan(bytes_key, cursor, count)
-        names = (k.decode() if isinstance(k, bytes) else str(k) for k in entries)
-        return sorted(n for n in names if SESSION_ID.fullmatch(n)), int(cursor)
+    async def listing(
+        self, owner: str, cursor: str, count: int, ephemeral: bool
+    ) -> tuple[list[tuple[str, bool]], str]:
+        """A page of the tenant's sessions, newest first (never `KEYS`): (id, ephemeral)
+        pairs, and the next page's cursor ('': no more). `cursor` is '' for the first page,
+        else a page's own (`LISTING_CURSOR`); `ephemeral` includes the ephemeral sessions.
+        A session that lives through the whole listing appears exactly once."""
+        top, after = "", ""
+        if cursor:
+            top, after = cursor[:-33], ("e:" if cursor[-33] == "1" else "s:") + cursor[-32:]
+        args = [top, after, count, "1" if ephemeral else "0"]
+        answer = fields(await self.connection.run("listing", self.keys.ledger(tenant_of(owner)), args))
+        ids = [bytes(i).decode() for i in answer["ids"]]
+        flags = [bytes(f) == b"1" for f in answer["ephemeral"]]
+        top, after = bytes(answer["next"]).decode(), bytes(answer["after"]).decode()
+        following = f"{top}{'1' if after.startswith('e:') else '0'}{after[2:]}" if top else ""
+        return list(zip(ids, flags, strict=True)), following
 
     # -- the prefix index ---------------------------------------------------------------------
     async def find_prefix(self, owner: str, hashes: list[str]) -> tuple[int, str, int] | None:
@@ -92,6 +115,14 @@ class TenantStore:
         answer = fields(raw)
         sid, _, version = bytes(answer["entry"]).decode().partition(":")
         return int(answer["index"]) - 1, sid, int(version)
+
+    async def unindex(self, owner: str, session_id: str, hashes: list[str]) -> None:
+        """Drop a deleted session's entries (by its states' token hashes) from the prefix
+        index, those it still holds: a session deleted on purpose leaves no entry behind."""
+        tenant = tenant_of(owner)
+        keys = [self.keys.prefix_entry(tenant, h) for h in dict.fromkeys(hashes) if h]
+        if keys:
+            await self.connection.run("unindex", keys, [session_id])
 
     # -- the buckets --------------------------------------------------------------------------
     async def take_request(self, owner: str, limits: Quota) -> None:

@@ -26,6 +26,15 @@ class SessionNotFound(StoreError):
         super().__init__(f"session {clip(session_id)!r} does not exist (never created, deleted, or expired)")
 
 
+class ObjectNotFound(StoreError):
+    """A response, a conversation or a conversation's item that does not exist for this
+    owner (never made, deleted, expired, or another tenant's)."""
+
+    def __init__(self, kind: str, object_id: str):
+        self.kind = kind
+        super().__init__(f"{kind} {clip(object_id)!r} does not exist (never stored, deleted, or expired)")
+
+
 class SessionBusy(StoreError):
     def __init__(self, session_id: str, retry_after: float):
         self.retry_after = retry_after  # seconds until the holder's lease runs out, at most

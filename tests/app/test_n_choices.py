@@ -82,7 +82,7 @@ def _every_session(http: httpx.Client) -> set[str]:
     ids: set[str] = set()
     cursor: str | None = "0"
     while cursor is not None:
-        r = http.get("/v1/sessions", params={"limit": 1000, "cursor": cursor})
+        r = http.get("/v1/sessions", params={"limit": 1000, "cursor": cursor, "ephemeral": True})
         assert r.status_code == 200, r.text
         ids |= {s["id"] for s in r.json()["sessions"]}
         cursor = r.json()["next_cursor"]

@@ -19,7 +19,7 @@ from model.llama import Llama
 from model.rlt import apply_rope, rope_angles
 from model.state import StateError
 
-from .conftest import run_chunks
+from .conftest import assert_any_chunking_agrees, run_chunks
 
 S, W = 2, 5  # sinks, window
 TINY = dict(
@@ -128,16 +128,7 @@ def stream_and_chunks(draw):
 def test_any_chunking_gives_the_same_logits_and_state(case):
     length, sizes, seed = case
     lm = tiny(seed=3)
-    tokens = torch.randint(0, 258, (2, length), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        whole, s_whole = run_chunks(lm, tokens, [length])
-        chunked, s_chunked = run_chunks(lm, tokens, sizes)
-        one_by_one, _ = run_chunks(lm, tokens, [1] * length)
-    assert (whole - chunked).abs().max().item() <= 1e-4
-    assert (whole - one_by_one).abs().max().item() <= 1e-4
-    for name, t in s_whole.tensors.items():
-        assert t.shape == s_chunked[name].shape, name
-        assert torch.allclose(t.float(), s_chunked[name].float(), atol=1e-5), name
+    assert_any_chunking_agrees(lm, length, sizes, seed)
 
 
 @settings(max_examples=10, deadline=None)

@@ -16,7 +16,7 @@ from model.checkpoint import build
 from model.rlt import RLT
 from model.state import State, StateError
 
-from .conftest import run_chunks
+from .conftest import assert_any_chunking_agrees, run_chunks
 
 W, C = 3, 8  # window, max_context
 TINY_RLT = dict(
@@ -56,16 +56,7 @@ def stream_and_chunks(draw):
 def test_prefill_equals_incremental_in_any_chunking(feedback, case):
     length, sizes, seed = case
     lm = tiny_rlt(seed=1, feedback=feedback)
-    tokens = torch.randint(0, 258, (2, length), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        whole, s_whole = run_chunks(lm, tokens, [length])
-        chunked, s_chunked = run_chunks(lm, tokens, sizes)
-        one_by_one, _ = run_chunks(lm, tokens, [1] * length)
-    assert (whole - chunked).abs().max().item() <= 1e-4
-    assert (whole - one_by_one).abs().max().item() <= 1e-4
-    for name, t in s_whole.tensors.items():
-        assert t.shape == s_chunked[name].shape
-        assert torch.allclose(t.float(), s_chunked[name].float(), atol=1e-5), name
+    assert_any_chunking_agrees(lm, length, sizes, seed)
 
 
 @settings(max_examples=10, deadline=None)

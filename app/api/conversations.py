@@ -1,0 +1,117 @@
+"""OpenAI's Conversations API: `/v1/conversations`. A conversation is a session: its items
+prefill it, and a response with `conversation` continues it (app/sessions/conversations.py
+holds the transaction; this router parses and shapes)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from app.sessions import Conversations
+from model.chat_template import ChatTemplate
+
+from .chat_completions import chat_template
+from .deps import OwnerDep, SessionsDep, SettingsDep
+from .errors import ErrorType, responses
+from .responses import item, page, renderer
+from .responses_schemas import (
+    ConversationCreate,
+    ConversationObject,
+    ConversationUpdate,
+    Deleted,
+    Item,
+    ItemList,
+    ItemsCreate,
+)
+
+router = APIRouter(prefix="/v1", tags=["conversations"])
+NOT_FOUND = responses(ErrorType.object_not_found)
+WRITES = responses(
+    ErrorType.object_not_found, ErrorType.no_chat_template, ErrorType.prompt_too_long, ErrorType.session_busy,
+    ErrorType.session_conflict, ErrorType.storage_full, ErrorType.invalid_request, ErrorType.queue_full,
+)  # fmt: skip
+
+
+def conversations_room(request: Request) -> Conversations:
+    return request.app.state.stateful[1]
+
+
+RoomDep = Annotated[Conversations, Depends(conversations_room)]
+TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
+
+
+def _shape(fields: dict) -> dict:
+    return {"id": fields["id"], "object": "conversation", "created_at": int(fields["created_at"]),
+            "metadata": fields["metadata"] if isinstance(fields["metadata"], dict) else {}}  # fmt: skip
+
+
+@router.post(
+    "/conversations", response_model=ConversationObject, summary="A new conversation", responses=WRITES
+)
+async def create_conversation(
+    body: ConversationCreate, owner: OwnerDep, room: RoomDep, template: TemplateDep, sessions: SessionsDep,
+    settings: SettingsDep,
+) -> dict:  # fmt: skip
+    items = [item(m) for m in body.items or []]
+    made = await room.create(owner, items, body.metadata, renderer(template, settings, sessions.engine))
+    return _shape({**made, "metadata": body.metadata or {}})
+
+
+@router.get("/conversations/{conversation_id}", response_model=ConversationObject, responses=NOT_FOUND)
+async def get_conversation(conversation_id: str, owner: OwnerDep, room: RoomDep) -> dict:
+    return _shape(await room.get(owner, conversation_id))
+
+
+@router.post("/conversations/{conversation_id}", response_model=ConversationObject, responses=NOT_FOUND)
+async def update_conversation(
+    conversation_id: str, body: ConversationUpdate, owner: OwnerDep, room: RoomDep
+) -> dict:
+    return _shape(await room.update(owner, conversation_id, body.metadata))
+
+
+@router.delete("/conversations/{conversation_id}", response_model=Deleted, responses=NOT_FOUND)
+async def delete_conversation(conversation_id: str, owner: OwnerDep, room: RoomDep) -> dict:
+    await room.delete(owner, conversation_id)
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.get("/conversations/{conversation_id}/items", response_model=ItemList, responses=NOT_FOUND)
+async def list_items(
+    conversation_id: str,
+    owner: OwnerDep,
+    room: RoomDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    after: Annotated[str | None, Query(max_length=128)] = None,
+    include: Annotated[list[str] | None, Query(max_length=16)] = None,
+) -> dict:
+    return page(await room.items(owner, conversation_id), limit, order, after)
+
+
+@router.post(
+    "/conversations/{conversation_id}/items",
+    response_model=ItemList,
+    summary="Append items: the conversation's session prefills them",
+    responses=WRITES,
+)
+async def add_items(
+    conversation_id: str, body: ItemsCreate, owner: OwnerDep, room: RoomDep, template: TemplateDep,
+    sessions: SessionsDep, settings: SettingsDep,
+) -> dict:  # fmt: skip
+    items = [item(m) for m in body.items]
+    await room.add(owner, conversation_id, items, renderer(template, settings, sessions.engine))
+    return page(items, len(items) or 1, "asc", None)
+
+
+@router.get("/conversations/{conversation_id}/items/{item_id}", response_model=Item, responses=NOT_FOUND)
+async def get_item(conversation_id: str, item_id: str, owner: OwnerDep, room: RoomDep) -> dict:
+    return await room.item(owner, conversation_id, item_id)
+
+
+@router.delete(
+    "/conversations/{conversation_id}/items/{item_id}", response_model=ConversationObject, responses=NOT_FOUND
+)
+async def delete_item(conversation_id: str, item_id: str, owner: OwnerDep, room: RoomDep) -> dict:
+    await room.delete_item(owner, conversation_id, item_id)
+    return _shape(await room.get(owner, conversation_id))

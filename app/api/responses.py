@@ -1,0 +1,334 @@
+"""OpenAI's Responses API: `/v1/responses` on durable sessions.
+
+The route parses, refuses what recur does not implement (400 `unsupported`, naming the
+field), renders the conversation through the checkpoint's chat template, and frames the
+generation (responses_framing.py); the transaction (which state it continues, what it
+prefills, what is kept) is app/sessions/responses.py's, a background response's worker
+and its replay app/sessions/background.py's. docs/OPENAI.md "Responses" has the
+compatibility table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from sse_starlette import ServerSentEvent
+
+from app.engine import Logprobs
+from app.sessions import Background, Begun, Generation, Render, Responses, Turn
+from app.store import new_object_id
+from model.chat_template import ChatTemplate
+
+from . import openai_framing as oai
+from . import responses_framing as rf
+from .chat_completions import chat_template
+from .deps import OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params, served_model
+from .disconnect import until_disconnect
+from .errors import ApiError, ErrorType, responses
+from .responses_schemas import (
+    LOGPROBS,
+    Deleted,
+    InputMessage,
+    ItemList,
+    ResponseCreate,
+    ResponseObject,
+    StreamEvent,
+)
+from .schemas import ErrorBody
+from .sse import respond, sse_json, stream_response
+
+router = APIRouter(prefix="/v1", tags=["responses"])
+ERRORS = (*oai.ERRORS, ErrorType.object_not_found, ErrorType.unsupported, ErrorType.no_chat_template)
+EVENTS = stream_response(
+    "stream=true: the Responses event sequence, each `event: TYPE` with `data: {event}`",
+    {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"$ref": f"#/components/schemas/{StreamEvent.__name__}"}},
+    },
+)
+
+
+def responses_room(request: Request) -> Responses:
+    return request.app.state.stateful[0]
+
+
+def background_room(request: Request) -> Background:
+    return request.app.state.stateful[2]
+
+
+ResponsesDep = Annotated[Responses, Depends(responses_room)]
+BackgroundDep = Annotated[Background, Depends(background_room)]
+TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
+
+
+def unsupported(body: ResponseCreate) -> None:
+    """400 naming the field, for what recur does not implement."""
+    fmt = body.text.format if body.text else None
+    refused = [
+        ("tools", bool(body.tools), "tools (function calling) are not supported: send [] or nothing"),
+        ("tool_choice", body.tool_choice not in (None, "auto", "none"), "without tools, only auto or none"),
+        ("text.format", fmt is not None and fmt.type != "text", "only the text format is supported"),
+        ("reasoning", any(v is not None for v in (body.reasoning or {}).values()), "reasoning is not supported"),
+        ("prompt", body.prompt is not None, "stored prompts are not supported"),
+        ("include", any(i != LOGPROBS for i in body.include or []), f"only {LOGPROBS!r} can be included"),
+        ("conversation", body.conversation is not None and body.previous_response_id is not None,
+         "a response continues a conversation or a previous response, not both"),
+        ("background", bool(body.background) and body.store is False, "a background response must be stored"),
+        ("store", body.store is False and body.conversation is not None, "a conversation's responses are stored"),
+    ]  # fmt: skip
+    for name, bad, why in refused:
+        if bad:
+            raise ApiError(ErrorType.unsupported, f"{name}: {why}")
+
+
+def input_items(body_input: str | list[InputMessage]) -> list[dict]:
+    """The input as stored items, each with an id and its content as text parts."""
+    messages = [InputMessage(role="user", content=body_input)] if isinstance(body_input, str) else body_input
+    return [item(m) for m in messages]
+
+
+def item(m: InputMessage) -> dict:
+    kind = "output_text" if m.role == "assistant" else "input_text"
+    parts = (
+        [{"type": kind, "text": m.content}]
+        if isinstance(m.content, str)
+        else [{"type": p.type, "text": p.text} for p in m.content]
+    )
+    return {
+        "type": "message",
+        "id": m.id or new_object_id("msg"),
+        "status": "completed",
+        "role": m.role,
+        "content": parts,
+    }
+
+
+def renderer(template: ChatTemplate, settings: Any, engine: Any, instructions: str | None = None) -> Render:
+    """The caller's half of the transaction: messages -> the template's text -> token ids."""
+
+    def render(messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        first = [{"role": "system", "content": instructions}] if instructions else []
+        text = template.render([*first, *messages], add_generation_prompt=generation_prompt)
+        return prompt_ids(engine, settings.max_prompt_tokens, text) if text else []
+
+    return render
+
+
+@router.post(
+    "/responses",
+    response_model=ResponseObject,
+    summary="OpenAI Responses API: a response, continuing a previous one or a conversation",
+    responses={200: EVENTS, **responses(*ERRORS)},
+)
+async def create_response(
+    body: ResponseCreate,
+    request: Request,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    template: TemplateDep,
+    room: ResponsesDep,
+    background: BackgroundDep,
+) -> Any:
+    started = time.perf_counter()
+    engine = sessions.engine
+    served_model(body.model, engine)
+    unsupported(body)
+    conversation = (
+        body.conversation
+        if isinstance(body.conversation, str) or body.conversation is None
+        else body.conversation.id
+    )
+    turn = Turn(
+        owner,
+        input_items(body.input),
+        body.previous_response_id,
+        conversation,
+        body.store is not False,
+        bool(body.background),
+    )
+    logprobs = LOGPROBS in (body.include or [])
+    capped = min(body.max_output_tokens or settings.max_tokens, settings.max_tokens)
+    gen = Generation(
+        sampling_params(body, engine, capped), capped, body.seed, list(template.stop),
+        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(), started=started,
+    )  # fmt: skip
+    framer = rf.Framer(
+        new_object_id("resp"), body, engine.name, engine.tokenizer.token_text if logprobs else None
+    )
+    if turn.background:
+        await background.queue(framer.id, owner, framer.response("queued"))
+    try:
+        begun = await room.begin(
+            framer.id, turn, renderer(template, settings, engine, body.instructions), gen
+        )
+    except BaseException:
+        if turn.background:
+            await background.store.delete("response", framer.id, owner)
+        raise
+    stop = oai.StopText(gen.stop, False, gen.params.min_tokens)
+    if turn.background:
+        events = rf.events(begun, framer, stop, catch=True)
+        background.detach(
+            framer.id, owner, events, lambda b: _ended(room, begun, b), lambda: _stopped(room, begun)
+        )
+        return framer.response("queued")
+    if body.stream:
+        frames = _sse(rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b)))
+        return respond(_Closing(room, begun), frames, send_timeout=settings.stream_send_timeout)
+    return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
+
+
+async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False) -> None:
+    await room.finish(begun, body, rf.reply(body), body["output"], worker=worker)
+
+
+async def _ended(room: Responses, begun: Begun, last: dict) -> None:
+    """A background response's last event is out: keep the body it carries."""
+    try:
+        await _keep(room, begun, last["response"], worker=True)
+    finally:
+        await room.close(begun)
+
+
+async def _stopped(room: Responses, begun: Begun) -> None:
+    await room.discard(begun)
+    await room.close(begun)
+
+
+class _Closing:
+    """What a streamed response closes when it ends (sse.respond): the response's run,
+    and the session it made unless kept."""
+
+    def __init__(self, room: Responses, begun: Begun):
+        self.room, self.begun = room, begun
+
+    async def close(self) -> None:
+        await self.room.close(self.begun)
+
+
+async def _complete(room: Responses, begun: Begun, events: AsyncIterator[dict], request: Request) -> dict:
+    """Drain the events to the final body, kept; a client that hangs up abandons it."""
+
+    async def drain() -> dict:
+        last: dict = {}
+        async for ev in events:
+            last = ev
+        return dict(last["response"])
+
+    hangup = asyncio.ensure_future(until_disconnect(request))
+    work = asyncio.ensure_future(drain())
+    try:
+        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ApiError(ErrorType.client_disconnected, "the client disconnected; nothing was kept")
+        body = work.result()
+        await _keep(room, begun, body)
+    finally:
+        work.cancel()
+        hangup.cancel()
+        await room.close(begun)
+    return body
+
+
+async def _sse(events: AsyncIterator[dict], first: int = 0) -> AsyncIterator[ServerSentEvent]:
+    seq = first
+    async for ev in events:
+        ev.setdefault("sequence_number", seq)
+        seq = ev["sequence_number"] + 1
+        yield ServerSentEvent(data=sse_json(ev), event=ev["type"])
+
+
+@router.get(
+    "/responses/{response_id}",
+    response_model=ResponseObject,
+    summary="A stored response; with stream=true, a background response's events after starting_after",
+    responses={200: EVENTS, **responses(ErrorType.object_not_found, ErrorType.unsupported)},
+)
+async def get_response(
+    response_id: str,
+    owner: OwnerDep,
+    room: ResponsesDep,
+    background: BackgroundDep,
+    stream: bool = False,
+    starting_after: Annotated[int, Query(ge=-1)] = -1,
+    include: Annotated[list[str] | None, Query(max_length=16)] = None,
+) -> Any:
+    body = await room.get(owner, response_id)
+    if not stream:
+        return body
+    if not body.get("background"):
+        raise ApiError(
+            ErrorType.unsupported, "stream: only a background response's events are kept for replay"
+        )
+
+    class _Nothing:
+        async def close(self) -> None:
+            return None
+
+    return respond(_Nothing(), _sse(background.replay(response_id, owner, starting_after)))
+
+
+@router.delete(
+    "/responses/{response_id}",
+    response_model=Deleted,
+    summary="Delete a response and its state (its descendants keep theirs)",
+    responses=responses(ErrorType.object_not_found),
+)
+async def delete_response(response_id: str, owner: OwnerDep, room: ResponsesDep) -> dict:
+    await room.delete(owner, response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.post(
+    "/responses/{response_id}/cancel",
+    response_model=ResponseObject,
+    summary="Cancel a background response: it stops, and commits nothing more",
+    responses=responses(ErrorType.object_not_found, ErrorType.unsupported),
+)
+async def cancel_response(response_id: str, owner: OwnerDep, background: BackgroundDep) -> dict:
+    status, body = await background.cancel(response_id, owner)
+    if status == "foreground" or body is None:
+        raise ApiError(ErrorType.unsupported, "only a background response can be cancelled")
+    return body
+
+
+@router.get(
+    "/responses/{response_id}/input_items",
+    response_model=ItemList,
+    summary="The input items a response was given (its own, not its ancestors')",
+    responses=responses(ErrorType.object_not_found),
+)
+async def list_input_items(
+    response_id: str,
+    owner: OwnerDep,
+    room: ResponsesDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    after: Annotated[str | None, Query(max_length=128)] = None,
+    include: Annotated[list[str] | None, Query(max_length=16)] = None,
+) -> dict:
+    return page(await room.input_items(owner, response_id), limit, order, after)
+
+
+def page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """A cursor page of `items` (oldest first) as the SDK reads it: `after` an item id."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [i["id"] for i in ordered]
+    start = ids.index(after) + 1 if after in ids else 0
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }
+
+
+__all__ = ["ErrorBody", "router", "page", "renderer", "item"]

@@ -1,0 +1,257 @@
+"""The bodies of the Responses and Conversations APIs (`/v1/responses`, `/v1/conversations`),
+as OpenAI's API names them. Requests are strict as every request body (schemas.py); the
+fields OpenAI has that recur does not implement are accepted where harmless, and refused
+with 400 `unsupported` naming the field where not (responses.py `unsupported`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from .schemas import MAX_TOKENS_CEILING, SEED_LIMIT, RequestBody, ResponseBody, SamplingFields
+
+Text = Annotated[str, Field(max_length=1_000_000)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
+LOGPROBS = "message.output_text.logprobs"
+
+
+# -- requests -------------------------------------------------------------------------------
+class InputText(RequestBody):
+    type: Literal["input_text"]
+    text: Text
+
+
+class OutputTextIn(RequestBody):
+    """An assistant's text, as a client sends a reply back (its annotations and log-probs ignored)."""
+
+    type: Literal["output_text"]
+    text: Text
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(RequestBody):
+    """A message item: `user`, `system`, `developer` or `assistant`, its content a string or
+    text parts."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | Annotated[list[InputText | OutputTextIn], Field(max_length=256)]
+    id: Annotated[str, Field(max_length=128)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+Input = Text | Annotated[list[InputMessage], Field(max_length=1024)]
+
+
+class TextFormat(RequestBody):
+    type: Annotated[str, Field(max_length=64)] = Field(description="only `text`")
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(RequestBody):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ConversationRef(RequestBody):
+    id: Annotated[str, Field(max_length=128)]
+
+
+class ResponseCreate(SamplingFields):
+    """OpenAI's `POST /v1/responses` body (recur adds vLLM's sampling fields and `seed`)."""
+
+    model: str | None = Field(None, description="the served model's name (see GET /v1/models)")
+    input: Input = Field("", description="a string (a user message), or message items")
+    instructions: Text | None = Field(None, description="a system message first, for this response only")
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CEILING)
+    previous_response_id: Annotated[str, Field(max_length=128)] | None = Field(
+        None, description="continue the state that response committed; only the new input is prefilled"
+    )
+    conversation: Annotated[str, Field(max_length=128)] | ConversationRef | None = Field(
+        None, description="append to this conversation (not with previous_response_id)"
+    )
+    store: bool | None = Field(True, description="keep the response (and its state) for response_retention")
+    background: bool | None = Field(False, description="run detached: answered at once, `queued`")
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = Field(None, description="accepted, ignored")
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = Field(
+        None, description=f"only `{LOGPROBS}`"
+    )
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    metadata: Metadata | None = None
+    user: Annotated[str, Field(max_length=256)] | None = Field(None, description="logged, not used")
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = Field(None, description="ignored")
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = Field(None, description="ignored")
+    service_tier: Annotated[str, Field(max_length=32)] | None = Field(None, description="ignored")
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=0)
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = Field(None, description="only []")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="only `auto` or `none`")
+    text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = Field(None, description="only null: 400")
+    prompt: dict[str, Any] | None = Field(None, description="only null: 400")
+    truncation: Literal["auto", "disabled"] | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="recur: the sampler's seed")
+
+
+class ItemsCreate(RequestBody):
+    items: Annotated[list[InputMessage], Field(max_length=1024)]
+
+
+class ConversationCreate(RequestBody):
+    items: Annotated[list[InputMessage], Field(max_length=1024)] | None = None
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(RequestBody):
+    metadata: Metadata
+
+
+# -- responses ------------------------------------------------------------------------------
+class TopLogprob(ResponseBody):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class OutputText(ResponseBody):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class ContentText(ResponseBody):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class OutputMessage(ResponseBody):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class Item(ResponseBody):
+    """A stored message item (a response's input, or a conversation's)."""
+
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ContentText | OutputText]
+
+
+class InputTokensDetails(ResponseBody):
+    cached_tokens: int = Field(
+        description="the input's tokens the starting state already held: not prefilled"
+    )
+
+
+class OutputTokensDetails(ResponseBody):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(ResponseBody):
+    input_tokens: int = Field(description="the whole input's tokens, the reused part included")
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(ResponseBody):
+    code: str
+    message: str
+
+
+class IncompleteDetails(ResponseBody):
+    reason: Literal["max_output_tokens"]
+
+
+class TextOut(ResponseBody):
+    format: dict[str, str]
+
+
+class ResponseObject(ResponseBody):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    model: str
+    output: list[OutputMessage]
+    usage: ResponseUsage | None = None
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    conversation: dict[str, str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    tool_choice: str
+    tools: list[Any]
+    text: TextOut
+    truncation: str
+    background: bool
+    store: bool
+    user: str | None = None
+    reasoning: None = None
+
+
+class StreamEvent(ResponseBody):
+    """One event of a response's stream; `type` says which of the fields it has."""
+
+    type: Literal[
+        "response.created", "response.queued", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed",
+        "response.incomplete", "response.failed",
+    ]  # fmt: skip
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    item_id: str | None = None
+    item: OutputMessage | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Deleted(ResponseBody):
+    id: str
+    object: Literal["response.deleted", "conversation.deleted", "conversation.item.deleted"]
+    deleted: Literal[True]
+
+
+class ItemList(ResponseBody):
+    object: Literal["list"]
+    data: list[Item]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ConversationObject(ResponseBody):
+    id: str
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]

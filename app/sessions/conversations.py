@@ -1,0 +1,123 @@
+"""The Conversations API's transactions: a conversation is a session.
+
+A conversation holds its items (app/store/responses.py) and names the session whose state
+has consumed them, rendered through the chat template. Adding items prefills just them
+(the session's stored tokens, by their chained hash, must be a prefix of the items'
+rendering: app/prefixes.py); a response with `conversation` continues the session in
+place and appends its input and output (responses.py). Deleting an item cannot un-consume
+it: the next use finds the session's tokens no longer a prefix of the items' rendering,
+and prefills the items whole in a new session, which replaces the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from app import prefixes
+from app.store import ObjectNotFound, ResponseStore, SessionNotFound, new_object_id
+
+from .responses import Render, dumps, message
+from .service import SessionService
+
+
+class Conversations:
+    def __init__(self, service: SessionService, store: ResponseStore, retention: int):
+        self.service = service
+        self.store = store
+        self.retention = retention
+
+    async def create(self, owner: str, items: list[dict], metadata: dict | None, render: Render) -> dict:
+        """A new conversation holding `items` (each with an id), its session prefilled
+        with them; returns its fields."""
+        conversation_id = new_object_id("conv")
+        meta = await self.service.create(render([message(i) for i in items], False), self.retention, owner)
+        record = {
+            "created_at": str(int(time.time())),
+            "metadata": dumps(metadata or {}),
+            **_state(meta.id, meta.version, meta.n_tokens),
+        }
+        try:
+            await self.service.tenants.reserve(
+                owner, conversation_id, sum(map(len, record.values())), self.retention
+            )
+            await self.store.save("conversation", conversation_id, owner, self.retention, record)
+            await self.store.add_items(conversation_id, owner, self.retention, items)
+        except BaseException:
+            await self.service.delete(meta.id, None, owner)
+            await self.service.tenants.forget(owner, conversation_id)
+            raise
+        return {"id": conversation_id, **record}
+
+    async def get(self, owner: str, conversation_id: str) -> dict:
+        """A conversation's id, created_at and metadata."""
+        f = await self.store.read("conversation", conversation_id, owner, ["created_at", "metadata"])
+        return {
+            "id": conversation_id,
+            "created_at": int(f["created_at"]),
+            "metadata": json.loads(f["metadata"]),
+        }
+
+    async def update(self, owner: str, conversation_id: str, metadata: dict) -> dict:
+        await self.get(owner, conversation_id)
+        await self.store.save(
+            "conversation", conversation_id, owner, self.retention, {"metadata": dumps(metadata)}
+        )
+        return await self.get(owner, conversation_id)
+
+    async def delete(self, owner: str, conversation_id: str) -> None:
+        session = await self.store.delete("conversation", conversation_id, owner)
+        await self.service.tenants.forget(owner, conversation_id)
+        if session:
+            try:
+                await self.service.delete(session, None, owner)
+            except SessionNotFound:
+                pass
+
+    async def items(self, owner: str, conversation_id: str) -> list[dict]:
+        return (await self.store.items(conversation_id, owner, []))[0]
+
+    async def add(self, owner: str, conversation_id: str, new: list[dict], render: Render) -> None:
+        """Append items: the conversation's session prefills just them (see the module)."""
+        names = ["session", "version", "n_tokens"]
+        items, f = await self.store.items(conversation_id, owner, names)
+        ids = render([message(i) for i in [*items, *new] if i.get("type", "message") == "message"], False)
+        tokens, n = self.service.with_bos(ids), int(f["n_tokens"])
+        held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
+        try:
+            meta = await self.service.get(f["session"], owner)
+            same = n <= len(tokens) and meta.tokens_hash == held and meta.version == int(f["version"])
+        except SessionNotFound:
+            same = False
+        if same and tokens[n:]:
+            meta, _ = await self.service.score(
+                meta.id, tokens[n:], commit=True, expected=meta.version, owner=owner
+            )
+        elif not same:
+            meta = await self.service.create(ids, self.retention, owner)
+        await self.store.add_items(conversation_id, owner, self.retention, new)
+        await self.store.save(
+            "conversation",
+            conversation_id,
+            owner,
+            self.retention,
+            _state(meta.id, meta.version, meta.n_tokens),
+        )
+        if not same and f["session"]:
+            try:
+                await self.service.delete(f["session"], None, owner)
+            except SessionNotFound:
+                pass
+
+    async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> None:
+        await self.store.delete_item(conversation_id, owner, item_id)
+
+    async def item(self, owner: str, conversation_id: str, item_id: str) -> dict:
+        found = next((i for i in await self.items(owner, conversation_id) if i.get("id") == item_id), None)
+        if found is None:
+            raise ObjectNotFound("item", item_id)
+        return found
+
+
+def _state(session: str, version: int, n_tokens: int) -> dict[str, str]:
+    return {"session": session, "version": str(version), "n_tokens": str(n_tokens)}

@@ -1,0 +1,284 @@
+"""The Responses API's transactions: a response is a session version.
+
+A response continues the state an earlier one committed (`previous_response_id`), or a
+conversation's session, or (neither) a new session found as a stateless request's is
+(prefix reuse). What it prefills is found by tokens, never by trust: the caller renders
+the whole conversation (the stored one and the new input) through the chat template to
+token ids, and the stored state is continued only if the tokens it consumed (its chained
+hash, app/prefixes.py) are a prefix of those; then only the rest is prefilled. Otherwise
+(the state expired, a conversation's item was deleted, the instructions changed, a reply
+ended on a token the text does not show) the whole conversation is prefilled in a new
+session. Either way the reply is the one resending the whole conversation would give.
+
+A continued response is a fork of the earlier response's session at its version: two
+continuations of one response are two forks, never a conflict, and each response holds
+its own state, so deleting an ancestor leaves its descendants continuable. A response
+with `conversation` continues the conversation's session in place (fenced on its
+version). A response not stored (`store: false`) deletes every session it made.
+
+The records live in app/store/responses.py; the conversations in conversations.py; a
+background response's worker in background.py. This module never renders a template,
+frames an event or knows HTTP: the caller hands it `Render` and the response's body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app import metrics, prefixes
+from app.store import ObjectNotFound, ResponseStore, SessionNotFound, VersionGone
+
+from .choices import stateless
+from .run import Run
+from .service import Generation, SessionService
+
+log = logging.getLogger("recur.responses")
+
+# messages (role and content, as chat templates read them) and whether the assistant's
+# turn opens after them -> the token ids they render to (no BOS)
+Render = Callable[[list[dict[str, str]], bool], list[int]]
+CONTINUABLE = ("completed", "incomplete")
+
+
+class NotContinuable(Exception):
+    """A response or conversation that cannot be continued as asked (400)."""
+
+
+def message(item: dict) -> dict[str, str]:
+    """A message item as a chat template reads it: its role, and its content's text parts
+    joined by newlines (as the chat route joins a message's parts)."""
+    content = item.get("content", "")
+    text = content if isinstance(content, str) else "\n".join(str(p.get("text", "")) for p in content)
+    return {"role": str(item["role"]), "content": text}
+
+
+def body_of(raw: str) -> dict:
+    """A stored Response object. A body Redis's Lua rewrote (a cancel, or a sweep's
+    failure) has its empty arrays as cjson writes them, `{}`: they are arrays again."""
+    body = dict(json.loads(raw))
+    for name in ("output", "tools"):
+        if body.get(name) == {}:
+            body[name] = []
+    return body
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+@dataclass
+class Turn:
+    """What a response asks: the owner, its new input items (each with an id), what it
+    continues, and whether it is kept."""
+
+    owner: str
+    input: list[dict]
+    previous: str | None = None
+    conversation: str | None = None
+    store: bool = True
+    background: bool = False
+
+
+@dataclass
+class Base:
+    """The stored state a response may continue: a session at a version."""
+
+    session: str
+    version: int
+    n_tokens: int
+
+
+@dataclass
+class Begun:
+    """A response whose generation has started."""
+
+    id: str
+    turn: Turn
+    run: Run
+    context: list[dict[str, str]]  # the conversation before the reply, as the template read it
+    input_tokens: int  # the whole input's tokens (BOS not counted)
+    cached: int  # of those, the ones its starting state already held: not prefilled
+    made: bool  # the session is the response's own (a fork or a new one)
+    replaced: str | None = None  # a conversation's former session, which this one replaces
+    kept: bool = False  # `finish` kept it: closing it deletes nothing
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+
+class Responses:
+    def __init__(self, service: SessionService, store: ResponseStore, retention: int):
+        self.service = service
+        self.store = store
+        self.retention = retention
+
+    # -- a response's life ------------------------------------------------------------------------
+    async def begin(self, response_id: str, turn: Turn, render: Render, gen: Generation) -> Begun:
+        """Start the response's generation: its context read, its input rendered, its
+        starting session found (see the module). The caller owns `Begun.run`, and calls
+        `finish` after its commit (or `discard`)."""
+        context, base = await self._context(turn)
+        ids = render(context + [message(i) for i in turn.input], True)
+        session, rest, made, expected = await self._session(turn, base, ids)
+        try:
+            async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
+                run = await self.service.generate(session, rest, gen, expected=expected, owner=turn.owner)
+            admitted(run)
+        except BaseException:
+            if made:
+                await self._forget(turn.owner, session)
+            raise
+        replaced = base.session if turn.conversation and base and made else None
+        return Begun(response_id, turn, run, context + [message(i) for i in turn.input], len(ids),
+                     len(ids) - len(rest), made, replaced)  # fmt: skip
+
+    async def finish(
+        self, begun: Begun, body: dict, reply: str, output: list[dict], *, worker: bool = False
+    ) -> bool:
+        """Keep a committed response: its record (`body`, the API's Response object), and
+        with a conversation, its input and `output` items appended to it. Not stored, its
+        sessions are deleted. `worker`: a background worker's, kept only while the response
+        is active (else discarded: False)."""
+        turn, meta = begun.turn, begun.run.meta
+        status = str(body["status"])
+        metrics.RESPONSES.labels(status).inc()
+        if not turn.store or meta is None:  # not stored, or failed: no state to keep
+            await self.discard(begun)
+            if meta is None and turn.store:
+                await self.store.save("response", begun.id, turn.owner, self.retention,
+                                      {"status": status, "body": dumps(body)}, worker=worker)  # fmt: skip
+            return True
+        record = {
+            "status": status,
+            "body": dumps(body),
+            "context": dumps([*begun.context, {"role": "assistant", "content": reply}]),
+            "input": dumps(turn.input),
+            "session": meta.id,
+            "version": str(meta.version),
+            "n_tokens": str(meta.n_tokens),
+            "own": "1" if begun.made else "",
+            "created_at": str(begun.created_at),
+        }
+        await self.service.tenants.reserve(
+            turn.owner, begun.id, sum(map(len, record.values())), self.retention
+        )
+        if not await self.store.save("response", begun.id, turn.owner, self.retention, record, worker=worker):
+            await self.discard(begun)
+            return False
+        begun.kept = True
+        if turn.conversation:
+            await self._extend_conversation(begun, [*turn.input, *output])
+        return True
+
+    async def close(self, begun: Begun) -> None:
+        """Always, once a response's request ends: its generation stopped, its lock released,
+        and, unless kept, the session it made deleted."""
+        await begun.run.close()
+        if not begun.kept:
+            await self.discard(begun)
+
+    async def discard(self, begun: Begun) -> None:
+        """Leave nothing of a response behind: the session it made."""
+        begun.kept = True  # (once)
+        if begun.made:
+            run = begun.run
+            await self._forget(begun.turn.owner, run.writer.meta.id)
+            hashes = [run.writer.meta.tokens_hash, *([run.meta.tokens_hash] if run.meta else [])]
+            await self.service.tenants.store.unindex(begun.turn.owner, run.writer.meta.id, hashes)
+
+    async def _extend_conversation(self, begun: Begun, items: list[dict]) -> None:
+        turn, meta = begun.turn, begun.run.meta
+        assert turn.conversation is not None and meta is not None
+        await self.store.add_items(turn.conversation, turn.owner, self.retention, items)
+        fields = {"session": meta.id, "version": str(meta.version), "n_tokens": str(meta.n_tokens)}
+        await self.store.save("conversation", turn.conversation, turn.owner, self.retention, fields)
+        if begun.replaced:
+            await self._forget(turn.owner, begun.replaced)
+
+    # -- reads and deletes ----------------------------------------------------------------------
+    async def get(self, owner: str, response_id: str) -> dict:
+        """A stored response's body."""
+        fields = await self.store.read("response", response_id, owner, ["body"])
+        return body_of(fields["body"])
+
+    async def input_items(self, owner: str, response_id: str) -> list[dict]:
+        """The input items the response was given, in order (its own: not its ancestors')."""
+        fields = await self.store.read("response", response_id, owner, ["input"])
+        return list(json.loads(fields["input"] or "[]"))
+
+    async def delete(self, owner: str, response_id: str) -> None:
+        """Delete a response and the state it holds. Its descendants hold their own."""
+        fields = await self.store.read("response", response_id, owner, ["own"])
+        session = await self.store.delete("response", response_id, owner)
+        await self.service.tenants.forget(owner, response_id)
+        if session and fields["own"]:
+            await self._forget(owner, session)
+
+    # -- the starting state -------------------------------------------------------------------
+    async def _context(self, turn: Turn) -> tuple[list[dict[str, str]], Base | None]:
+        """The conversation a response continues (as the template reads it) and the stored
+        state that consumed it, if any."""
+        if turn.previous is not None:
+            names = ["context", "session", "version", "n_tokens", "status"]
+            f = await self.store.read("response", turn.previous, turn.owner, names)
+            if f["status"] not in CONTINUABLE:
+                raise NotContinuable(
+                    f"previous_response_id: response {turn.previous!r} is {f['status']}; only a completed or "
+                    "incomplete response can be continued"
+                )
+            return json.loads(f["context"] or "[]"), Base(f["session"], int(f["version"]), int(f["n_tokens"]))
+        if turn.conversation is not None:
+            items, f = await self.store.items(
+                turn.conversation, turn.owner, ["session", "version", "n_tokens"]
+            )
+            context = [message(i) for i in items if i.get("type", "message") == "message"]
+            return context, Base(f["session"], int(f["version"]), int(f["n_tokens"]))
+        return [], None
+
+    async def _session(
+        self, turn: Turn, base: Base | None, ids: list[int]
+    ) -> tuple[str, list[int], bool, int | None]:
+        """The session a response runs in, the ids it has yet to consume, whether the
+        session is its own, and the version it must still be at."""
+        ttl = self.retention if turn.store else self.service.stateless_ttl
+        if base is not None:
+            tokens = self.service.with_bos(ids)
+            n = base.n_tokens
+            held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
+            found = await self._continue(turn, base, held, ttl) if n <= len(tokens) else None
+            if found is not None:
+                metrics.RESPONSE_REUSE.labels("hit").inc()
+                metrics.RESPONSE_TOKENS_REUSED.inc(n - (len(tokens) - len(ids)))
+                return found[0], tokens[n:], found[1], found[2]
+            metrics.RESPONSE_REUSE.labels("miss").inc()
+        session, rest = await stateless(self.service, ids, turn.owner, ttl=ttl)
+        return session, rest, True, None
+
+    async def _continue(
+        self, turn: Turn, base: Base, held: str, ttl: int
+    ) -> tuple[str, bool, int | None] | None:
+        """The base's state, if it consumed exactly the tokens hashing to `held`: the
+        conversation's session itself (at its version), or a fork of the response's."""
+        try:
+            if turn.conversation is not None:
+                meta = await self.service.get(base.session, turn.owner)
+                same = meta.tokens_hash == held and meta.version == base.version
+                return (meta.id, False, meta.version) if same else None
+            fork = await self.service.fork(
+                base.session, None, turn.owner, base.version, ttl=ttl, tokens_hash=held
+            )
+            return fork.id, True, None
+        except (SessionNotFound, VersionGone):
+            return None
+
+    async def _forget(self, owner: str, session_id: str) -> None:
+        """Delete a session (best effort: it expires anyway)."""
+        try:
+            await asyncio.shield(self.service.delete(session_id, None, owner))
+        except (SessionNotFound, ObjectNotFound):
+            pass
+        except Exception:
+            log.warning("could not delete session %s of a response", session_id)

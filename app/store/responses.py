@@ -1,0 +1,156 @@
+"""Responses and conversations in Redis (the Responses and Conversations APIs): each on its
+own keys (`{resp_HEX}`, `{conv_HEX}`: app/store/keys.py), never a session's, so each
+script here touches one slot.
+
+A response is a hash (its body, the conversation it ends, its session and version) and,
+when it runs in the background, a list of its stream events; a conversation is a hash and
+a list of its items. The state they continue lives in sessions (app/store/sessions.py):
+the hash only names it. A background worker writes only while its response is active, so
+a cancel, or a failure written by another replica's sweep once the worker's lease lapsed,
+always wins. This module knows nothing of HTTP, tensors or the model.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Literal
+
+from .connection import Connection
+from .keys import Keys
+from .types import ObjectNotFound, fields
+
+Kind = Literal["response", "conversation"]
+ACTIVE = ("queued", "in_progress")
+
+
+def new_object_id(prefix: str) -> str:
+    """An id as OpenAI's look: `resp_`, `conv_`, `msg_` and 32 random hex digits."""
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ResponseStore:
+    def __init__(self, connection: Connection, keys: Keys):
+        self.connection = connection
+        self.keys = keys
+
+    def _keys(self, kind: Kind, object_id: str) -> list[str]:
+        return self.keys.response(object_id) if kind == "response" else self.keys.conversation(object_id)
+
+    # -- either kind --------------------------------------------------------------------------
+    async def save(
+        self,
+        kind: Kind,
+        object_id: str,
+        owner: str,
+        ttl: int,
+        values: dict[str, str],
+        *,
+        worker: bool = False,
+    ) -> bool:
+        """Write `values` (making the object if new). `worker`: only while the response is
+        active; False when it is not (cancelled or failed meanwhile: nothing written)."""
+        pairs = [x for kv in values.items() for x in kv]
+        args = [owner, ttl, "1" if worker else "0", *pairs]
+        status = _text(
+            fields(await self.connection.run("object_save", self._keys(kind, object_id), args))["status"]
+        )
+        if status == "missing":
+            raise ObjectNotFound(kind, object_id)
+        return status == "ok"
+
+    async def read(self, kind: Kind, object_id: str, owner: str, names: list[str]) -> dict[str, str]:
+        """Fields of the owner's object ('' for an absent one), or ObjectNotFound."""
+        answer = fields(
+            await self.connection.run("object_read", self._keys(kind, object_id)[:1], [owner, *names])
+        )
+        if _text(answer.pop(".status")) != "ok":
+            raise ObjectNotFound(kind, object_id)
+        return {k: _text(v) for k, v in answer.items()}
+
+    async def delete(self, kind: Kind, object_id: str, owner: str) -> str:
+        """Delete the owner's object; returns the session that held its state ('' if none)."""
+        answer = fields(await self.connection.run("object_delete", self._keys(kind, object_id), [owner]))
+        if _text(answer["status"]) != "ok":
+            raise ObjectNotFound(kind, object_id)
+        return _text(answer["session"])
+
+    # -- a background response ----------------------------------------------------------------
+    async def append_event(
+        self, response_id: str, owner: str, event: str, lease_until: float, ttl: int
+    ) -> bool:
+        """Append an event ('' : only renew the lease); False once the response was stopped."""
+        args = [owner, event, f"{lease_until:.3f}", ttl]
+        answer = fields(await self.connection.run("response_event", self.keys.response(response_id), args))
+        return _text(answer["status"]) == "ok"
+
+    async def events(self, response_id: str, owner: str, start: int) -> tuple[bool, list[str]]:
+        """(whether it has ended, its events from index `start`), read together."""
+        answer = fields(
+            await self.connection.run("response_events", self.keys.response(response_id), [owner, start])
+        )
+        if _text(answer["status"]) != "ok":
+            raise ObjectNotFound("response", response_id)
+        return int(answer["ended"]) == 1, [_text(e) for e in answer["events"]]
+
+    async def cancel(self, response_id: str, owner: str) -> tuple[str, str]:
+        """Cancel an active background response: ('ok', body), ('ended', body) for one that
+        had ended, ('foreground', '') for one that did not run in the background."""
+        answer = fields(
+            await self.connection.run("response_cancel", self.keys.response(response_id), [owner])
+        )
+        status = _text(answer["status"])
+        if status == "missing":
+            raise ObjectNotFound("response", response_id)
+        return status, _text(answer.get("body", b""))
+
+    async def expire(self, response_id: str, message: str) -> str:
+        """Fail the response if its worker's lease has lapsed: 'failed' when this did,
+        'alive' (its lease was renewed), 'gone' (it had ended, or is no more)."""
+        answer = fields(
+            await self.connection.run("response_expire", self.keys.response(response_id), [message])
+        )
+        return _text(answer["status"])
+
+    async def lease(
+        self, op: Literal["add", "drop", "due", "count"], response_id: str = "", until: float = 0
+    ) -> tuple[list[str], int]:
+        """The register of background responses in progress: add or drop one, or read
+        those whose lease has lapsed; (due ids, how many are registered)."""
+        args = [op, response_id, f"{until:.3f}"]
+        answer = fields(await self.connection.run("leases", [self.keys.leases()], args))
+        return [_text(i) for i in answer["ids"]], int(answer["count"])
+
+    # -- a conversation's items -----------------------------------------------------------------
+    async def add_items(self, conversation_id: str, owner: str, ttl: int, items: list[dict]) -> int:
+        args = [owner, ttl, *(json.dumps(i, separators=(",", ":")) for i in items)]
+        answer = fields(await self.connection.run("items_add", self.keys.conversation(conversation_id), args))
+        if _text(answer["status"]) != "ok":
+            raise ObjectNotFound("conversation", conversation_id)
+        return int(answer["count"])
+
+    async def items(
+        self, conversation_id: str, owner: str, names: list[str]
+    ) -> tuple[list[dict], dict[str, str]]:
+        """A conversation's items, oldest first, and its fields `names`."""
+        answer = fields(
+            await self.connection.run("items_read", self.keys.conversation(conversation_id), [owner, *names])
+        )
+        if _text(answer.pop(".status")) != "ok":
+            raise ObjectNotFound("conversation", conversation_id)
+        items = [json.loads(_text(i)) for i in answer.pop("items")]
+        return items, {k: _text(v) for k, v in answer.items()}
+
+    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> None:
+        answer = fields(
+            await self.connection.run(
+                "items_delete", self.keys.conversation(conversation_id), [owner, item_id]
+            )
+        )
+        status = _text(answer["status"])
+        if status != "ok":
+            raise ObjectNotFound("conversation" if status == "missing" else "item", item_id)
