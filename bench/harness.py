@@ -7,12 +7,17 @@ binary), the server as its own process over real HTTP, the shipped model (or a
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -164,6 +169,45 @@ class Server:
 
 
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
+BENCH = ROOT / "bench"
+
+
+def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    print(f"== {script} {' '.join(args)}", flush=True)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **env} if env else None,
+    )
+    for line in proc.stdout.splitlines():  # the figures as they came, the RESULT line cut short
+        print(line[:300] + (" ..." if len(line) > 300 else ""))
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{script} failed with {proc.returncode}")
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@contextlib.contextmanager
+def model_at(commit: str) -> Iterator[Path | None]:
+    """A folder holding `commit`'s model/ (a script run with it on PYTHONPATH measures that
+    code, with today's bench/, in the same run as today's), or None where git cannot give
+    that tree; removed afterwards."""
+    archive = subprocess.run(["git", "archive", commit, "model"], cwd=ROOT, capture_output=True, check=False)
+    if archive.returncode != 0:
+        print(f"no baseline: git archive {commit} failed", flush=True)
+        yield None
+        return
+    tree = Path(tempfile.mkdtemp(prefix="recur-baseline-"))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tree, filter="data")
+        yield tree
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def write_section(heading: str, section: str) -> None:

@@ -28,7 +28,7 @@ import json
 import os
 
 import torch
-from harness import write_section
+from harness import model_at, run, write_section
 from roofline import WORK, Machine, Work, against, decode, prefill, served_step
 from torch.profiler import profile
 
@@ -66,6 +66,7 @@ MODELS = {
 
 def section(r: dict) -> str:
     m = r["machine"]
+    before = {(d["model"], d["batch"]): d for d in r.get("before", {}).get("decode", [])}
     lines = [
         SECTION,
         "",
@@ -77,12 +78,13 @@ def section(r: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in r["decode"]:
-        ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in d["top_ops"][:3])
         lines.append(
             f"| {d['model'].removeprefix('smollm2-')} | {d['batch']} | {d['attention_length']} | {d['mb_per_step']} | "
             f"{d['mflop_per_step']} | {d['step_ms']} | {d['tokens_per_s']} | {d['bandwidth_roofline']:.1%} | "
-            f"{d['compute_roofline']:.1%} | {d['kernel_share']:.0%} | {ops} |"
+            f"{d['compute_roofline']:.1%} | {d['kernel_share']:.0%} | {_ops(d)} |"
         )
+    if before:
+        lines += ["", *_before(r, before)]
     lines += ["", "Prefill of a 2,048-token prompt (chunks of `tgt_len`, best of 3):", ""]
     lines += ["| weights | tokens/s | compute roofline | kernels |", "|---|---|---|---|"]
     for p in r["prefill"]:
@@ -94,7 +96,8 @@ def section(r: dict) -> str:
         lines.append(
             f"\nBatch {s['batch']} of {s['model']} was skipped: its states need {s['gib']} GiB at the peak."
         )
-    lines += ["", *WHY, "", "Reproduce: `python bench/llm.py` (`--write` rewrites this section).", ""]
+    again = f" --baseline {r['before']['commit']}" if before else ""
+    lines += ["", *WHY, "", f"Reproduce: `python bench/llm.py{again}` (`--write` rewrites this section).", ""]
     return "\n".join(lines)
 
 
@@ -103,12 +106,59 @@ WHY = [
     "bandwidth, and int8 weights (a quarter of the bytes) are the lever. The int8 product runs on the CPU's "
     "int8 units (`torch._int_mm`, model/int8.py), whose batch-1 kernel reads its weights more slowly than "
     "fp32's matrix-vector product does, so int8 gains less than 4x. As the batch grows the same weights serve "
-    "more rows, and the step moves toward the compute roofline; the attention over the window (K keys a row) "
-    "grows with the batch and, at W = 1024, is a large share of the bytes at batch 64. Measured, the step at "
-    "batch 16 and 64 is not there yet: its largest op is `copy_` (about half the step at batch 16, more at 64), "
-    "which grows with the batch's state, not its weights, most likely the full window's keys and values moved "
-    "each step as it slides. That copy, not the roofline, is what batched decode of this family must shed first.",
+    "more rows, and the attention over the window (K keys and values a layer, for every stream) becomes most "
+    "of the bytes a step moves: at batch 64 the step is attention-bound whatever the weights' format, and "
+    "`bmm` leads the profile.",
+    "",
+    "The attention reads each layer's keys and values where they lie in the state's arena: one product per "
+    "key/value head, with the streams as its batch axis (`_in_place` in model/llama.py). Before, "
+    "`torch.matmul` folded streams and heads into one axis, which for a window inside an arena "
+    "([B, L, capacity, kvh·hd]: one stream's rows of a layer are L·capacity rows from the next's) cannot be a "
+    "view, so it copied every layer's window twice a step: the `copy_` at the top of the rows before, about "
+    "half the step at batch 16 and more at 64. What still copies a window is the arena's growth: once every "
+    "64 steps (model/state.py, `ARENA_SLACK`) its spare rows run out and the window moves to a new arena, "
+    "1/64 of a window a step on average, which the median step above leaves out.",
 ]
+
+
+def _ops(d: dict) -> str:
+    return ", ".join(f"{o['op']} {o['share']:.0%}" for o in d["top_ops"][:3])
+
+
+def _before(r: dict, before: dict[tuple[str, int], dict]) -> list[str]:
+    """The decode rows next to the same rows of the baseline commit's model/, measured in
+    this run just before (`--baseline`)."""
+    lines = [
+        f"The same decode steps on the code before (commit {r['before']['commit']}, its model/ with this "
+        "bench/), measured in this run. At batch 1 the two run the same products (one stream's window folds "
+        "into a batch axis without a copy), so what differs there is the shared machine's load between the two.",
+        "",
+        "| weights | batch | ms a step before | ms a step now | tokens/s before | tokens/s now | now ÷ before | top ops before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for d in r["decode"]:
+        b = before.get((d["model"], d["batch"]))
+        if b is not None:
+            lines.append(
+                f"| {d['model'].removeprefix('smollm2-')} | {d['batch']} | {b['step_ms']} | {d['step_ms']} | "
+                f"{b['tokens_per_s']} | {d['tokens_per_s']} | {d['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+                f"{_ops(b)} |"
+            )
+    return lines
+
+
+def baseline(commit: str, args: argparse.Namespace) -> dict | None:
+    """This script's decode figures on `commit`'s model/ (no prefill: the change measured
+    is the decode step's), or None where git cannot give that tree."""
+    with model_at(commit) as tree:
+        if tree is None:
+            return None
+        extra = ["--only", args.only] if args.only else []
+        result = run(
+            "llm.py", "--batches", args.batches, "--budget", str(args.budget), "--prefill-tokens", "0", *extra,
+            env={"PYTHONPATH": str(tree)},
+        )  # fmt: skip
+    return {"commit": commit, "decode": result["decode"]}
 
 
 def main() -> None:
@@ -119,7 +169,9 @@ def main() -> None:
     ap.add_argument("--only", help="comma list of: " + ", ".join(MODELS))
     ap.add_argument("--compiled", action="store_true", help="also compile and probe the engine's step (long)")
     ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
+    ap.add_argument("--baseline", help="a commit whose model/ to measure first, side by side (decode only)")
     args = ap.parse_args()
+    before = baseline(args.baseline, args) if args.baseline else None
     batches = [int(b) for b in args.batches.split(",")]
     m = Machine()
     torch.set_num_threads(1)
@@ -136,12 +188,15 @@ def main() -> None:
         span = f"sinks {lm.config.sinks} + window {lm.config.window}"
         served = served_step(lm)[0] if args.compiled else None
         steps += decode(name, lm, batches, args.budget, skipped, served)
-        prefills.append(prefill(name, lm, args.prefill_tokens, served))
+        if args.prefill_tokens:
+            prefills.append(prefill(name, lm, args.prefill_tokens, served))
         del lm
     m.sample()
     against(steps, prefills, m)
     result = {"machine": m.summary(), "span": span, "decode": steps, "prefill": prefills, "skipped": skipped}
     result["threads"], result["cpus"] = 1, os.cpu_count()
+    if before is not None:
+        result["before"] = before
     print(section(result))
     if args.write:
         write_section(SECTION, section(result))

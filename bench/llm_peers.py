@@ -4,9 +4,10 @@ the same number of threads (`--threads`, default every core). `make bench-peers`
 it is not part of `make test` (the builds take minutes).
 
 The builds, into .bench-peers/ (ignored by git), from the package index's source
-distribution of llama-cpp-python (`LLAMA_CPP_PYTHON`): the Python bindings (`pip install
---target`, compiled from the sdist), and llama.cpp's own server, `llama-server`, compiled
-with CMake from the llama.cpp sources the same sdist vendors.
+distribution of llama-cpp-python (`LLAMA_CPP_PYTHON`): llama.cpp's own server,
+`llama-server`, and its shared libraries, compiled once with CMake from the llama.cpp
+sources the sdist vendors; and the Python bindings (`pip install --target`, the same sdist
+without its own compile of llama.cpp), which load those libraries.
 
 Two figures, each against its target (issue 28):
   * batch-1 decode tokens/s, in-process: llama-cpp-python's `Llama.eval` one token at a time
@@ -50,24 +51,47 @@ STREAMS, NEW_TOKENS = 16, 64
 
 
 # -- the builds ----------------------------------------------------------------------------
+def build_llama_cpp() -> Path:
+    """llama.cpp from the sources the sdist vendors, compiled once with CMake into
+    .bench-peers/server: `llama-server`, and the shared libraries it links (libllama,
+    libggml), which the Python bindings load too."""
+    bin_dir = PEERS / "server" / "bin"
+    if (bin_dir / "llama-server").is_file() and (bin_dir / "libllama.so").is_file():
+        return bin_dir
+    vendored = next(sdist().parent.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = PEERS / "server"
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
+    run(["cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja", *flags], "cmake")
+    run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+        "llama-server and libllama",
+    )
+    return bin_dir
+
+
 def build_python() -> Path:
+    """llama-cpp-python's Python package from the same sdist, without compiling llama.cpp a
+    second time (`LLAMA_BUILD=OFF`): it loads `build_llama_cpp`'s libllama
+    (`LLAMA_CPP_LIB_PATH`)."""
     target = PEERS / "python"
     if not (target / "llama_cpp").is_dir():
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target)]
-        run(
-            [*cmd, "--no-binary", "llama-cpp-python", LLAMA_CPP_PYTHON],
-            "llama-cpp-python (compiles llama.cpp)",
-        )
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), str(sdist())]
+        run(cmd, "llama-cpp-python (its Python package)", {"CMAKE_ARGS": "-DLLAMA_BUILD=OFF"})
     return target
 
 
-def build_server() -> Path:
-    binary = PEERS / "server" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
+def sdist() -> Path:
+    """The package index's source distribution of `LLAMA_CPP_PYTHON`, downloaded and unpacked."""
     src = PEERS / "src"
-    run(
-        [
+    found = next(src.glob("llama_cpp_python-*.tar.gz"), None)
+    if found is None:
+        cmd = [
             sys.executable,
             "-m",
             "pip",
@@ -78,33 +102,19 @@ def build_server() -> Path:
             ":all:",
             "-d",
             str(src),
-            LLAMA_CPP_PYTHON,
-        ],
-        "the sdist",
-    )
-    sdist = next(src.glob("llama_cpp_python-*.tar.gz"))
-    with tarfile.open(sdist) as tar:
-        tar.extractall(src, filter="data")
-    vendored = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    build = PEERS / "server"
-    flags = [
-        "-DCMAKE_BUILD_TYPE=Release",
-        "-DLLAMA_CURL=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
-    ]
-    run(["cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja", *flags], "cmake")
-    run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-        "llama-server",
-    )
-    return binary
+        ]
+        run([*cmd, LLAMA_CPP_PYTHON], "the sdist")
+        found = next(src.glob("llama_cpp_python-*.tar.gz"))
+    if not any(src.glob("llama_cpp_python-*/vendor/llama.cpp")):
+        with tarfile.open(found) as tar:
+            tar.extractall(src, filter="data")
+    return found
 
 
-def run(cmd: list[str], what: str) -> None:
+def run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
     print(f"building {what} ...", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env={**os.environ, **env} if env else None)
     print(f"built {what} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -115,6 +125,9 @@ def prompt_text() -> str:
 
 def llama_cpp_stepper(gguf: Path, threads: int):
     """llama-cpp-python's decode, one token per eval, greedy, after the prompt: a step."""
+    # always the libllama built here: pip may hand out a wheel it cached from a build on another
+    # CPU (llama.cpp compiles for the building machine's instructions: an illegal instruction here)
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(build_llama_cpp())
     sys.path.insert(0, str(build_python()))
     from llama_cpp import Llama
 
@@ -183,7 +196,17 @@ def concurrent(post) -> float:
 
 def llama_server_streams(gguf: Path, threads: int) -> float:
     port = free_port()
-    cmd = [str(build_server()), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(STREAMS)]
+    cmd = [
+        str(build_llama_cpp() / "llama-server"),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-np",
+        str(STREAMS),
+    ]
     cmd += ["-c", str(STREAMS * 1024), "--port", str(port), "--host", "127.0.0.1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -252,7 +275,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 # -- the report ---------------------------------------------------------------------------------
 def section(r: dict) -> str:
-    b1, st = r["batch_1"], r["streams"]
     lines = [
         SECTION,
         "",
@@ -264,10 +286,14 @@ def section(r: dict) -> str:
         "| | llama.cpp | recur fp32 | recur int8 | best ratio | target | |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, row, target in (
-        ("batch-1 decode, tokens/s", b1, 0.5),
-        (f"{STREAMS} streams, aggregate tokens/s", st, 1.0),
+    for name, key, target in (
+        ("batch-1 decode, tokens/s", "batch_1", 0.5),
+        (f"{STREAMS} streams, aggregate tokens/s", "streams", 1.0),
     ):
+        if key not in r:
+            lines.append(f"| {name} | not measured in this run (`--parts`) | | | | {target}x | |")
+            continue
+        row = r[key]
         best = max(row["fp32"], row["int8"]) / row["llama.cpp"]
         lines.append(
             f"| {name} | {row['llama.cpp']:.1f} | {row['fp32']:.1f} | {row['int8']:.1f} | {best:.2f}x | "
@@ -292,18 +318,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=64, help="timed batch-1 decode steps per side")
+    ap.add_argument("--parts", default="batch-1,streams", help="comma list of: batch-1, streams")
     ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     gguf = model.checkpoint.resolve("smollm2")
-    build_python()
-    build_server()
+    parts = args.parts.split(",")
     T = args.threads
-    b1 = batch_1(gguf, T, args.steps)
-    print(f"batch-1 decode tokens/s: {json.dumps(b1)}", flush=True)
-    st = {"llama.cpp": llama_server_streams(gguf, T)}
-    st.update({p: recur_streams(p, T) for p in ("fp32", "int8")})
-    print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
-    r = {"threads": T, "cpus": os.cpu_count(), "batch_1": b1, "streams": st}
+    r: dict = {"threads": T, "cpus": os.cpu_count()}
+    if "batch-1" in parts:
+        r["batch_1"] = batch_1(gguf, T, args.steps)
+        print(f"batch-1 decode tokens/s: {json.dumps(r['batch_1'])}", flush=True)
+    if "streams" in parts:
+        st = {"llama.cpp": llama_server_streams(gguf, T)}
+        st.update({p: recur_streams(p, T) for p in ("fp32", "int8")})
+        print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
+        r["streams"] = st
     print(section(r))
     if args.write:
         write_section(SECTION, section(r))

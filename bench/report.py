@@ -11,60 +11,34 @@ are kept as they are.
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
 import page
+from harness import model_at, run
 from plots import PLOTS
 
 BENCH = Path(__file__).resolve().parent
 DOCS = BENCH.parent / "docs"
 
 
-def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    print(f"== {script} {' '.join(args)}", flush=True)
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        cwd=BENCH,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **env} if env else None,
-    )
-    for line in proc.stdout.splitlines():  # the figures as they came, the RESULT line cut short
-        print(line[:300] + (" ..." if len(line) > 300 else ""))
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{script} failed with {proc.returncode}")
-    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
 def baseline(commit: str) -> dict | None:
     """`shakespeare-rlt` on `commit`'s model/ (the code before issue 14), measured in this run
     next to today's: its batch-1 decode and 2k prefill rows, or None where git cannot give
     that tree."""
-    tree = Path(tempfile.mkdtemp(prefix="recur-baseline-"))
-    archive = subprocess.run(
-        ["git", "archive", commit, "model"], cwd=BENCH.parent, capture_output=True, check=False
-    )
-    if archive.returncode != 0:
-        print(f"no baseline: git archive {commit} failed", flush=True)
-        return None
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tree, filter="data")
-    result = run(
-        "roofline.py", "--only", "shakespeare-rlt", "--batches", "1", "--eager", env={"PYTHONPATH": str(tree)}
-    )
-    shutil.rmtree(tree, ignore_errors=True)
+    with model_at(commit) as tree:
+        if tree is None:
+            return None
+        result = run(
+            "roofline.py",
+            "--only",
+            "shakespeare-rlt",
+            "--batches",
+            "1",
+            "--eager",
+            env={"PYTHONPATH": str(tree)},
+        )
     return {
         "commit": commit,
         "decode_tokens_per_s": result["decode"][0]["tokens_per_s"],

@@ -200,17 +200,30 @@ def _masked(scores: torch.Tensor, mask: torch.Tensor | None, T: int) -> torch.Te
     return scores.view(B, kvh, gT // T, T, K).add_(mask).view(B, kvh, gT, K)
 
 
+def _in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (B, kvh, X, Y) @ (B, kvh, Y, Z) -> (B, kvh, X, Z), reading b where it lies.
+    `torch.matmul` folds (B, kvh) into one batch axis, and where b's streams are not kvh
+    heads apart in memory (a window in its arena: [B, L, capacity, kvh*hd], so one stream's
+    layer is L*capacity rows from the next's) that fold copies the whole of b: a decode step
+    of a batch would copy every layer's window twice. One product per key/value head takes
+    the streams as its batch axis at any stride, and copies nothing."""
+    B, H = b.shape[:2]
+    if B == 1 or H == 1 or b.stride(0) == H * b.stride(1):
+        return a @ b
+    return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(H)], 1)
+
+
 def _apart(
     qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
 ) -> torch.Tensor:
     """Each part scored by its own product, one softmax over both -> (B, kvh, g*T, hd)."""
-    scores = _masked(qg @ win[0].transpose(-1, -2), masks[1], T)  # (B, kvh, g*T, Kw)
+    scores = _masked(_in_place(qg, win[0].transpose(-1, -2)), masks[1], T)  # (B, kvh, g*T, Kw)
     Ks = 0
     if qs is not None and sk is not None:
         Ks = sk[0].shape[2]
         scores = torch.cat([_masked(qs @ sk[0].transpose(-1, -2), masks[0], T), scores], -1)
     p = scores.float().softmax(-1).to(win[1].dtype)
-    out = p[..., Ks:] @ win[1]
+    out = _in_place(p[..., Ks:], win[1])
     if sk is not None and Ks:
         B, kvh, gT, hd = out.shape
         out = torch.baddbmm(

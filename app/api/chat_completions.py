@@ -29,7 +29,7 @@ from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
 from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids, served_model
-from .errors import ApiError, ErrorType, responses
+from .errors import ApiError, ErrorType
 from .openai_schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,8 +44,6 @@ from .openai_schemas import (
     ChatTopLogprob,
     CompletionUsage,
 )
-from .schemas import ErrorBody
-from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -66,13 +64,7 @@ def chat_template(request: Request) -> ChatTemplate:
     "/chat/completions",
     response_model=ChatCompletionResult,
     summary="OpenAI-compatible chat completion, in a new or a continued session",
-    responses={
-        200: stream_response(
-            "stream=true: `data: {chat.completion.chunk}` events (or `data: {error}`), then `data: [DONE]`",
-            data_events(ChatCompletionChunk, ErrorBody),
-        ),
-        **responses(ErrorType.no_chat_template, *oai.ERRORS),
-    },
+    responses=oai.route_responses(ChatCompletionChunk, "chat.completion.chunk", ErrorType.no_chat_template),
 )
 async def create_chat_completion(
     body: ChatCompletion,

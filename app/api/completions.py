@@ -46,7 +46,7 @@ from .deps import (
     prompt_ids,
     served_model,
 )
-from .errors import ApiError, ErrorType, responses
+from .errors import ApiError, ErrorType
 from .openai_schemas import (
     Completion,
     CompletionChoice,
@@ -56,8 +56,6 @@ from .openai_schemas import (
     ModelCard,
     ModelList,
 )
-from .schemas import ErrorBody
-from .sse import data_events, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -117,13 +115,7 @@ def _sampled(events: Sequence[TokenEvent]) -> list[Scored]:
     response_model=CompletionResult,
     response_model_exclude_none=False,
     summary="OpenAI-compatible text completion, in a new or a continued session",
-    responses={
-        200: stream_response(
-            "stream=true: `data: {completion chunk}` events (or `data: {error}`), then `data: [DONE]`",
-            data_events(CompletionResult, ErrorBody),
-        ),
-        **responses(*oai.ERRORS),
-    },
+    responses=oai.route_responses(CompletionResult, "completion chunk"),
 )
 async def create_completion(
     body: Completion,

@@ -31,10 +31,10 @@ from app.sessions import start as start_choices
 
 from .deps import sampling_params
 from .disconnect import until_disconnect
-from .errors import ApiError, ErrorType
+from .errors import ApiError, ErrorType, responses
 from .openai_schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
-from .schemas import SessionRef
-from .sse import guarded, respond, sse_json
+from .schemas import ErrorBody, SessionRef
+from .sse import data_events, guarded, respond, sse_json, stream_response
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -57,6 +57,16 @@ ERRORS = (
     ErrorType.redis_unavailable,
     ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
 )
+
+
+def route_responses(chunk: type[BaseModel], name: str, *errors: ErrorType) -> dict[int | str, dict[str, Any]]:
+    """A route's OpenAPI `responses`: its chunk stream (`name` as OpenAI calls the chunk),
+    then its own errors and those both routes answer."""
+    events = data_events(chunk, ErrorBody)
+    stream = stream_response(
+        f"stream=true: `data: {{{name}}}` events (or `data: {{error}}`), then `data: [DONE]`", events
+    )
+    return {200: stream, **responses(*errors, *ERRORS)}
 
 
 def generation(

@@ -35,7 +35,7 @@ from pydantic.json_schema import models_json_schema
 
 from app.config import Settings
 
-from . import deps, errors, openai_schemas, schemas
+from . import deps, errors, openai_schemas, responses_schemas, schemas
 from .error_types import ErrorType
 
 # what each dependency can answer, whatever the route that runs it
@@ -166,17 +166,25 @@ def _no_empty_json(response: dict) -> None:
 
 
 def _add_missing_components(doc: dict) -> None:
-    """Put into components every model of schemas.py and openai_schemas.py that the document refers to and
+    """Put into components every model of schemas.py, openai_schemas.py and responses_schemas.py that the document refers to and
     FastAPI left out (those only in `responses=` declarations: the error body, SSE data)."""
     components = doc["components"].setdefault("schemas", {})
     missing: list[type[BaseModel]] = []
     while names := {n for n in _refs(doc) if n not in components} - {m.__name__ for m in missing}:
-        missing += [getattr(schemas, name, None) or getattr(openai_schemas, name) for name in sorted(names)]
+        missing += [_model(name) for name in sorted(names)]
         _, defs = models_json_schema(
             [(m, "serialization") for m in missing], ref_template=_COMPONENT + "{model}"
         )
         for name, schema in defs.get("$defs", {}).items():
             components.setdefault(name, schema)
+
+
+def _model(name: str) -> type[BaseModel]:
+    """The body model `name` of the API's schema modules."""
+    for module in (schemas, openai_schemas, responses_schemas):
+        if isinstance(found := getattr(module, name, None), type):
+            return found
+    raise LookupError(f"no schema module defines {name}")
 
 
 def _refs(node: Any) -> Iterator[str]:

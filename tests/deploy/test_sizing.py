@@ -61,13 +61,14 @@ CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Mamba-130M": ("mamba", MAMBA_130M, SMALL["mamba"]),
     "| Mamba-2 130M": ("mamba2", MAMBA2_130M, SMALL["mamba2"]),
 }
-# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json; a
-# packaged GGUF file (smollm2) has none, and its LLM state is not in this table
+# a row for a shipped native model ("| Shipped `NAME`") is checked against its config.json
+# (a packaged GGUF has none: the assistant's state sizes are docs/MODEL_CARD.md's, from
+# State.to_bytes)
 for _name in checkpoint.shipped():
-    _config = checkpoint.resolve(_name) / "config.json"
-    if _config.is_file():
-        _meta = json.loads(_config.read_text())
-        CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
+    if not (_config := checkpoint.resolve(_name) / "config.json").is_file():
+        continue
+    _meta = json.loads(_config.read_text())
+    CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
 
 
 def config(family: str, overrides: dict) -> dict:

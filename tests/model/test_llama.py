@@ -158,6 +158,28 @@ def test_streams_of_different_histories_batch_as_they_run_alone(history, seed):
                 )
 
 
+def test_a_batched_decode_step_reads_the_window_where_it_lies():
+    """A decode step of several streams copies no window: the attention reads each layer's
+    keys and values in its arena (`model.llama._in_place`), where a matmul that folds the
+    streams and the heads into one axis would copy all of them every step."""
+    lm, B, window = tiny(window=48), 3, 48
+    x = torch.randint(0, 258, (B, window + S + 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, state = lm(x, lm.new_state(B))
+        _, state = lm(x[:, :1], state)  # the step that puts the state into an arena
+        with torch.profiler.profile(record_shapes=True) as prof:
+            _, state = lm(x[:, 1:2], state)
+    kvh, hd = lm.config.n_kv_head, lm.config.head_dim
+    copied = [
+        shape
+        for e in prof.events()
+        if e.name == "aten::copy_"
+        for shape in e.input_shapes
+        if shape and math.prod(shape) >= B * kvh * window * hd
+    ]
+    assert state["k"].shape[2] == window and not copied
+
+
 # -- the state -------------------------------------------------------------------------------
 def test_the_state_stops_growing_past_s_plus_w():
     lm = tiny()
