@@ -18,7 +18,6 @@ Usage: python bench/chat_reuse.py [--repetitions 5] [--turns 20] [--max-tokens 3
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from harness import Redis, Server, emit, model_dir, write_section
+from harness import Redis, Server, arguments, model_dir, publish
 
 SECTION = "## 8. Prefix reuse"
 SCENE = [{"role": "system", "content": "Enter Romeo and Juliet."}]
@@ -243,17 +242,13 @@ def section(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--repetitions", type=int, default=5)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     r = measure(args.repetitions, args.turns, args.max_tokens)
-    print(section(r))
-    if args.write:
-        write_section(SECTION, section(r))
-    emit(r)
+    publish(SECTION, section(r), r, args.write)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ binary), the server as its own process over real HTTP, the shipped model (or a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -228,3 +229,20 @@ def write_section(heading: str, section: str) -> None:
 def emit(result: dict) -> None:
     """The last line of every benchmark's output: its figures as JSON (for bench/report.py)."""
     print("RESULT " + json.dumps(result))
+
+
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark that writes a section: its docstring as the help, and
+    `--write`; the caller adds its own options."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
+    return ap
+
+
+def publish(heading: str, section: str, result: dict, write: bool) -> None:
+    """The end of such a benchmark: print its section, put it into docs/BENCHMARKS.md when
+    `write`, and emit its figures."""
+    print(section)
+    if write:
+        write_section(heading, section)
+    emit(result)

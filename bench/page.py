@@ -362,6 +362,27 @@ def why_http(r: Results) -> list[str]:
     ]
 
 
+# The columns of each section's table, in the order shown.
+COLUMNS = {
+    "decode": [
+        "model", "batch", "attention_length", "mb_per_step", "mflop_per_step", "step_ms", "eager_step_ms",
+        "compiled", "tokens_per_s", "bandwidth_roofline", "compute_roofline", "kernel_share", "ops_per_call",
+        "top_ops",
+    ],
+    "prefill": [
+        "model", "tokens", "seconds", "tokens_per_s", "eager_tokens_per_s", "compiled", "compute_roofline",
+        "kernel_share", "ops_per_call", "top_ops",
+    ],
+    "history": ["history_tokens", "stateful_ms", "stateless_ms", "stateless_over_stateful", "stateful_vs_first"],
+    "concurrency": [
+        "concurrency", "tokens", "wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+    ],
+    "persistence": [
+        "config", "read_bytes", "write_bytes", "read_ms", "write_ms", "request_ms", "persistence_share",
+    ],
+}  # fmt: skip
+
+
 def machine(r: Results) -> list[str]:
     m = r.m
     return [
@@ -383,13 +404,6 @@ def machine(r: Results) -> list[str]:
         f"| batch-1 linear, weight read (GB/s) | {m['gemv_1t']} | {m['gemv_1t_lowest']} | |",
         "",
     ]
-
-
-DECODE_COLUMNS = [
-    "model", "batch", "attention_length", "mb_per_step", "mflop_per_step", "step_ms", "eager_step_ms",
-    "compiled", "tokens_per_s", "bandwidth_roofline", "compute_roofline", "kernel_share", "ops_per_call",
-    "top_ops",
-]  # fmt: skip
 
 
 def decode(r: Results) -> list[str]:
@@ -429,7 +443,7 @@ def decode(r: Results) -> list[str]:
         "eager step's (a compiled step's generated kernels hide where its time goes).",
         "",
         *compiled_lines(r.roof),
-        table(shown(r.roof["decode"]), DECODE_COLUMNS),
+        table(shown(r.roof["decode"]), COLUMNS["decode"]),
         "",
         *skipped(r),
         "**Where the time goes** (the profile of each step):",
@@ -453,12 +467,6 @@ def skipped(r: Results) -> list[str]:
     ]
 
 
-PREFILL_COLUMNS = [
-    "model", "tokens", "seconds", "tokens_per_s", "eager_tokens_per_s", "compiled", "compute_roofline",
-    "kernel_share", "ops_per_call", "top_ops",
-]  # fmt: skip
-
-
 def prefill(r: Results) -> list[str]:
     return [
         "## 3. Prefill",
@@ -470,7 +478,7 @@ def prefill(r: Results) -> list[str]:
         "model's compiled per-token parts, where the engine's probe adopted them: RLT's recurrence), "
         "**eager_tokens_per_s** the eager one; the profile is the eager one's.",
         "",
-        table(shown(r.roof["prefill"]), PREFILL_COLUMNS),
+        table(shown(r.roof["prefill"]), COLUMNS["prefill"]),
         "",
         "**Where the time goes:** "
         + "; ".join(
@@ -490,10 +498,7 @@ def history(r: Results) -> list[str]:
         "baseline that re-sends the whole history and re-prefills it (a new session created with "
         "the history as its prompt, then the same request). Both over real HTTP.",
         "",
-        table(
-            r.hist,
-            ["history_tokens", "stateful_ms", "stateless_ms", "stateless_over_stateful", "stateful_vs_first"],
-        ),
+        table(r.hist, COLUMNS["history"]),
         "",
         f"![cost against history]({plots.plot_history(r.hist)})",
         "",
@@ -533,11 +538,6 @@ def speedup(r: Results) -> list[str]:
     ]
 
 
-CONCURRENCY_COLUMNS = [
-    "concurrency", "tokens", "wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-]  # fmt: skip
-
-
 def concurrency(r: Results) -> list[str]:
     return [
         "## 6. Concurrency over HTTP with SSE",
@@ -545,7 +545,7 @@ def concurrency(r: Results) -> list[str]:
         "N sessions each stream 64 tokens at temperature 0.8, all started together; the server "
         f"batches their decode steps (`max_batch_size` 64, {r.serving['cpu_threads']} torch thread).",
         "",
-        table(r.conc, CONCURRENCY_COLUMNS),
+        table(r.conc, COLUMNS["concurrency"]),
         "",
         f"**Where the time goes:** the model alone gives {r.model_16:.1f}× the tokens/s at 16 rows as at one "
         f"(section 2); over HTTP the server gives {r.r3:.1f}×. What the server loses beyond the model goes to "
@@ -558,18 +558,14 @@ def concurrency(r: Results) -> list[str]:
 
 
 def persistence(r: Results) -> list[str]:
-    p = r.persist
     return [
         "## 7. Persistence cost per request",
         "",
-        f"A {p['tokens']}-token greedy generate on a session with {p['history']} tokens of history "
+        f"A {r.persist['tokens']}-token greedy generate on a session with {r.persist['history']} tokens of history "
         "(memory full). Read = Redis round trip + bytes → state; write = state → bytes + fenced commit. "
         "Bytes are per request (mean), times are medians.",
         "",
-        table(
-            r.pers,
-            ["config", "read_bytes", "write_bytes", "read_ms", "write_ms", "request_ms", "persistence_share"],
-        ),
+        table(r.pers, COLUMNS["persistence"]),
         "",
         f"![persistence]({plots.plot_persistence(r.pers)})",
         "",

@@ -93,14 +93,19 @@ KERNELS = {
 
 
 # -- the machine ---------------------------------------------------------------------------
-def best_of(fn, reps: int) -> float:
-    """The fastest of `reps` timed calls (noise on a shared machine only ever adds time)."""
+def timings(fn, reps: int) -> list[float]:
+    """The seconds of each of `reps` calls of `fn`."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def best_of(fn, reps: int) -> float:
+    """The fastest of `reps` timed calls (noise on a shared machine only ever adds time)."""
+    return min(timings(fn, reps))
 
 
 def read_bandwidth(threads: int, size: int = GIB) -> float:

@@ -27,7 +27,6 @@ Usage: python bench/ssm.py [--only NAME,...] [--write]   (--write: docs/BENCHMAR
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import Redis, emit, write_section
+from harness import Redis, arguments, publish
 from persistence import CONFIGS, run_config
 from roofline import Machine, Work, best_of, profile_step, served_step, time_steps, weight_bytes
 
@@ -338,7 +337,7 @@ def section(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--only", help="comma list of models: " + ", ".join(MODELS))
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed decode steps per figure")
@@ -348,7 +347,6 @@ def main() -> None:
         "--history", type=int, default=100_000, help="the long history of the cost-against-history figure"
     )
     ap.add_argument("--eager", action="store_true", help="time the eager step only (no background compile)")
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(MODELS)
     m = Machine()
@@ -379,10 +377,7 @@ def main() -> None:
     m.sample()
     r["machine"] = m.summary()
     against(r["decode"], m)
-    print(section(r))
-    if args.write:
-        write_section(SECTION, section(r))
-    emit(r)
+    publish(SECTION, section(r), r, args.write)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .llama import Llama, serving_span
+from .llama_hf import layer_weights
 from .native import build
 from .tokenizer import BPETokenizer
 
@@ -93,6 +94,19 @@ class GGUF:
         return torch.from_numpy(data.reshape(shape).copy())
 
 
+GGUF_PARTS = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
+    "norm1": "attn_norm",
+    "norm2": "ffn_norm",
+}  # model/llama_hf.py's LAYER parts, as GGUF names them in a layer's `blk.{i}.`
+
+
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's row permutation of a q or k projection (n_head of its heads): within
     each head, rows (0, 2, 4, ..., 1, 3, 5, ...) of HF's layout were interleaved."""
@@ -130,18 +144,15 @@ def state_dict(f: GGUF, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {"tok_emb.weight": f.weight("token_embd.weight"), "norm_out.weight": f.weight("output_norm.weight")}
     out["head.weight"] = out["tok_emb.weight"] if cfg["tie_weights"] else f.weight("output.weight")
     for i in range(cfg["n_layer"]):
-        b, o = f"blk.{i}.", f"layers.{i}."
-        q = unpermute(f.weight(b + "attn_q.weight"), cfg["n_head"])
-        k = unpermute(f.weight(b + "attn_k.weight"), cfg["n_kv_head"])
-        out[o + "attn.qkv.weight"] = torch.cat([q, k, f.weight(b + "attn_v.weight")])
-        out[o + "attn.proj.weight"] = f.weight(b + "attn_output.weight")
-        out[o + "mlp.gate_up.weight"] = torch.cat(
-            [f.weight(b + "ffn_gate.weight"), f.weight(b + "ffn_up.weight")]
-        )
-        out[o + "mlp.down.weight"] = f.weight(b + "ffn_down.weight")
-        out[o + "norm1.weight"] = f.weight(b + "attn_norm.weight")
-        out[o + "norm2.weight"] = f.weight(b + "ffn_norm.weight")
+        out.update(layer_weights(f"layers.{i}.", lambda part, i=i: layer_part(f, cfg, i, part)))
     return out
+
+
+def layer_part(f: GGUF, cfg: dict[str, Any], layer: int, part: str) -> torch.Tensor:
+    """One of model/llama_hf.py's LAYER parts of a layer, q and k rows un-permuted."""
+    w = f.weight(f"blk.{layer}.{GGUF_PARTS[part]}.weight")
+    heads = {"q": cfg["n_head"], "k": cfg["n_kv_head"]}.get(part)
+    return w if heads is None else unpermute(w, heads)
 
 
 def tokenizer(f: GGUF) -> BPETokenizer:

@@ -20,6 +20,7 @@ import `model/checkpoint.py`, which picks this reader for these directories.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,27 @@ from .tokenizer import BPETokenizer
 
 MODEL_TYPES = ("llama", "mistral")
 TOKENIZER_FILE = "tokenizer.json"
+# A layer's weights under the family's names, each from the parts (joined in this order) a
+# reader names its own way: this one in HF_PARTS, model/llama_gguf.py in its GGUF_PARTS.
+LAYER = {
+    "attn.qkv": ("q", "k", "v"),
+    "attn.proj": ("o",),
+    "mlp.gate_up": ("gate", "up"),
+    "mlp.down": ("down",),
+    "norm1": ("norm1",),
+    "norm2": ("norm2",),
+}
+HF_PARTS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "norm1": "input_layernorm",
+    "norm2": "post_attention_layernorm",
+}
 
 
 def claims(path: Path) -> bool:
@@ -89,18 +111,20 @@ def state_dict(source: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str
     out["head.weight"] = head
     for i in range(cfg["n_layer"]):
         p = f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        out[p + "attn.qkv.weight"] = torch.cat([src.pop(attn + f"{x}_proj.weight") for x in "qkv"])
-        out[p + "attn.proj.weight"] = src.pop(attn + "o_proj.weight")
-        out[p + "mlp.gate_up.weight"] = torch.cat(
-            [src.pop(mlp + "gate_proj.weight"), src.pop(mlp + "up_proj.weight")]
-        )
-        out[p + "mlp.down.weight"] = src.pop(mlp + "down_proj.weight")
-        out[p + "norm1.weight"] = src.pop(p + "input_layernorm.weight")
-        out[p + "norm2.weight"] = src.pop(p + "post_attention_layernorm.weight")
+        out.update(layer_weights(p, lambda part, p=p: src.pop(p + HF_PARTS[part] + ".weight")))
     src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, recomputed
     if src:
         raise ValueError(f"unexpected weights: {sorted(src)[:8]}")
+    return out
+
+
+def layer_weights(prefix: str, part: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's weights under the family's names (`prefix` + LAYER's), `part(name)` giving
+    the reader's tensor for each of LAYER's parts."""
+    out = {}
+    for name, parts in LAYER.items():
+        tensors = [part(x) for x in parts]
+        out[prefix + name + ".weight"] = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
     return out
 
 

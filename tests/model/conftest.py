@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import model
-from model import corpus
 from model.checkpoint import build
+from model.corpus import shakespeare_works
 from model.state import State
+from model.train import TrainConfig
 from tests.conftest import SSM_TINY
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
@@ -44,6 +47,26 @@ def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageM
     return lm.eval()
 
 
+def tiny_config(out: Path, corpus: Path, **overrides: object) -> TrainConfig:
+    """A training run of a dozen steps on a tiny Transformer-XL; `overrides` replace any field."""
+    base = dict(
+        out=str(out),
+        model={**TINY, "mem_len": 16, "tgt_len": 16, "dropout": 0.1},
+        corpus=str(corpus),
+        batch_size=4,
+        steps=12,
+        warmup=3,
+        lr=3e-3,
+        eval_every=6,
+        eval_bytes=500,
+        ckpt_every=100,
+        log_every=3,
+        threads=1,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
 def run_chunks(
     lm: model.LanguageModel,
     tokens: torch.Tensor,
@@ -60,6 +83,18 @@ def run_chunks(
         i += n
     assert i == tokens.shape[1]
     return torch.cat(out, 1), state
+
+
+def logits_with_one_token_changed(
+    lm: model.LanguageModel, length: int, j: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a random stream of `length` tokens fed whole, and of the same stream with
+    token `j` changed: for tests of what a position can see."""
+    a = torch.randint(0, 258, (1, length), generator=torch.Generator().manual_seed(seed))
+    b = a.clone()
+    b[0, j] = (a[0, j] + 1) % 258
+    with torch.no_grad():
+        return lm(a)[0], lm(b)[0]
 
 
 def assert_any_chunking_agrees(lm: model.LanguageModel, length: int, sizes: list[int], seed: int) -> None:
@@ -87,7 +122,7 @@ def txl() -> model.LanguageModel:
 def text_dir(tmp_path_factory):
     """Seven short works cut from the real corpus: five train, one valid, one test."""
     root = tmp_path_factory.mktemp("corpus")
-    works = corpus.shakespeare_works()
+    works = shakespeare_works()
     for name, text in works[:7]:
         (root / f"{name}.txt").write_text(text[:3000], encoding="utf-8")
     return root

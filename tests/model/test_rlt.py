@@ -16,7 +16,7 @@ from model.checkpoint import build
 from model.rlt import RLT
 from model.state import State, StateError
 
-from .conftest import assert_any_chunking_agrees, run_chunks
+from .conftest import assert_any_chunking_agrees, logits_with_one_token_changed, run_chunks, tiny_config
 
 W, C = 3, 8  # window, max_context
 TINY_RLT = dict(
@@ -102,13 +102,7 @@ def test_next_logits_come_from_the_state():
 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_causality(feedback):
-    lm = tiny_rlt(feedback=feedback)
-    a = torch.randint(0, 258, (1, 20), generator=torch.Generator().manual_seed(3))
-    b = a.clone()
-    b[0, 12] = (a[0, 12] + 1) % 258
-    with torch.no_grad():
-        la, _ = lm(a)
-        lb, _ = lm(b)
+    la, lb = logits_with_one_token_changed(tiny_rlt(feedback=feedback), 20, 12, seed=3)
     assert torch.equal(la[:, :12], lb[:, :12])  # the past never sees the future
     assert (la[:, 12] - lb[:, 12]).abs().max() > 1e-6  # the token itself matters
 
@@ -311,24 +305,13 @@ def test_recur_init_writes_an_rlt(tmp_path, capsys):
 
 
 def test_a_tiny_training_run_reduces_the_loss(tmp_path):
-    from model.train import TrainConfig, train
+    from model.train import train
 
     text = "to be or not to be, that is the question. " * 60
     (tmp_path / "corpus.txt").write_text(text)
-    cfg = TrainConfig(
-        out=str(tmp_path / "run"),
-        family="rlt",
-        model={**TINY_RLT, "d_model": 32, "tgt_len": 16, "max_context": 32, "window": 8},
-        corpus=str(tmp_path / "corpus.txt"),
-        batch_size=4,
-        steps=40,
-        bptt_segments=2,
-        lr=3e-3,
-        warmup=5,
-        eval_every=0,
-        ckpt_every=1000,
-        log_every=10,
-    )
+    rlt = {**TINY_RLT, "d_model": 32, "tgt_len": 16, "max_context": 32, "window": 8}
+    run = dict(steps=40, bptt_segments=2, warmup=5, eval_every=0, log_every=10, threads=0)  # no validation
+    cfg = tiny_config(tmp_path / "run", tmp_path / "corpus.txt", family="rlt", model=rlt, **run)
     losses = train(cfg, progress=False)["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
 

@@ -16,8 +16,7 @@ from model.mamba import linear_scan
 from model.mamba2 import ssd
 from model.state import Persist, State, StateError, encode
 
-from .conftest import SSM_TINY, run_chunks, tiny_ssm
-from .test_train import tiny_config
+from .conftest import SSM_TINY, run_chunks, tiny_config, tiny_ssm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

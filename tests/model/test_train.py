@@ -13,26 +13,9 @@ from app.cli import main as recur
 from model import corpus, evaluate
 from model.train import TrainConfig, lr_at, read_log, train
 
+from .conftest import tiny_config
+
 TINY = {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "mem_len": 16, "tgt_len": 16}
-
-
-def tiny_config(out, text_dir, **overrides) -> TrainConfig:
-    base = dict(
-        out=str(out),
-        model={**TINY, "dropout": 0.1},
-        corpus=str(text_dir),
-        batch_size=4,
-        steps=12,
-        warmup=3,
-        lr=3e-3,
-        eval_every=6,
-        eval_bytes=500,
-        ckpt_every=100,
-        log_every=3,
-        threads=1,
-    )
-    base.update(overrides)
-    return TrainConfig(**base)
 
 
 def test_training_reduces_the_loss(tmp_path, text_dir):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from model.transformer_xl import rel_shift
 
-from .conftest import tiny_txl
+from .conftest import logits_with_one_token_changed, tiny_txl
 
 MEM = 8
 
@@ -86,12 +86,7 @@ def test_causality(txl):
 def test_window_is_exactly_mem_len(txl):
     """In window mode, position t depends on tokens t-mem_len*n_layer .. t and nothing older."""
     L = txl.config.n_layer
-    a = torch.randint(0, 258, (1, 60), generator=torch.Generator().manual_seed(3))
-    b = a.clone()
-    b[0, 10] = (b[0, 10] + 1) % 258
-    with torch.no_grad():
-        la, _ = txl(a)
-        lb, _ = txl(b)
+    la, lb = logits_with_one_token_changed(txl, 60, 10, seed=3)
     reach = 10 + MEM * L
     assert (la[:, reach] - lb[:, reach]).abs().max() > 0
     assert torch.equal(la[:, reach + 1 :], lb[:, reach + 1 :])
