@@ -74,13 +74,14 @@ test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
-# each from its own run: prefix reuse, many streams (issue 30's figures), the assistant's
-# speed and its quality (long: an hour)
+# each from its own run: prefix reuse, many streams (issue 30's figures), the SSMs (issue 29),
+# the assistant's speed and its quality (long: an hour)
 bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
 	$(PY) bench/responses.py --write
 	$(PY) bench/streams.py --write
+	$(PY) bench/ssm.py --write
 	$(PY) bench/llm.py --write
 	$(PY) bench/llm_quality.py --write
 

@@ -7,16 +7,18 @@ Checks (each prints PASS/FAIL and the figure):
   * state bytes round trip through pinned host memory;
   * the compiled (CUDA-graph) decode step equals the eager one.
   * GPU fp32 logits equal the CPU's within 1e-3 (the same weights and tokens).
-Each check runs for every model of `--models`: the shipped byte-level Transformer-XL and
-the shipped assistant (smollm2, a LLaMA-architecture LLM served as sinks + window state;
-with `--small`, a tiny random model of its family, so that a dry run covers its code paths).
+Each check runs for every model of `--models`: the shipped byte-level Transformer-XL, the
+shipped assistant (smollm2, a LLaMA-architecture LLM served as sinks + window state), and a
+Mamba and a Mamba-2 the shape of the published 130M checkpoints (`mamba`, `mamba2`: random
+weights); with `--small`, tiny random models of the last three's families, so that a dry run
+covers their code paths.
 Throughput: greedy decode tokens/s at batch 1, 16, 64 and 256, with the bandwidth achieved
 (bytes of weights + state read per step × steps/s), gpt-fast style; batch 256 of the
 shipped `shakespeare` against the 20,000 tokens/s target.
 Roofline: a WikiText-103-size Transformer-XL (18 layers × 1024, mem 1600, random weights)
 at batch 1, eager and as a CUDA graph (torch.compile, reduce-overhead): bandwidth achieved
 ÷ the device's HBM peak (`--hbm-gbs`, H200: 4,800 GB/s), against the 60% target.
-Usage: python bench/gpu_smoke.py [--models shakespeare,smollm2] [--hbm-gbs 4800]
+Usage: python bench/gpu_smoke.py [--models shakespeare,smollm2,mamba,mamba2] [--hbm-gbs 4800]
        python bench/gpu_smoke.py --device cpu --small    (a dry run of every code path)
 """
 
@@ -40,8 +42,23 @@ TINY_LLAMA = dict(
     n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, d_ff=128, sinks=4, window=60, tgt_len=32
 )
 
+# Mamba and Mamba-2 the shape of the published 130M checkpoints (random weights), or tiny
+SSM_SIZES = {
+    "mamba": dict(vocab_size=50280, n_layer=24, d_model=768, d_state=16),
+    "mamba2": dict(vocab_size=50288, n_layer=24, d_model=768, d_state=128, head_dim=64, chunk_size=256),
+}
+SSM_SMALL = {
+    "mamba": dict(n_layer=2, d_model=64, d_state=8),
+    "mamba2": dict(n_layer=2, d_model=64, d_state=16, head_dim=16, n_groups=2, chunk_size=16),
+}
+
 
 def load(name: str, dev: str, small: bool) -> LanguageModel:
+    """The model `name` names (random ones seeded, so that two loads hold the same weights)."""
+    if name in SSM_SIZES:
+        torch.manual_seed(0)
+        size = (SSM_SMALL if small else SSM_SIZES)[name]
+        return build(name, {**size, "tgt_len": 128, "tie_weights": True}).to(dev).eval()
     if small and name == "smollm2":
         torch.manual_seed(0)
         return build("llama", TINY_LLAMA).to(dev).eval()
@@ -113,7 +130,7 @@ def compiled_matches_eager(lm: LanguageModel, state: State, dev: str) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="shakespeare,smollm2")
+    ap.add_argument("--models", default="shakespeare,smollm2,mamba,mamba2")
     ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
     ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")

@@ -1,12 +1,13 @@
 """Finding and loading checkpoints: by shipped name, by directory or by file, in any layout.
 
-Four layouts, each with its reader: recur's native one (`model/native.py`: config.json names
+Five layouts, each with its reader: recur's native one (`model/native.py`: config.json names
 the family), the original / HF Transformer-XL one (`model/hf.py`: config.json without
-"family"), HF LLaMA and Mistral directories (`model/llama_hf.py`: config.json's model_type)
-and GGUF files (`model/llama_gguf.py`: a `.gguf` file, or a directory holding one). `load`
-tells them apart (`layout`) and hands the path to that layout's reader. Shipped checkpoints
-live in `model/weights/<name>/` and load by name; so do the packaged ones (`PACKAGED`), files
-that an installed Python distribution carries (the Makefile installs them). Serving options
+"family"), HF Mamba / Mamba-2 directories (`model/hf_ssm.py`) and HF LLaMA and Mistral ones
+(`model/llama_hf.py`), both by config.json's model_type, and GGUF files
+(`model/llama_gguf.py`: a `.gguf` file, or a directory holding one). `load` tells them apart
+(`layout`) and hands the path to that layout's reader. Shipped checkpoints live in
+`model/weights/<name>/` and load by name; so do the packaged ones (`PACKAGED`), files that an
+installed Python distribution carries (the Makefile installs them). Serving options
 (`LanguageModel.serving_options`, e.g. an LLM's window) are set at load time.
 
 Either layout may hold a chat template, HF's way (`chat_template`): chat_template.jinja,
@@ -18,7 +19,7 @@ A GGUF file holds its chat template in its metadata, with the EOS token as its t
 an HF LLaMA directory's turn stop, when generation_config.json has no stop_strings, is its
 EOS tokens' text.
 
-The imports run one way, native <- hf, llama_hf, llama_gguf <- checkpoint; `build`,
+The imports run one way, native <- hf, hf_ssm, llama_hf, llama_gguf <- checkpoint; `build`,
 `families` and `save` are native's, offered here as part of the checkpoint API. `convert`
 (what `recur convert` runs for a LLaMA source) writes any of them as a native checkpoint.
 Nothing here unpickles.
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import hf, llama_gguf, llama_hf, native
+from . import hf, hf_ssm, llama_gguf, llama_hf, native
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
 from .native import build, families, fingerprint, save
@@ -65,6 +66,7 @@ PACKAGED: dict[str, tuple[str, str]] = {
 READERS: dict[str, Callable[[Path], LanguageModel]] = {
     "native": native.read,
     "hf": hf.read,
+    "hf-ssm": hf_ssm.read,
     "hf-llama": llama_hf.read,
     "gguf": llama_gguf.read,
 }
@@ -125,11 +127,14 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def layout(path: Path) -> str:
     """ "gguf" for a GGUF file; for a directory, "native" where config.json names a model
-    family, "hf-llama" where it is a HF LLaMA or Mistral one, else "hf" (Transformer-XL)."""
+    family, "hf-ssm" where it is a HF Mamba or Mamba-2 one, "hf-llama" where it is a HF
+    LLaMA or Mistral one, else "hf" (Transformer-XL)."""
     if llama_gguf.is_gguf(path):
         return "gguf"
     if "family" in json.loads((path / "config.json").read_text()):
         return "native"
+    if hf_ssm.claims(path):
+        return "hf-ssm"
     return "hf-llama" if llama_hf.claims(path) else "hf"
 
 

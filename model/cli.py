@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import checkpoint, evaluate, hf, train
+from . import checkpoint, evaluate, hf, hf_ssm, train
 
 # flag -> config field, for every family; a family takes the fields its config has
 INIT_FLAGS: dict[str, type] = {
@@ -26,6 +26,13 @@ INIT_FLAGS: dict[str, type] = {
     "window": int,
     "memory_groups": int,
     "max_context": int,
+    "d_state": int,  # Mamba, Mamba-2
+    "d_conv": int,
+    "expand": int,
+    "dt_rank": int,  # Mamba
+    "head_dim": int,  # Mamba-2
+    "n_groups": int,
+    "chunk_size": int,
 }
 
 
@@ -39,7 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
     train.add_subcommand(sub)
     evaluate.add_subcommand(sub)
-    hf.add_subcommand(sub, [(checkpoint.converts, checkpoint.convert)])  # recur convert (issues 9, 28)
+    hf.add_subcommand(  # recur convert (issues 9, 28, 29)
+        sub, [(hf_ssm.claims, hf_ssm.convert, ("tgt_len",)), (checkpoint.converts, checkpoint.convert, ())]
+    )
 
 
 def _init(args: argparse.Namespace) -> int:

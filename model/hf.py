@@ -198,8 +198,9 @@ def convert(
     return lm
 
 
-# another reader of `recur convert`: whether it reads SRC, and its convert(SRC, DST)
-Source = tuple[Callable[[str], bool], Callable[[str, str], Any]]
+# another reader of `recur convert`: whether it reads SRC, its convert(SRC, DST, **flags), and
+# the names of the flags it takes (each None when not given)
+Source = tuple[Callable[[str], bool], Callable[..., Any], tuple[str, ...]]
 
 
 def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argparse._SubParsersAction
@@ -209,10 +210,12 @@ def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argpars
 
     p = sub.add_parser(
         "convert",
-        help="convert a checkpoint (original / HF Transformer-XL, GGUF, HF LLaMA or Mistral) to the native format",
+        help="convert a checkpoint (original / HF Transformer-XL, GGUF, HF LLaMA or Mistral, HF Mamba or "
+        "Mamba-2) to the native format",
         description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL; "
         "flags override the serving settings, the native config), or is a GGUF file or a HF LLaMA / Mistral "
-        "directory (its weights, tokenizer and chat template).",
+        "directory (its weights, tokenizer and chat template), or a HF Mamba / Mamba-2 directory (its weights and "
+        "tokenizer.json; --tgt-len sets its serving chunk). config.json's model_type picks the reader.",
     )
     p.add_argument("src")
     p.add_argument("dst")
@@ -225,9 +228,10 @@ def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argpars
 
 
 def _convert_main(args) -> int:
-    reader = next((convert_with for claims, convert_with in args.sources if claims(args.src)), None)
-    if reader is not None:
-        lm = reader(args.src, args.dst)
+    source = next((source for source in args.sources if source[0](args.src)), None)
+    if source is not None:
+        _, convert_with, flags = source
+        lm = convert_with(args.src, args.dst, **{k: getattr(args, k) for k in flags})
     else:
         overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
         lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)

@@ -7,8 +7,8 @@ equals `decode(all_ids)` exactly, multi-byte UTF-8 included.
 Tokenizers are described by a small JSON spec stored in each checkpoint
 (`tokenizer.json`); `from_spec` is the only constructor the loader uses. Three kinds: UTF-8
 bytes (the native models), word-level vocabularies (pretrained WikiText-103 models), and
-subword tokenizers run by Hugging Face's `tokenizers` library (pretrained LLMs: the spec
-holds the library's own tokenizer JSON, `BPETokenizer`).
+subword tokenizers run by Hugging Face's `tokenizers` library (pretrained LLMs and converted
+HF Mamba checkpoints: the spec holds the library's own tokenizer JSON, `BPETokenizer`).
 """
 
 from __future__ import annotations

@@ -90,8 +90,14 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(lm: LanguageModel, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in lm.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in lm.parameters() if p.requires_grad and p.dim() < 2]
+    """AdamW with weight decay on matrices, except those a family marks `_no_weight_decay`
+    (an SSM's A_log: decay would pull every A towards -1, as mamba_ssm notes)."""
+
+    def decays(p: torch.nn.Parameter) -> bool:
+        return p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)
+
+    decay = [p for p in lm.parameters() if p.requires_grad and decays(p)]
+    no_decay = [p for p in lm.parameters() if p.requires_grad and not decays(p)]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,

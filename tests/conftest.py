@@ -33,6 +33,11 @@ RLT_TINY = dict(
     n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_head=2, d_ff=64,
     window=4, memory_groups=2, max_context=16, tgt_len=8,
 )  # fmt: skip
+# tiny Mamba and Mamba-2: SSD chunks of 3 and a serving chunk of 8, so prompts cross both
+SSM_TINY: dict[str, dict] = {
+    "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
+    "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
+}
 
 
 @contextlib.contextmanager
@@ -198,11 +203,12 @@ class ServerProcess:
 
 
 def tiny_model_of(family: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model of `family`: the session's Transformer-XL, or a tiny RLT made here."""
+    """A tiny model of `family`: the session's Transformer-XL, or a tiny RLT, Mamba or Mamba-2
+    made here."""
     if family == "transformer-xl":
         return tiny_model_dir
-    path = tmp_path_factory.mktemp("rlt") / "tiny"  # the same name, so the tests read alike
-    model.init(path, family="rlt", seed=0, **RLT_TINY)
+    path = tmp_path_factory.mktemp(family) / "tiny"  # the same name, so the tests read alike
+    model.init(path, family=family, seed=0, **(RLT_TINY if family == "rlt" else SSM_TINY[family]))
     return path
 
 

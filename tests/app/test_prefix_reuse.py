@@ -1,4 +1,4 @@
-"""Durable prefix reuse over real HTTP against the real Redis, for both families: a request
+"""Durable prefix reuse over real HTTP against the real Redis, for every family: a request
 that names no session forks its key's longest committed prefix and prefills only the rest,
 with the same greedy tokens and log-probs as a full prefill; another key never sees those
 prefixes; the matched session is never touched; a stale entry falls back to a prefill."""
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import model
-from tests.conftest import TINY, ServerProcess
+from tests.conftest import SSM_TINY, TINY, ServerProcess
 
 A, B = "key-reuse-a", "key-reuse-b"
 RLT_TINY = dict(
@@ -30,10 +30,10 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
+@pytest.fixture(scope="module", params=["transformer-xl", "rlt", "mamba", "mamba2"])
 def server(request, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = tmp_path_factory.mktemp("models") / request.param
-    extra = RLT_TINY if request.param == "rlt" else TINY
+    extra = {"transformer-xl": TINY, "rlt": RLT_TINY, **SSM_TINY}[request.param]
     model.init(path, family=request.param, seed=0, **extra)
     srv = ServerProcess(path, tmp_path_factory.mktemp("reuse-server"), redis_url, **SETTINGS).start()
     yield srv

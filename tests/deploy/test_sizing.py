@@ -3,6 +3,7 @@ against real states: build a model, run it past its memory, and count `to_bytes(
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -31,7 +32,14 @@ def rlt_bytes(cfg: dict, w: int) -> int:
     return floats * w + 8
 
 
-FORMULA = {"transformer-xl": txl_bytes, "rlt": rlt_bytes}
+def ssm_bytes(cfg: dict, w: int) -> int:
+    """docs/DEPLOY.md: (n_layer·((d_conv − 1)·conv_dim + D·d_state) + d_model) × w + 8."""
+    D, N = cfg["expand"] * cfg["d_model"], cfg["d_state"]
+    conv_dim = D + 2 * cfg["n_groups"] * N if "n_groups" in cfg else D
+    return (cfg["n_layer"] * ((cfg["d_conv"] - 1) * conv_dim + D * N) + cfg["d_model"]) * w + 8
+
+
+FORMULA = {"transformer-xl": txl_bytes, "rlt": rlt_bytes, "mamba": ssm_bytes, "mamba2": ssm_bytes}
 
 # table rows checked here: label prefix -> (family, the row's config overrides, and the
 # overrides of a smaller model of the same family to measure the formula on, or None to
@@ -40,10 +48,18 @@ FORMULA = {"transformer-xl": txl_bytes, "rlt": rlt_bytes}
 SMALL = {
     "transformer-xl": {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "mem_len": 12},
     "rlt": {"max_context": 8, "window": 4, "memory_groups": 2, "d_model": 32, "n_head": 2, "d_ff": 64},
+    "mamba": {"n_layer": 2, "d_model": 24, "d_state": 6, "d_conv": 3},
+    "mamba2": {"n_layer": 2, "d_model": 32, "d_state": 8, "head_dim": 16, "n_groups": 2},
 }
+MAMBA_130M = {"n_layer": 24, "d_model": 768, "d_state": 16, "vocab_size": 50280}
+MAMBA2_130M = {"n_layer": 24, "d_model": 768, "d_state": 128, "head_dim": 64, "vocab_size": 50288}
 CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
     "| RLT, `recur init --family rlt` defaults": ("rlt", {}, SMALL["rlt"]),
+    "| Mamba, `recur init --family mamba` defaults": ("mamba", {}, None),
+    "| Mamba-2, `recur init --family mamba2` defaults": ("mamba2", {}, None),
+    "| Mamba-130M": ("mamba", MAMBA_130M, SMALL["mamba"]),
+    "| Mamba-2 130M": ("mamba2", MAMBA2_130M, SMALL["mamba2"]),
 }
 # a row for a shipped native model ("| Shipped `NAME`") is checked against its config.json
 # (a packaged GGUF has none: the assistant's state sizes are docs/MODEL_CARD.md's, from
@@ -56,7 +72,8 @@ for _name in checkpoint.shipped():
 
 
 def config(family: str, overrides: dict) -> dict:
-    return checkpoint.build(family, overrides).config_dict()
+    """The family's full config (no model built: a 130M-parameter one takes a while)."""
+    return dataclasses.asdict(checkpoint.families()[family].config_class(**overrides))
 
 
 def full_state_bytes(family: str, overrides: dict) -> tuple[dict, dict[str, int]]:
@@ -120,3 +137,4 @@ def test_doc_formula_text_matches_the_checked_formulas() -> None:
     assert re.search(r"bytes = \(n_layer × mem_len × d_model \+ d_model\) × w \+ 8 \+ header", text)
     assert "2·(n_encoder_layers + memory_groups)·(max_context − 1)·d" in text
     assert "2·n_decoder_layers·(window − 1)·d" in text
+    assert "n_layer·((d_conv − 1)·conv_dim + D·d_state) + d_model" in text

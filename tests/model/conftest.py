@@ -9,8 +9,10 @@ import torch
 
 import model
 from model.checkpoint import build
+from model.corpus import shakespeare_works
 from model.state import State
 from model.train import TrainConfig
+from tests.conftest import SSM_TINY
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
 
@@ -23,6 +25,24 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
         for name, p in lm.named_parameters():
             if name.endswith(("r_w_bias", "r_r_bias")):
                 p.normal_(0, 0.5)
+    lm.fingerprint = model.fingerprint(lm)
+    return lm.eval()
+
+
+def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageModel:
+    """A tiny Mamba or Mamba-2 whose SSM matters: weights of unit gain (GPT-2's init makes
+    B_t, C_t and the gate tiny), Delta and A spread so that some channels decay within a few
+    tokens and some keep the whole stream."""
+    torch.manual_seed(seed)
+    lm = build(family, {**SSM_TINY[family], **overrides})
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-3.0, 1.0)
+            elif name.endswith(("dt_proj.bias", "dt_bias")):
+                p.uniform_(-4.0, 1.0)
+            elif p.dim() >= 2 and "embeddings" not in name:
+                p.normal_(0.0, p[0].numel() ** -0.5)
     lm.fingerprint = model.fingerprint(lm)
     return lm.eval()
 
@@ -96,6 +116,16 @@ def assert_any_chunking_agrees(lm: model.LanguageModel, length: int, sizes: list
 @pytest.fixture(scope="module")
 def txl() -> model.LanguageModel:
     return tiny_txl()
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    """Seven short works cut from the real corpus: five train, one valid, one test."""
+    root = tmp_path_factory.mktemp("corpus")
+    works = shakespeare_works()
+    for name, text in works[:7]:
+        (root / f"{name}.txt").write_text(text[:3000], encoding="utf-8")
+    return root
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from model.replay import Rollout, replay, replay_transcript, transcript_rollout
 from model.replay import report as replay_report
 from model.sampling import Context, SamplingParams, make_generator, sample
 
-from .conftest import tiny_txl
+from .conftest import tiny_ssm, tiny_txl
 from .test_rlt import tiny_rlt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,8 +29,11 @@ SETTINGS = [
 ]
 
 
+FAMILIES = ["transformer-xl", "rlt", "mamba", "mamba2"]
+
+
 def families() -> dict[str, model.LanguageModel]:
-    return {"transformer-xl": tiny_txl(), "rlt": tiny_rlt()}
+    return {"transformer-xl": tiny_txl(), "rlt": tiny_rlt(), "mamba": tiny_ssm("mamba"), "mamba2": tiny_ssm("mamba2")}
 
 
 @torch.no_grad()
@@ -63,7 +66,7 @@ def generate(
     return Rollout(prompt=prompt, response=response, behaviour_logprobs=mus, action_mask=mask)
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_ratios_are_one_at_identical_weights(family, params):
     lm = families()[family]
@@ -76,7 +79,7 @@ def test_ratios_are_one_at_identical_weights(family, params):
         assert lp is not None and mu is not None and abs(lp - mu) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_inserted_tokens_are_consumed_but_not_scored(family):
     lm = families()[family]
     params = SamplingParams(temperature=0.9)
@@ -97,7 +100,7 @@ def test_inserted_tokens_are_consumed_but_not_scored(family):
     assert max(abs(r - 1) for r in replay(lm, stripped, params).ratios if r is not None) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_changed_weights_move_the_ratios(family):
     lm = families()[family]
     params = SamplingParams(temperature=1.0)
@@ -126,7 +129,7 @@ def test_bad_rollouts_are_refused():
         Rollout(prompt=[1], response=[2], behaviour_logprobs=[float("nan")])
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_recur_replay_prints_the_ratios(tmp_path, capsys, family):
     from app.cli import main
 
@@ -213,7 +216,7 @@ def n_sampled(transcript: dict) -> int:
     return sum(sum(s["sampled"]) for s in transcript["segments"])
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_transcript_replays_to_ratio_one_under_each_segments_settings(family):
     lm = families()[family]
     transcript = session_transcript(lm)
@@ -269,7 +272,7 @@ CONTROLS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_penalties_bias_and_min_tokens_replay_from_each_requests_own_prompt_and_output(family):
     lm = families()[family]
     transcript = session_transcript(lm, TURNS + CONTROLS)
@@ -286,7 +289,7 @@ def test_penalties_bias_and_min_tokens_replay_from_each_requests_own_prompt_and_
     assert max(abs(r - 1) for r in moved) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_transcript_scored_under_other_settings_or_weights_moves_the_ratios(family):
     lm = families()[family]
     transcript = session_transcript(lm)
@@ -346,7 +349,7 @@ def test_ids_outside_the_vocabulary_are_refused():
         replay_transcript(lm, transcript_rollout(transcript))
 
 
-@pytest.mark.parametrize("family", ["transformer-xl", "rlt"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_recur_replay_reads_a_transcript_file(tmp_path, capsys, family):
     from app.cli import main
 

@@ -1,7 +1,7 @@
-"""The shipped Shakespeare checkpoint: loads by name, is what we shipped, and still writes.
+"""The shipped Shakespeare checkpoints: load by name, are what we shipped, and still write.
 
-If these pins change, the checkpoint in model/weights/shakespeare/ changed: update
-docs/MODEL_CARD.md with it.
+If these pins change, a checkpoint in model/weights/ changed: update docs/MODEL_CARD.md
+with it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import model
 from model import checkpoint, corpus, evaluate
 
 FINGERPRINT = "e3da372c148c7856"
+MAMBA_FINGERPRINT = "d6831d7ce135d542"  # shakespeare-mamba, a Mamba-2
 GREEDY_AFTER_ROMEO = "\n\n\n\nSCENE II. A Room in the Palace.\n\n[Enter CLOWN,"
 MAX_BYTES = 25 * 1024 * 1024
 
@@ -65,7 +66,27 @@ def test_shipped_model_predicts_held_out_text_and_uses_its_memory():
     assert with_memory < without
 
 
+def test_the_shipped_mamba_is_what_we_shipped_and_knows_shakespeare():
+    """`shakespeare-mamba`: the pin, its files, and the same quality guard as above."""
+    directory = checkpoint.WEIGHTS_DIR / "shakespeare-mamba"
+    files = {p.name: p.stat().st_size for p in directory.iterdir()}
+    assert set(files) == {
+        "config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"
+    }  # fmt: skip
+    assert sum(files.values()) <= MAX_BYTES
+    lm = model.load("shakespeare-mamba", device="cpu")
+    assert lm.family == "mamba2" and lm.fingerprint == MAMBA_FINGERPRINT and not lm.training
+    assert checkpoint.chat_template("shakespeare-mamba") is not None
+    name, text = corpus.load_split("shakespeare", "test")[0]
+    excerpt = [(name, text[40_000:48_000])]
+    with_memory = evaluate.score_with_memory(lm, excerpt).bpb
+    assert with_memory < 2.5, (name, with_memory)  # uniform over bytes would be 8
+    assert with_memory < evaluate.score_without_memory(lm, excerpt).bpb
+
+
 def test_the_context_window_is_each_familys_attention_span():
     txl, rlt = model.load("shakespeare", device="cpu"), model.load("shakespeare-rlt", device="cpu")
     assert txl.context_window == txl.config.mem_len + 1
     assert rlt.context_window == rlt.config.max_context
+    ssm = model.load("shakespeare-mamba", device="cpu")
+    assert ssm.context_window == ssm.config.d_conv  # the conv's window; the SSM state has no span

@@ -18,16 +18,6 @@ from .conftest import tiny_config
 TINY = {"n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 64, "mem_len": 16, "tgt_len": 16}
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
-    """Seven short works cut from the real corpus: five train, one valid, one test."""
-    root = tmp_path_factory.mktemp("corpus")
-    works = corpus.shakespeare_works()
-    for name, text in works[:7]:
-        (root / f"{name}.txt").write_text(text[:3000], encoding="utf-8")
-    return root
-
-
 def test_training_reduces_the_loss(tmp_path, text_dir):
     cfg = tiny_config(tmp_path / "run", text_dir, steps=30, eval_every=15)
     summary = train(cfg, progress=False)
