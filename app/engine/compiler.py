@@ -190,6 +190,7 @@ class DecodeStep:
         """Whether prefills run the model's compiled parts."""
         return bool(self._parts)
 
+    @torch.no_grad()  # (serving never tracks gradients, and the eager step grows in place)
     def __call__(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         compiled = self._compiled
         if compiled is not None and self.serves_compiled(tokens.shape[0]):
@@ -204,6 +205,7 @@ class DecodeStep:
                 self._drop(exc)
         return self.lm.forward(tokens, state, IN_PLACE)
 
+    @torch.no_grad()
     def prefill(self, run: Callable[[Execution], T]) -> T:
         """`run` a prefill, given how: in place, with the model's compiled parts (its
         per-token loop, say) where the probe adopted them; an input their guards refuse runs
