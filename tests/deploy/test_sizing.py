@@ -45,8 +45,9 @@ CHECKED_ROWS: dict[str, tuple[str, dict, dict | None]] = {
     "| Transformer-XL, `recur init` defaults": ("transformer-xl", {}, None),
     "| RLT, `recur init --family rlt` defaults": ("rlt", {}, SMALL["rlt"]),
 }
-# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json
-for _name in checkpoint.shipped():
+# a row for a shipped model ("| Shipped `NAME`") is checked against its config.json (the
+# packaged GGUF files, installed by `make install`, have none and no row)
+for _name in filter(lambda n: checkpoint.resolve(n).is_dir(), checkpoint.shipped()):
     _meta = json.loads((checkpoint.resolve(_name) / "config.json").read_text())
     CHECKED_ROWS[f"| Shipped `{_name}`"] = (_meta["family"], _meta["config"], SMALL.get(_meta["family"]))
 
