@@ -61,12 +61,25 @@ ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 run: $(SERVE_STAMP)
 	$(BIN)/recur serve $(ARGS)
 
+# `timed CMD`: run CMD, then print how long it took, whatever its result (a slow suite is seen
+# the day it gets slow: docs/TESTING.md has the figures to compare with)
+define timed
+	@start=$$(date +%s); $(1); rc=$$?; s=$$(($$(date +%s) - start)); \
+	echo "== make $@: $$((s / 60)) min $$((s % 60)) s (exit $$rc; the target for make test is 10 min on 2 cores) =="; \
+	exit $$rc
+endef
+
+# pytest-xdist workers (one per core of a 2-core machine); each starts its own Redis and
+# servers, so more workers need more memory: `make test TEST_WORKERS=4`; 0 runs in one process
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 # the default suite; long runs are marked `slow` and run with `make test-slow`
 test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(call timed,$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(ARGS))
 
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow $(ARGS)
+test-slow: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
+	$(call timed,$(BIN)/python -m pytest -q -m slow $(XDIST) $(ARGS))
 
 # build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)

@@ -1,6 +1,8 @@
 """The decode step compiled in the background (app/engine/compiler.py): the eager step serves
 until the probe is done, the compiled one then serves only what it was checked on, and it
-never changes a result beyond 1e-4. Real models, a real compile (tens of seconds each)."""
+never changes a result beyond 1e-4. Real models, a real compile (tens of seconds each): in
+`make test` on the tiny RLT (the graph is what is compiled, and its ops are the shipped
+model's), and on the shipped RLT in `make test-slow`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import torch
 import model
 from app.engine.compiler import TOLERANCE, DecodeStep, batch_class
 from model import Execution
+from tests.model.test_rlt import tiny_rlt
+
+# the tiny RLT in the default suite; the shipped one, whose compile takes minutes on 2 cores, in the slow one
+MODELS = ["tiny-rlt", pytest.param("shakespeare-rlt", marks=pytest.mark.slow)]
 
 
 def _tokens(lm, rows: int) -> torch.Tensor:
@@ -26,13 +32,13 @@ def _compiled(name: str) -> tuple:
     compile takes tens of seconds). margin inf: the compiled step is adopted wherever it is
     equal, so that it surely serves here."""
     if name not in _BUILT:
-        lm = model.load(name, device="cpu")
+        lm = tiny_rlt() if name == "tiny-rlt" else model.load(name, device="cpu")
         step = DecodeStep(lm, compile=True, margin=math.inf)
         _BUILT[name] = (lm, step)
     return _BUILT[name]
 
 
-@pytest.mark.parametrize("name", ["shakespeare-rlt"])  # Transformer-XL: tests/app/test_engine_scale.py
+@pytest.mark.parametrize("name", MODELS)  # Transformer-XL: tests/app/test_engine_scale.py
 def test_the_compiled_step_takes_over_only_after_its_probe(name):
     lm, step = _compiled(name)
     with torch.no_grad():
@@ -62,7 +68,7 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
         assert step.compiled_steps == 18
 
 
-@pytest.mark.parametrize("name", ["shakespeare-rlt"])
+@pytest.mark.parametrize("name", MODELS)
 def test_rows_of_unequal_length_give_the_eager_logits(name):
     """Rows whose memories are left-padded: shapes and guards the probe did not meet. The
     compiled code serves them, or (its guards refusing) the eager forward does under the
@@ -92,11 +98,12 @@ def test_off_means_the_eager_step_and_no_thread():
     assert DecodeStep(lm, compile=False, max_rows=256).classes == (1, 4, 16, 64)
 
 
-def test_prefills_run_the_models_compiled_parts_once_adopted():
+@pytest.mark.parametrize("name", MODELS)
+def test_prefills_run_the_models_compiled_parts_once_adopted(name):
     """RLT's per-token recurrence (`LanguageModel.parts`), compiled in the same background
     thread: a prefill run by `DecodeStep.prefill` runs it once the probe adopted it, with the
     eager log-probs (1e-4), alone and as two rows of unequal history."""
-    lm, step = _compiled("shakespeare-rlt")
+    lm, step = _compiled(name)
     with torch.no_grad():
         if step.status.state == "compiling":  # this test runs alone
             step.start()

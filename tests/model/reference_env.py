@@ -16,6 +16,7 @@ environment is absent and cannot be built.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -35,16 +36,21 @@ class ReferenceEnv:
     no_deps: Path | None = None  # then these, without their dependencies (torch: the main env's)
 
     def ensure(self) -> None:
-        """Build the environment if it is missing (as `make ref-env` would)."""
+        """Build the environment if it is missing (as `make ref-env` would); under a lock, so
+        that two pytest-xdist workers never install into one directory at once."""
         if (self.path / ".installed").is_file():
             return
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target", str(self.path)]
-        steps = [[*pip, "-r", str(self.requirements)]]
-        if self.no_deps is not None:
-            steps.append([*pip, "--no-deps", "-r", str(self.no_deps)])
-        for cmd in steps:
-            self._install(cmd)
-        (self.path / ".installed").touch()
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if (self.path / ".installed").is_file():  # the other worker built it meanwhile
+                return
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target", str(self.path)]
+            steps = [[*pip, "-r", str(self.requirements)]]
+            if self.no_deps is not None:
+                steps.append([*pip, "--no-deps", "-r", str(self.no_deps)])
+            for cmd in steps:
+                self._install(cmd)
+            (self.path / ".installed").touch()
 
     def _install(self, cmd: list[str]) -> None:
         try:

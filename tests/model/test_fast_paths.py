@@ -240,12 +240,21 @@ def test_weight_layout_changes_no_saved_value(tmp_path):
 
 
 # -- a compiled step ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["shakespeare", "shakespeare-rlt"])
+@pytest.mark.parametrize(
+    "name",
+    # the tiny models in the default suite; the shipped ones (minutes to compile on 2 cores) in the slow one
+    [
+        "tiny-txl",
+        "tiny-rlt",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("shakespeare", "shakespeare-rlt")),
+    ],
+)
 def test_a_compiled_step_equals_the_eager_one(name):
     """`RECUR_COMPILE` changes speed, never results: the fast paths' host-side shortcuts
     (cached masks, a padding check) step aside under torch.compile, which would otherwise
     break the graph (and did: inductor then emitted code naming an undefined symbol)."""
-    lm = model.load(name, device="cpu")
+    tiny = {"tiny-txl": tiny_txl, "tiny-rlt": tiny_rlt}
+    lm = tiny[name]() if name in tiny else model.load(name, device="cpu")
     with torch.no_grad():
         _, state = lm.consume([1, 65, 66, 67] * 5, lm.new_state(1))
         step = torch.compile(lm.forward, dynamic=True)  # (functional, as the engine compiles it)
