@@ -118,6 +118,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+class PortTaken(Exception):
+    """Another process bound the server's port first."""
+
+
 class ServerProcess:
     """`python -m app` in a subprocess, on a free port; its log is kept for failures."""
 
@@ -141,6 +145,18 @@ class ServerProcess:
         self.log = workdir / "server.log"
 
     def start(self, timeout: float = 120) -> ServerProcess:
+        """Start it and wait for /readyz. The port was free when picked, but another process on
+        the host may take it before the server binds (the model loads first): then it starts
+        again on another free port (the URL changes; nothing can have used the old one)."""
+        for _ in range(3):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> ServerProcess:
         args = [sys.executable, *self.entry, "--model", str(self.model_dir), "--port", str(self.port)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
@@ -153,6 +169,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 args, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -160,6 +177,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log.read_text(errors="replace")[logged:]:
+                    raise PortTaken(self.port)
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
