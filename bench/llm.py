@@ -116,7 +116,7 @@ WHY = [
     "([B, L, capacity, kvh·hd]: one stream's rows of a layer are L·capacity rows from the next's) cannot be a "
     "view, so it copied every layer's window twice a step: the `copy_` at the top of the rows before, about "
     "half the step at batch 16 and more at 64. What still copies a window is the arena's growth: once every "
-    "64 steps (model/state.py, `ARENA_SLACK`) its spare rows run out and the window moves to a new arena, "
+    "64 steps (model/state/arena.py, `ARENA_SLACK`) its spare rows run out and the window moves to a new arena, "
     "1/64 of a window a step on average, which the median step above leaves out.",
 ]
 

@@ -4,7 +4,8 @@ A family is an `nn.Module` subclass of `LanguageModel` with a config dataclass. 
 server (`app/`) only ever talks to this interface: it never imports a family module,
 so adding a family never touches `app/`.
 
-The contract a family must keep:
+The contract a family must keep (it implements `advance`; `forward` gives it a fresh state
+when there is none):
   * `forward(tokens [B,T], state) -> (logits [B,T,V], state')` consumes every token once;
   * `state'` carries everything needed for the next token's distribution, which
     `next_logits(state')` returns without recomputing anything;
@@ -134,6 +135,11 @@ class LanguageModel(nn.Module):
     def forward(
         self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
     ) -> tuple[torch.Tensor, State]:
+        """Consume `tokens` [B, T] into `state` (None: a fresh one), as `how` says: the family's
+        `advance`."""
+        return self.advance(tokens, self.new_state(tokens.shape[0]) if state is None else state, how)
+
+    def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
 
     def next_logits(self, state: State) -> torch.Tensor:

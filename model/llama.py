@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
+from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .int8 import int8_linear
 from .rlt import RMSNorm, Rope, apply_rope, rms_norm, rope_angles
 from .state import State, StateError, kv_appender, unzip
@@ -393,13 +393,9 @@ class Llama(LanguageModel):
             sink = _bias((spos >= 0) & (spos < S) & (spos <= pos[:, :, None]))
         return Span(cs, cs_sink, window, sink, n_new)
 
-    def forward(
-        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
-    ) -> tuple[torch.Tensor, State]:
+    def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
-        if state is None:
-            state = self.new_state(B)
         n = state.n_tokens
         M, Ms = state["k"].shape[2], state["sink_k"].shape[2]
         span = self.span(n, T, M, Ms)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
+from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .rlt import RMSNorm, rms_norm
 from .state import State
 
@@ -296,12 +296,8 @@ class Mamba(LanguageModel):
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(
-        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
-    ) -> tuple[torch.Tensor, State]:
+    def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         # `how` changes nothing here: no state tensor grows (every step rewrites all of it)
-        if state is None:
-            state = self.new_state(tokens.shape[0])
         conv, ssm = state["conv"], state["ssm"]  # (b, L, K-1, C), (b, L, ...)
         windows, hs = [], []
         with self.autocast():

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
+from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, StateError, kv_appender, unzip
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
@@ -437,13 +437,9 @@ class RLT(LanguageModel):
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute
 
     # -- forward --------------------------------------------------------------------------
-    def forward(
-        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
-    ) -> tuple[torch.Tensor, State]:
+    def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
-        if state is None:
-            state = self.new_state(B)
         n = state.n_tokens
         pos = n[:, None] + torch.arange(T, device=tokens.device)  # (B, T) absolute positions
         cs = rope_angles(pos, cfg.d_model // cfg.n_head, cfg.rope_base, self.tok_emb.weight.dtype)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import FUNCTIONAL, Execution, LanguageModel, TimeAxis, init_weights
+from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, kv_appender, unzip
 
 
@@ -540,13 +540,9 @@ class TransformerXL(LanguageModel):
         r = sinusoid(self._distances(K, device), cfg.d_model)
         return self.blocks()[layer].dec_attn.r_net(r).view(K, cfg.n_head, cfg.d_head)
 
-    def forward(
-        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
-    ) -> tuple[torch.Tensor, State]:
+    def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         cfg = self.config
         B, T = tokens.shape
-        if state is None:
-            state = self.new_state(B)
         if not self.training and "k" not in state.tensors:  # eval needs the key/value cache
             state = self.rebuild_state({name: state[name] for name in self.persistent})
         mem = state["mem"]  # (B, L, M, d)
