@@ -19,10 +19,8 @@ Usage: python bench/chat_reuse.py [--repetitions 5] [--turns 20] [--max-tokens 3
 from __future__ import annotations
 
 import statistics
-import tempfile
-from pathlib import Path
 
-from harness import Redis, Server, arguments, conversation, model_dir, publish
+from harness import alternate, conversation, conversation_main, turn_medians
 
 SECTION = "## 8. Prefix reuse"
 SHOWN = (1, 5, 10, 15, 20)
@@ -31,15 +29,11 @@ SHOWN = (1, 5, 10, 15, 20)
 def summary(runs: list[list[dict]]) -> dict:
     """Medians per turn over the repetitions, the turn-20 ÷ turn-1 ratio (of the medians, and
     the median of each repetition's own ratio), the hit rate over the turns after the first."""
-    turns = len(runs[0])
-    ms = [statistics.median(r[t]["ms"] for r in runs) for t in range(turns)]
+    medians = turn_medians(runs)
+    ms = medians["turn_ms"]
     later = [row for r in runs for row in r[1:]]
     return {
-        "turn_ms": [round(x, 1) for x in ms],
-        "prefilled": [round(statistics.median(r[t]["prefilled"] for r in runs)) for t in range(turns)],
-        "prompt_tokens": [runs[0][t]["prompt_tokens"] for t in range(turns)],
-        "ratio": round(ms[-1] / ms[0], 2),
-        "ratio_median_of_runs": round(statistics.median(r[-1]["ms"] / r[0]["ms"] for r in runs), 2),
+        **medians,
         # the trend among hits alone, over five turns each end: less at the mercy of one noisy turn
         "late_over_early": round(statistics.median(ms[-5:]) / statistics.median(ms[1:6]), 2),
         "hit_rate": sum(row["hit"] for row in later) / len(later),
@@ -48,42 +42,8 @@ def summary(runs: list[list[dict]]) -> dict:
 
 
 def measure(repetitions: int, turns: int, max_tokens: int) -> dict:
-    name, label = model_dir("shakespeare")
-    work = Path(tempfile.mkdtemp(prefix="recur-chat-reuse-"))
-    redis = Redis(work / "redis")
-    keys = [f"rep-{i}" for i in range(repetitions + 1)]  # (the last one warms the servers up)
-    common = dict(cpu_threads=1, max_tokens=max_tokens, api_keys=",".join(keys))
-    servers = {
-        mode: Server(
-            name, redis.url, work / mode, key_prefix=f"bench-{mode}:", prefix_reuse=mode == "on", **common
-        )
-        for mode in ("on", "off")
-    }
-    runs: dict[str, list[list[dict]]] = {"on": [], "off": []}
-    try:
-        for s in servers.values():
-            conversation(s.url, name, keys[-1], 2, max_tokens)
-        for rep in range(repetitions):
-            order = ("on", "off") if rep % 2 == 0 else ("off", "on")
-            for mode in order:
-                runs[mode].append(conversation(servers[mode].url, name, keys[rep], turns, max_tokens))
-                print(
-                    f"repetition {rep + 1}/{repetitions}, reuse {mode}: turn 1 {runs[mode][-1][0]['ms']:.0f} ms, "
-                    f"turn {turns} {runs[mode][-1][-1]['ms']:.0f} ms",
-                    flush=True,
-                )
-    finally:
-        for s in servers.values():
-            s.stop()
-        redis.stop()
-    return {
-        "model": label,
-        "turns": turns,
-        "max_tokens": max_tokens,
-        "repetitions": repetitions,
-        "on": summary(runs["on"]),
-        "off": summary(runs["off"]),
-    }
+    about, runs = alternate({"chat": conversation}, "recur-chat-reuse-", repetitions, turns, max_tokens)
+    return {**about, "on": summary(runs[("on", "chat")]), "off": summary(runs[("off", "chat")])}
 
 
 def _table(r: dict) -> list[str]:
@@ -162,15 +122,5 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = arguments(__doc__)
-    ap.add_argument("--repetitions", type=int, default=5)
-    ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    args = ap.parse_args()
-    r = measure(args.repetitions, args.turns, args.max_tokens)
-    publish(SECTION, section(r), r, args.write)
-
-
 if __name__ == "__main__":
-    main()
+    conversation_main(__doc__, SECTION, measure, section)

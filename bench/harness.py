@@ -14,12 +14,13 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -249,6 +250,81 @@ def conversation(url: str, model: str, key: str, turns: int, max_tokens: int) ->
     return rows
 
 
+@contextlib.contextmanager
+def reuse_servers(
+    prefix: str, keys: list[str], max_tokens: int
+) -> Iterator[tuple[str, str, dict[str, Server]]]:
+    """(model argument, description, servers): the shipped model (model_dir) served by two
+    servers side by side on one real Redis, prefix reuse "on" and "off", each under its own
+    key prefix, 1 torch thread, `keys` as their API keys; all stopped afterwards."""
+    name, label = model_dir("shakespeare")
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    redis = Redis(work / "redis")
+    common = dict(cpu_threads=1, max_tokens=max_tokens, api_keys=",".join(keys))
+    servers = {
+        mode: Server(
+            name, redis.url, work / mode, key_prefix=f"bench-{mode}:", prefix_reuse=mode == "on", **common
+        )
+        for mode in ("on", "off")
+    }
+    try:
+        yield name, label, servers
+    finally:
+        for s in servers.values():
+            s.stop()
+        redis.stop()
+
+
+Client = Callable[[str, str, str, int, int], list[dict]]
+
+
+def alternate(
+    clients: dict[str, Client], prefix: str, repetitions: int, turns: int, max_tokens: int
+) -> tuple[dict, dict[tuple[str, str], list[list[dict]]]]:
+    """Each of `clients` (`client(url, model, key, turns, max_tokens)` -> a row per turn)
+    holds a `turns`-turn conversation `repetitions` times with each of the two
+    reuse_servers, the order of the servers and of the clients alternating between
+    repetitions so that the noise of a shared machine falls on every series alike. Each
+    series of each repetition speaks under an API key of its own, so its first turn finds no
+    prefix (not even another series'). Returns the run's description and
+    {(server, client): [rows of each repetition]}."""
+    names = list(clients)
+    keys = [f"rep-{i}-{c}" for i in range(repetitions + 1) for c in names]  # (the last rep warms up)
+    runs: dict[tuple[str, str], list[list[dict]]] = {(m, c): [] for m in ("on", "off") for c in names}
+    with reuse_servers(prefix, keys, max_tokens) as (name, label, servers):
+        for s in servers.values():
+            for c in names:
+                clients[c](s.url, name, f"rep-{repetitions}-{c}", 2, max_tokens)
+        for rep in range(repetitions):
+            modes = ("on", "off") if rep % 2 == 0 else ("off", "on")
+            order = names if rep % 2 == 0 else names[::-1]
+            for mode in modes:
+                for c in order:
+                    rows = clients[c](servers[mode].url, name, f"rep-{rep}-{c}", turns, max_tokens)
+                    runs[(mode, c)].append(rows)
+                    print(
+                        f"repetition {rep + 1}/{repetitions}, reuse {mode}, {c}: turn 1 "
+                        f"{rows[0]['ms']:.0f} ms, turn {turns} {rows[-1]['ms']:.0f} ms",
+                        flush=True,
+                    )
+    return {"model": label, "turns": turns, "max_tokens": max_tokens, "repetitions": repetitions}, runs
+
+
+def turn_medians(runs: list[list[dict]]) -> dict:
+    """Over the repetitions of a conversation (`runs`, one row per turn each): the median
+    latency and prefill per turn, the prompt's tokens, and the last turn ÷ first turn ratio
+    (of the medians, and the median of each repetition's own)."""
+    turns = len(runs[0])
+    ms = [statistics.median(r[t]["ms"] for r in runs) for t in range(turns)]
+    return {
+        "turn_ms": [round(x, 1) for x in ms],
+        "prefilled": [round(statistics.median(r[t]["prefilled"] for r in runs)) for t in range(turns)],
+        "prompt_tokens": [runs[0][t]["prompt_tokens"] for t in range(turns)],
+        "ratio": round(ms[-1] / ms[0], 2),
+        "ratio_median_of_runs": round(statistics.median(r[-1]["ms"] / r[0]["ms"] for r in runs), 2),
+    }
+
+
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
 BENCH = ROOT / "bench"
 
@@ -326,3 +402,17 @@ def publish(heading: str, section: str, result: dict, write: bool) -> None:
     if write:
         write_section(heading, section)
     emit(result)
+
+
+def conversation_main(
+    doc: str, heading: str, measure: Callable[[int, int, int], dict], section: Callable[[dict], str]
+) -> None:
+    """The command line of a benchmark of repeated conversations (bench/chat_reuse.py,
+    bench/responses.py): `measure(repetitions, turns, max_tokens)`, then publish its section."""
+    ap = arguments(doc)
+    ap.add_argument("--repetitions", type=int, default=5)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    r = measure(args.repetitions, args.turns, args.max_tokens)
+    publish(heading, section(r), r, args.write)

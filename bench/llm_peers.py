@@ -24,7 +24,6 @@ Two figures, each against its target (issue 28):
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from harness import Redis, Server, emit, write_section
+from harness import Redis, Server, arguments, publish
 
 import model
 from app.embedded_redis import free_port
@@ -315,11 +314,10 @@ WHY = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arguments(__doc__)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=64, help="timed batch-1 decode steps per side")
     ap.add_argument("--parts", default="batch-1,streams", help="comma list of: batch-1, streams")
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
     gguf = model.checkpoint.resolve("smollm2")
     parts = args.parts.split(",")
@@ -333,10 +331,7 @@ def main() -> None:
         st.update({p: recur_streams(p, T) for p in ("fp32", "int8")})
         print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
         r["streams"] = st
-    print(section(r))
-    if args.write:
-        write_section(SECTION, section(r))
-    emit(r)
+    publish(SECTION, section(r), r, args.write)
 
 
 if __name__ == "__main__":

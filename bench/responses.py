@@ -21,20 +21,15 @@ Usage: python bench/responses.py [--repetitions 5] [--turns 20] [--max-tokens 32
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import openai
-from harness import SCENE, USER, Redis, Server, conversation, emit, model_dir, write_section
+from harness import SCENE, USER, alternate, conversation, conversation_main, turn_medians
 
 SECTION = "## 14. Responses by previous_response_id"
 SHOWN = (1, 5, 10, 15, 20)
 TARGET = 1.1  # turn 20 ÷ turn 1, chained by previous_response_id
-SERIES = ("chain", "chat")
 
 
 def chain(url: str, model: str, key: str, turns: int, max_tokens: int) -> list[dict]:
@@ -70,61 +65,14 @@ def chain(url: str, model: str, key: str, turns: int, max_tokens: int) -> list[d
     return rows
 
 
-def summary(runs: list[list[dict]]) -> dict:
-    """Medians per turn over the repetitions, and the turn-20 ÷ turn-1 ratio (of the
-    medians, and the median of each repetition's own)."""
-    turns = len(runs[0])
-    ms = [statistics.median(r[t]["ms"] for r in runs) for t in range(turns)]
-    return {
-        "turn_ms": [round(x, 1) for x in ms],
-        "prefilled": [round(statistics.median(r[t]["prefilled"] for r in runs)) for t in range(turns)],
-        "prompt_tokens": [runs[0][t]["prompt_tokens"] for t in range(turns)],
-        "ratio": round(ms[-1] / ms[0], 2),
-        "ratio_median_of_runs": round(statistics.median(r[-1]["ms"] / r[0]["ms"] for r in runs), 2),
-    }
-
-
 def measure(repetitions: int, turns: int, max_tokens: int) -> dict:
-    name, label = model_dir("shakespeare")
-    work = Path(tempfile.mkdtemp(prefix="recur-responses-"))
-    redis = Redis(work / "redis")
-    keys = [f"rep-{i}-{s}" for i in range(repetitions + 1) for s in SERIES]  # (the last rep warms up)
-    common = dict(cpu_threads=1, max_tokens=max_tokens, api_keys=",".join(keys))
-    servers = {
-        mode: Server(
-            name, redis.url, work / mode, key_prefix=f"bench-{mode}:", prefix_reuse=mode == "on", **common
-        )
-        for mode in ("on", "off")
-    }
-    run = {"chain": chain, "chat": conversation}
-    runs: dict[tuple[str, str], list[list[dict]]] = {(m, s): [] for m in servers for s in SERIES}
-    try:
-        for s in servers.values():
-            for series in SERIES:
-                run[series](s.url, name, f"rep-{repetitions}-{series}", 2, max_tokens)
-        for rep in range(repetitions):
-            modes = ("on", "off") if rep % 2 == 0 else ("off", "on")
-            order = SERIES if rep % 2 == 0 else SERIES[::-1]
-            for mode in modes:
-                for series in order:
-                    rows = run[series](servers[mode].url, name, f"rep-{rep}-{series}", turns, max_tokens)
-                    runs[(mode, series)].append(rows)
-                    print(
-                        f"repetition {rep + 1}/{repetitions}, reuse {mode}, {series}: turn 1 "
-                        f"{rows[0]['ms']:.0f} ms, turn {turns} {rows[-1]['ms']:.0f} ms",
-                        flush=True,
-                    )
-    finally:
-        for s in servers.values():
-            s.stop()
-        redis.stop()
+    about, runs = alternate(
+        {"chain": chain, "chat": conversation}, "recur-responses-", repetitions, turns, max_tokens
+    )
     return {
-        "model": label,
-        "turns": turns,
-        "max_tokens": max_tokens,
-        "repetitions": repetitions,
+        **about,
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        **{f"{mode}_{series}": summary(r) for (mode, series), r in runs.items()},
+        **{f"{mode}_{series}": turn_medians(r) for (mode, series), r in runs.items()},
     }
 
 
@@ -199,19 +147,5 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repetitions", type=int, default=5)
-    ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
-    args = ap.parse_args()
-    r = measure(args.repetitions, args.turns, args.max_tokens)
-    print(section(r))
-    if args.write:
-        write_section(SECTION, section(r))
-    emit(r)
-
-
 if __name__ == "__main__":
-    main()
+    conversation_main(__doc__, SECTION, measure, section)

@@ -328,6 +328,58 @@ def profile_step(lm: LanguageModel, state: State, per_step_s: float) -> tuple[di
     return breakdown(prof, steps, wall), state
 
 
+def batch_row(
+    name: str,
+    lm: LanguageModel,
+    one: State,
+    B: int,
+    budget_s: float,
+    served: Any | None,
+    work_of: Callable[[LanguageModel, State], Work],
+    columns: Callable[[Work], dict],
+) -> dict:
+    """A row of a decode table, printed as it comes: the step of a batch of `B` copies of the
+    state `one`, what it must move (`work_of`; `columns`: the family's own figures of it),
+    timed as the server runs it (`served`: compiled where its probe adopted the compiled
+    step, else eager) and eager, with the eager step's profile (a compiled step's generated
+    kernels hide where its time goes)."""
+    state = lm.stack_states([one] * B)
+    w = work_of(lm, state)
+    eager, state = time_steps(lm, state, budget_s)
+    prof, state = profile_step(lm, state, eager)
+    compiled = served is not None and served.serves_compiled(B)
+    t = eager
+    if compiled:  # the server runs the compiled step for this batch: time that one too
+        t, state = time_steps(lm, lm.stack_states([one] * B), budget_s, served)
+    del state
+    own = columns(w)
+    print(
+        f"{name:18s} batch {B:3d}  {w.bytes / 1e6:8.2f} MB  {w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms "
+        f"({'compiled' if compiled else 'eager'}; eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  "
+        f"{where_time_goes(prof, 'ops')}  ({', '.join(f'{k} {v}' for k, v in own.items())})",
+        flush=True,
+    )
+    return {
+        "model": name,
+        "batch": B,
+        **own,
+        "mb_per_step": round(w.bytes / 1e6, 2),
+        "mflop_per_step": round(w.flops / 1e6, 1),
+        "step_ms": round(t * 1e3, 3),
+        "eager_step_ms": round(eager * 1e3, 3),
+        "compiled": compiled,
+        "tokens_per_s": round(B / t, 1),
+        **prof,
+    }
+
+
+def where_time_goes(prof: dict, ops: str) -> str:
+    """A profile (breakdown) for a progress line: the kernels' share, the ops per call (in
+    `ops`), the top four ops by self time."""
+    top = ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4])
+    return f"kernels {prof['kernel_share']:5.1%}  {prof['ops_per_call']} {ops}  top: {top}"
+
+
 # -- the models ----------------------------------------------------------------------------
 def txl(n_layer: int, d_model: int, mem_len: int) -> LanguageModel:
     torch.manual_seed(0)
@@ -365,13 +417,19 @@ def available_bytes() -> int:
         return 1 << 62
 
 
+def _columns(w: Work) -> dict:
+    return {
+        "attention_length": w.attention_length,
+        "weight_mb": round(w.weights / 1e6, 2),
+        "attention_mflop": round(w.attention_flops / 1e6, 1),
+    }
+
+
 @torch.no_grad()
 def decode(
     name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict], served: Any | None
 ) -> list[dict]:
-    """Each batch's decode step against the limits: timed as the server runs it (`served`:
-    compiled where its probe adopted the compiled step, else eager) and eager; the profile
-    is the eager step's (a compiled step's generated kernels hide where its time goes)."""
+    """Each batch's decode step against the limits (batch_row)."""
     n = fill_length(lm)
     one = lm.consume(
         torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
@@ -384,39 +442,7 @@ def decode(
             print(f"{name} batch {B}: skipped, its state needs {need / GIB:.1f} GiB at its peak", flush=True)
             skipped.append({"model": name, "batch": B, "gib": round(need / GIB, 1)})
             continue
-        state = lm.stack_states([one] * B)
-        w = work(lm, state)
-        eager, state = time_steps(lm, state, budget_s)
-        prof, state = profile_step(lm, state, eager)
-        compiled = served is not None and served.serves_compiled(B)
-        t = eager
-        if compiled:  # the server runs the compiled step for this batch: time that one too
-            t, state = time_steps(lm, lm.stack_states([one] * B), budget_s, served)
-        del state
-        rows.append(
-            {
-                "model": name,
-                "batch": B,
-                "attention_length": w.attention_length,
-                "mb_per_step": round(w.bytes / 1e6, 2),
-                "weight_mb": round(w.weights / 1e6, 2),
-                "mflop_per_step": round(w.flops / 1e6, 1),
-                "attention_mflop": round(w.attention_flops / 1e6, 1),
-                "step_ms": round(t * 1e3, 3),
-                "eager_step_ms": round(eager * 1e3, 3),
-                "compiled": compiled,
-                "tokens_per_s": round(B / t, 1),
-                **prof,
-            }
-        )
-        print(
-            f"{name:18s} batch {B:3d}  K {w.attention_length:5d}  {w.bytes / 1e6:8.2f} MB  "
-            f"{w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms ({'compiled' if compiled else 'eager'}; "
-            f"eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  kernels {prof['kernel_share']:5.1%}  "
-            f"{prof['ops_per_call']} ops  top: "
-            + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:4]),
-            flush=True,
-        )
+        rows.append(batch_row(name, lm, one, B, budget_s, served, work, _columns))
     return rows
 
 
@@ -449,8 +475,7 @@ def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> di
     print(
         f"{name:18s} prefill {tokens} tokens: {t:.3f} s  {tokens / t:8.0f} tok/s "
         f"({'compiled parts' if compiled else 'eager'}; eager {tokens / eager:.0f} tok/s)  "
-        f"kernels {prof_row['kernel_share']:5.1%}  {prof_row['ops_per_call']} ops/token  top: "
-        + ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof_row["top_ops"][:4]),
+        f"{where_time_goes(prof_row, 'ops/token')}",
         flush=True,
     )
     return {
@@ -465,18 +490,26 @@ def prefill(name: str, lm: LanguageModel, tokens: int, served: Any | None) -> di
     }
 
 
-def against(rows: list[dict], prefills: list[dict], m: Machine) -> None:
-    """Add each figure's fractions of the rooflines (the best samples of the limits)."""
+def step_rooflines(rows: list[dict], m: Machine, width: int) -> None:
+    """Add each decode step's fractions of the rooflines: of the best samples of the limits
+    (`m`), taken once every model has run (a sample taken while another job ran cannot
+    flatter a figure); `width`: of the model's name in the progress lines."""
     bw, gemm = m.best("bandwidth_1t"), m.best("gemm_1t")
-    print(f"against the best samples: {bw / 1e9:.1f} GB/s read, {gemm / 1e9:.1f} GFLOP/s GEMM (1 thread)")
     for r in rows:
         t = r["step_ms"] / 1e3
         r["bandwidth_roofline"] = round(r["mb_per_step"] * 1e6 / t / bw, 3)
         r["compute_roofline"] = round(r["mflop_per_step"] * 1e6 / t / gemm, 3)
         print(
-            f"{r['model']:18s} batch {r['batch']:3d}  bandwidth roofline {r['bandwidth_roofline']:6.1%}  "
+            f"{r['model']:{width}s} batch {r['batch']:3d}  bandwidth roofline {r['bandwidth_roofline']:6.1%}  "
             f"compute roofline {r['compute_roofline']:6.1%}"
         )
+
+
+def against(rows: list[dict], prefills: list[dict], m: Machine) -> None:
+    """Add each figure's fractions of the rooflines (the best samples of the limits)."""
+    bw, gemm = m.best("bandwidth_1t"), m.best("gemm_1t")
+    print(f"against the best samples: {bw / 1e9:.1f} GB/s read, {gemm / 1e9:.1f} GFLOP/s GEMM (1 thread)")
+    step_rooflines(rows, m, 18)
     for r in prefills:
         r["compute_roofline"] = round(r["mflop"] * 1e6 / r["seconds"] / gemm, 3)
         print(f"{r['model']:18s} prefill  compute roofline {r['compute_roofline']:6.1%}")

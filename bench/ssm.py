@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from harness import Redis, arguments, publish
 from persistence import CONFIGS, run_config
-from roofline import Machine, Work, best_of, profile_step, served_step, time_steps, weight_bytes
+from roofline import Machine, Work, batch_row, best_of, served_step, step_rooflines, weight_bytes
 
 import model
 from model import LanguageModel, State
@@ -90,55 +90,12 @@ def ssm_work(lm: LanguageModel, state: State) -> Work:
 def decode(
     name: str, lm: LanguageModel, batches: list[int], budget_s: float, served: Any | None
 ) -> list[dict]:
-    """Each batch's decode step: timed as the server runs it (`served`: the engine's
-    `DecodeStep`, compiled where its probe adopted the compiled step) and eager; the profile
-    is the eager step's."""
+    """Each batch's decode step (roofline.batch_row)."""
     one = lm.consume(
         torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
     )[1]
-    rows = []
-    for B in batches:
-        state = lm.stack_states([one] * B)
-        w = ssm_work(lm, state)
-        eager, state = time_steps(lm, state, budget_s)
-        prof, _ = profile_step(lm, state, eager)
-        compiled = served is not None and served.serves_compiled(B)
-        t = time_steps(lm, lm.stack_states([one] * B), budget_s, served)[0] if compiled else eager
-        rows.append(
-            {
-                "model": name,
-                "batch": B,
-                "state_kb_per_row": round(one.nbytes() / 1e3, 1),
-                "mb_per_step": round(w.bytes / 1e6, 2),
-                "mflop_per_step": round(w.flops / 1e6, 1),
-                "step_ms": round(t * 1e3, 3),
-                "eager_step_ms": round(eager * 1e3, 3),
-                "compiled": compiled,
-                "tokens_per_s": round(B / t, 1),
-                **prof,
-            }
-        )
-        print(
-            f"{name:13s} batch {B:3d}  {w.bytes / 1e6:8.2f} MB  {w.flops / 1e6:8.1f} MFLOP  {t * 1e3:8.3f} ms "
-            f"({'compiled' if compiled else 'eager'}; eager {eager * 1e3:.3f})  {B / t:8.0f} tok/s  "
-            f"kernels {prof['kernel_share']:.0%}",
-            flush=True,
-        )
-    return rows
-
-
-def against(rows: list[dict], m: Machine) -> None:
-    """Each step's fractions of the rooflines: of the best samples of the limits, taken once
-    every model has run (a sample taken while another job ran cannot flatter a figure)."""
-    bw, gemm = m.best("bandwidth_1t"), m.best("gemm_1t")
-    for r in rows:
-        t = r["step_ms"] / 1e3
-        r["bandwidth_roofline"] = round(r["mb_per_step"] * 1e6 / t / bw, 3)
-        r["compute_roofline"] = round(r["mflop_per_step"] * 1e6 / t / gemm, 3)
-        print(
-            f"{r['model']:13s} batch {r['batch']:3d}  bandwidth roofline {r['bandwidth_roofline']:6.1%}  "
-            f"compute roofline {r['compute_roofline']:6.1%}"
-        )
+    own = {"state_kb_per_row": round(one.nbytes() / 1e3, 1)}
+    return [batch_row(name, lm, one, B, budget_s, served, ssm_work, lambda _: own) for B in batches]
 
 
 @torch.no_grad()
@@ -376,7 +333,7 @@ def main() -> None:
         redis.stop()
     m.sample()
     r["machine"] = m.summary()
-    against(r["decode"], m)
+    step_rooflines(r["decode"], m, 13)
     publish(SECTION, section(r), r, args.write)
 
 
