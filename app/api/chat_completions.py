@@ -28,7 +28,7 @@ from app.engine import Logprobs, TokenEvent
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
-from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids, served_model
+from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids
 from .errors import ApiError, ErrorType
 from .openai_schemas import (
     ChatChoice,
@@ -78,8 +78,7 @@ async def create_chat_completion(
 ) -> ChatCompletionResult | EventSourceResponse:
     started = time.perf_counter()
     engine = sessions.engine
-    served_model(body.model, engine)
-    sid = oai.session_asked(body.session_id, x_session_id)
+    sid = oai.continued(body, engine, x_session_id)
     text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
     ids = prompt_ids(engine, settings.max_prompt_tokens, text)
     logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own

@@ -44,7 +44,6 @@ from .deps import (
     SessionsDep,
     SettingsDep,
     prompt_ids,
-    served_model,
 )
 from .errors import ApiError, ErrorType
 from .openai_schemas import (
@@ -128,8 +127,7 @@ async def create_completion(
 ) -> CompletionResult | EventSourceResponse:
     started = time.perf_counter()
     engine = sessions.engine
-    served_model(body.model, engine)
-    sid = oai.session_asked(body.session_id, x_session_id)
+    sid = oai.continued(body, engine, x_session_id)
     prompts = [prompt_ids(engine, settings.max_prompt_tokens, p) for p in _prompts(body.prompt, settings)]
     if body.echo and body.logprobs is not None and body.stream:
         raise ApiError(ErrorType.invalid_request, "echo with logprobs is not streamed: send stream: false")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
 from app.sessions import Conversations
 from model.chat_template import ChatTemplate
@@ -14,7 +14,7 @@ from model.chat_template import ChatTemplate
 from .chat_completions import chat_template
 from .deps import OwnerDep, SessionsDep, SettingsDep
 from .errors import ErrorType, responses
-from .responses import item, page, renderer
+from .responses import PageDep, PageQuery, item, page, renderer
 from .responses_schemas import (
     ConversationCreate,
     ConversationObject,
@@ -81,12 +81,9 @@ async def list_items(
     conversation_id: str,
     owner: OwnerDep,
     room: RoomDep,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
-    after: Annotated[str | None, Query(max_length=128)] = None,
-    include: Annotated[list[str] | None, Query(max_length=16)] = None,
+    query: PageDep,
 ) -> dict:
-    return page(await room.items(owner, conversation_id), limit, order, after)
+    return page(await room.items(owner, conversation_id), query)
 
 
 @router.post(
@@ -101,7 +98,7 @@ async def add_items(
 ) -> dict:  # fmt: skip
     items = [item(m) for m in body.items]
     await room.add(owner, conversation_id, items, renderer(template, settings, sessions.engine))
-    return page(items, len(items) or 1, "asc", None)
+    return page(items, PageQuery(len(items) or 1, "asc", None))
 
 
 @router.get("/conversations/{conversation_id}/items/{item_id}", response_model=Item, responses=NOT_FOUND)

@@ -29,7 +29,7 @@ from app.engine import Engine, FinishReason, Logprobs, TokenEvent
 from app.sessions import Generation, Run, SessionService
 from app.sessions import start as start_choices
 
-from .deps import sampling_params
+from .deps import sampling_params, served_model
 from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .openai_schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
@@ -89,13 +89,15 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def session_asked(body_sid: str | None, header_sid: str | None) -> str | None:
-    """The session a request continues (body `session_id` or `X-Session-Id`), if any."""
-    if body_sid and header_sid and body_sid != header_sid:
+def continued(body: OpenAIBody, engine: Engine, header_sid: str | None) -> str | None:
+    """The session a request continues (body `session_id` or `X-Session-Id`), if any, once
+    its body names the served model (or none)."""
+    served_model(body.model, engine)
+    if body.session_id and header_sid and body.session_id != header_sid:
         raise ApiError(
             ErrorType.invalid_request, "session_id and the X-Session-Id header name different sessions"
         )
-    sid = body_sid or header_sid
+    sid = body.session_id or header_sid
     if sid is not None:
         logs.session_id.set(logs.clip(sid))
     return sid

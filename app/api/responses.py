@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -308,27 +309,47 @@ async def list_input_items(
     response_id: str,
     owner: OwnerDep,
     room: ResponsesDep,
+    query: PageDep,
+) -> dict:
+    return page(await room.input_items(owner, response_id), query)
+
+
+@dataclass(frozen=True)
+class PageQuery:
+    """Which page of a list a request asks for (OpenAI's cursor): `limit` items after the
+    item `after`, in `order` of creation."""
+
+    limit: int
+    order: str
+    after: str | None
+
+
+def page_query(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
     after: Annotated[str | None, Query(max_length=128)] = None,
-    include: Annotated[list[str] | None, Query(max_length=16)] = None,
-) -> dict:
-    return page(await room.input_items(owner, response_id), limit, order, after)
+    include: Annotated[list[str] | None, Query(max_length=16)] = None,  # (accepted; nothing to add)
+) -> PageQuery:
+    """The query of every list route of the Responses API and the Conversations API."""
+    return PageQuery(limit, order, after)
 
 
-def page(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+PageDep = Annotated[PageQuery, Depends(page_query)]
+
+
+def page(items: list[dict], query: PageQuery) -> dict:
     """A cursor page of `items` (oldest first) as the SDK reads it: `after` an item id."""
-    ordered = items if order == "asc" else items[::-1]
+    ordered = items if query.order == "asc" else items[::-1]
     ids = [i["id"] for i in ordered]
-    start = ids.index(after) + 1 if after in ids else 0
-    data = ordered[start : start + limit]
+    start = ids.index(query.after) + 1 if query.after in ids else 0
+    data = ordered[start : start + query.limit]
     return {
         "object": "list",
         "data": data,
         "first_id": data[0]["id"] if data else None,
         "last_id": data[-1]["id"] if data else None,
-        "has_more": start + limit < len(ordered),
+        "has_more": start + query.limit < len(ordered),
     }
 
 
-__all__ = ["ErrorBody", "router", "page", "renderer", "item"]
+__all__ = ["ErrorBody", "router", "page", "PageDep", "PageQuery", "renderer", "item"]

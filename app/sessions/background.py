@@ -68,47 +68,41 @@ class Background:
     ) -> None:
         """Run `events` to their end in a task of this replica's; `end(last event)` once
         they all are kept, `stop()` if the response was stopped (cancelled or failed)."""
-        task = asyncio.ensure_future(self._work(response_id, owner, events, end, stop))
+
+        async def work() -> None:
+            beat = asyncio.ensure_future(self._beat(response_id, owner, asyncio.current_task()))
+            last: dict | None = None
+            seq = 0
+            settled = True  # whether the response has ended in Redis, or must wait for the sweep
+            try:
+                async for event in events:
+                    event["sequence_number"] = seq
+                    if not await self._append(response_id, owner, event):
+                        break
+                    seq, last = seq + 1, event
+                else:
+                    if last is not None:
+                        await end(last)
+                    return
+                await stop()
+            except asyncio.CancelledError:
+                await asyncio.shield(stop())
+            except Exception:
+                log.exception("background response %s failed", response_id)
+                settled = await self._fail(response_id)
+                with contextlib.suppress(Exception):
+                    await stop()
+            finally:
+                beat.cancel()
+                if settled:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.store.lease("drop", response_id))
+                with contextlib.suppress(Exception):
+                    await events.aclose()  # type: ignore[attr-defined]
+
+        task = asyncio.ensure_future(work())
         self.workers[response_id] = task
         task.add_done_callback(lambda _: self.workers.pop(response_id, None))
-
-    async def _work(
-        self,
-        response_id: str,
-        owner: str,
-        events: AsyncIterator[dict],
-        end: Callable[[dict], Awaitable[object]],
-        stop: Callable[[], Awaitable[object]],
-    ) -> None:
-        beat = asyncio.ensure_future(self._beat(response_id, owner, asyncio.current_task()))
-        last: dict | None = None
-        seq = 0
-        settled = True  # whether the response has ended in Redis, or must wait for the sweep
-        try:
-            async for event in events:
-                event["sequence_number"] = seq
-                if not await self._append(response_id, owner, event):
-                    break
-                seq, last = seq + 1, event
-            else:
-                if last is not None:
-                    await end(last)
-                return
-            await stop()
-        except asyncio.CancelledError:
-            await asyncio.shield(stop())
-        except Exception:
-            log.exception("background response %s failed", response_id)
-            settled = await self._fail(response_id)
-            with contextlib.suppress(Exception):
-                await stop()
-        finally:
-            beat.cancel()
-            if settled:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.store.lease("drop", response_id))
-            with contextlib.suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]
 
     async def _fail(self, response_id: str) -> bool:
         """Mark a response whose worker failed (its final save, or a write to Redis raised)

@@ -20,6 +20,17 @@ local function owned(key, owner)
   return redis.call('EXISTS', key) == 1 and (redis.call('HGET', key, 'owner') or '') == owner
 end
 
+-- why a writer may not have the session now, as its script answers: {'status', 'missing'}
+-- (absent, or another owner's), {'status', 'busy', 'pttl', ms} (locked) or {'status',
+-- 'mismatch', 'version', v} (`expected`, unless '', is not the current version); nil: it may
+local function refusal(keys, owner, expected)
+  if not owned(keys[1], owner) then return {'status', 'missing'} end
+  if redis.call('EXISTS', keys[3]) == 1 then return {'status', 'busy', 'pttl', redis.call('PTTL', keys[3])} end
+  local v = redis.call('HGET', keys[1], 'version')
+  if expected ~= '' and v ~= expected then return {'status', 'mismatch', 'version', v} end
+  return nil
+end
+
 -- the version whose snapshot `state` holds: the deltas after it are the versions up to now
 local function base_of(keys)
   return num(keys[1], 'version') - redis.call('LLEN', keys[2])
