@@ -1,6 +1,7 @@
 """Fixtures of the app tests: a real headless Chromium (Debian's chromium and chromedriver,
-which .ci/run installs) and its downloads folder, for the playground page; and a tiny GGUF
-LLM file (BPE tokenizer, ChatML template), for the modules that serve an LLM."""
+which .ci/run installs) and its downloads folder, for the playground page; a tiny GGUF
+LLM file (BPE tokenizer, ChatML template), for the modules that serve an LLM; and a server
+of each family in turn, for the modules whose routes must not know which one they serve."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.servers import serve
+from tests.conftest import ServerProcess, tiny_model_of
 from tests.model.llama_files import random_weights, write_gguf
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -64,3 +67,16 @@ def browser(downloads: Path):
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random LLaMA GGUF file (Q8_0; `tests/model/llama_files.py`), served as a file."""
     return write_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", random_weights(seed=3), "Q8_0")
+
+
+@pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
+def server_of_each_family(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerProcess]:
+    """A server of each family's tiny model in turn (a module that uses it runs once for
+    each), on 1 torch thread; the module's `SERVER_SETTINGS` add their recur serve flags."""
+    path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
+    yield from serve(path, redis_url, tmp_path_factory, **getattr(request.module, "SERVER_SETTINGS", {}))

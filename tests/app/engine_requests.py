@@ -41,6 +41,26 @@ def generate(
     return engine.submit(Request(start, prompt, params, seed, max_tokens, stop, persist=Persist()))
 
 
+def greedy(
+    engine: Engine,
+    start: Stored,
+    prompt: list[int] | None = None,
+    *,
+    max_tokens: int,
+    stop: list[str] | None = None,
+) -> Request:
+    """A greedy generation (temperature 0, so no seed): `generate`'s commonest form."""
+    return generate(
+        engine,
+        start,
+        prompt or [],
+        SamplingParams(temperature=0.0),
+        seed=None,
+        max_tokens=max_tokens,
+        stop=stop or [],
+    )
+
+
 async def score(engine: Engine, start: Stored, tokens: list[int], keep_state: bool) -> Finished:
     """Teacher-forced log-probs of `tokens` (and, with `keep_state`, the new state's bytes)."""
     req = Request(start, tokens, prompt_logprobs=True, persist=Persist() if keep_state else None)

@@ -14,9 +14,7 @@ dead, so each comes last among the tests of its setup.
 from __future__ import annotations
 
 import asyncio
-import random
 import secrets
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -31,7 +29,7 @@ from app.config import Settings
 from app.store import CLIENT_NAME, SessionStore, StateBlobs, Store, StoreUnavailable, parse_redis_url
 from tests.app.sse_client import events, generate
 from tests.conftest import ServerProcess
-from tests.faults.harness import error_type, mutate, store_for, stored, stream_generate, until_not_busy
+from tests.faults.harness import error_type, race, store_for, stored, stream_generate
 
 from .cluster_harness import SERVICE, LocalCluster, LocalSentinel, wait_for
 
@@ -192,39 +190,8 @@ def test_racing_writers_on_cluster_lose_no_update(cluster, cluster_server, tiny_
     with cluster_server.client() as c:
         start = create(c, "race")
     sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
-    done: list[tuple[int, int, int]] = []  # (version, n_tokens, tokens consumed)
-    failures: list[str] = []
-    busy = 0
-    lock = threading.Lock()
-    go = threading.Barrier(n_writers)
-
-    def writer(i: int) -> None:
-        nonlocal busy
-        rng = random.Random(i)
-        kind = ("stream", "score")[i % 2]
-        with httpx.Client(base_url=cluster_server.url, timeout=60) as c:
-            go.wait()
-            got, collided = until_not_busy(lambda: mutate(c, sid, kind, rng, i), rng)
-        with lock:
-            busy += collided
-            if isinstance(got, tuple):
-                done.append(got)
-            else:
-                failures.append(f"writer {i}: {got}")
-
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_writers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
-    assert busy > 0  # they really did collide
-    done.sort()
-    assert [v for v, _, _ in done] == list(range(v0 + 1, v0 + n_writers + 1))
-    n = n0
-    for _, n_tokens, consumed in done:
-        n += consumed
-        assert n_tokens == n
+    kinds = ("stream", "score")
+    _, n = race(sid, [(cluster_server.url, kinds[i % 2], "cluster") for i in range(n_writers)], v0, n0)
     rdb = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
     try:
         final = stored(rdb, store_for(cluster_server), sid, model.load(tiny_model_dir, device="cpu"))

@@ -4,23 +4,20 @@ both model families (the routes never know which one they serve)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 import model
-from tests.conftest import ServerProcess, tiny_model_of
+from tests.conftest import ServerProcess
+
+SERVER_SETTINGS = {"max_tokens": 1000}
 
 
-@pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
-def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
-    with ServerProcess(
-        path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=1000
-    ) as srv:
-        yield srv
+@pytest.fixture(scope="module")
+def server(server_of_each_family: ServerProcess) -> ServerProcess:
+    return server_of_each_family
 
 
 def _generate(http: httpx.Client, sid: str, **body: object) -> dict:
@@ -33,6 +30,11 @@ def _session(http: httpx.Client, sid: str) -> dict:
     r = http.get(f"/v1/sessions/{sid}")
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def _greedy(oa: openai.OpenAI, prompt: object, max_tokens: int, **more: object):
+    """A greedy completion of the served model (or a stream of one, with stream=True)."""
+    return oa.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, **more)  # type: ignore[call-overload]
 
 
 def test_models_lists_the_served_model(oa, server):
@@ -68,14 +70,7 @@ def test_completion_in_a_new_session(oa, http, server):
 
 
 def test_streaming_chunks_usage_and_done(oa, http, server):
-    stream = oa.completions.create(
-        model="tiny",
-        prompt="ab",
-        max_tokens=10,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = _greedy(oa, "ab", 10, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
     *tokens, finish, usage = chunks
@@ -101,11 +96,9 @@ def test_streaming_chunks_usage_and_done(oa, http, server):
 
 
 def test_a_session_continued_across_calls(oa, http):
-    first = oa.completions.create(model="tiny", prompt="To be, or", max_tokens=6, temperature=0)
+    first = _greedy(oa, "To be, or", 6)
     sid = first.session_id  # type: ignore[attr-defined]
-    second = oa.completions.create(
-        model="tiny", prompt=" not", max_tokens=6, temperature=0, extra_body={"session_id": sid}
-    )
+    second = _greedy(oa, " not", 6, extra_body={"session_id": sid})
     assert second.session_id == sid  # type: ignore[attr-defined]
     assert second.session == {"id": sid, "version": 2, "n_tokens": 1 + 9 + 6 + 4 + 6}  # type: ignore[attr-defined]
     assert second.usage.prompt_tokens == 4
@@ -122,14 +115,7 @@ def test_a_session_continued_across_calls(oa, http):
     assert continued["text"] == second.choices[0].text
 
     # the X-Session-Id header works too, streaming
-    third = oa.completions.create(
-        model="tiny",
-        prompt="!",
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        extra_headers={"X-Session-Id": sid},
-    )
+    third = _greedy(oa, "!", 4, stream=True, extra_headers={"X-Session-Id": sid})
     text = "".join(c.choices[0].text for c in third if c.choices)
     after = _session(http, sid)
     assert after["version"] == 3 and after["n_tokens"] == 1 + 9 + 6 + 4 + 6 + 1 + 4
@@ -159,8 +145,8 @@ BATCH = ["Hi", "Ho", "Hum"]
 
 
 def test_a_batch_of_prompts_is_one_choice_each_in_its_own_session(oa, http, server):
-    alone = [oa.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0) for p in BATCH]
-    batch = oa.completions.create(model="tiny", prompt=BATCH, max_tokens=5, temperature=0)
+    alone = [_greedy(oa, p, 5) for p in BATCH]
+    batch = _greedy(oa, BATCH, 5)
     assert [c.index for c in batch.choices] == [0, 1, 2]
     assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
     refs = [c.session for c in batch.choices]  # type: ignore[attr-defined]
@@ -170,22 +156,11 @@ def test_a_batch_of_prompts_is_one_choice_each_in_its_own_session(oa, http, serv
         assert r["version"] == 1 and _session(http, r["id"])["n_tokens"] == r["n_tokens"] == 1 + len(p) + 5
     assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (7, 15)
     # token-id prompts: the same batch
-    ids = oa.completions.create(
-        model="tiny", prompt=[list(p.encode()) for p in BATCH], max_tokens=5, temperature=0
-    )
+    ids = _greedy(oa, [list(p.encode()) for p in BATCH], 5)
     assert [c.text for c in ids.choices] == [c.text for c in batch.choices]
 
     # streamed: every chunk names its choice; each choice closes with its finish reason and session
-    chunks = list(
-        oa.completions.create(
-            model="tiny",
-            prompt=BATCH,
-            max_tokens=5,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = list(_greedy(oa, BATCH, 5, stream=True, stream_options={"include_usage": True}))
     *events, usage = chunks
     texts = {i: "".join(c.choices[0].text for c in events if c.choices[0].index == i) for i in range(3)}
     assert texts == {i: c.text for i, c in enumerate(batch.choices)}

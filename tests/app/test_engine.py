@@ -12,7 +12,7 @@ import model
 from app.engine import Stored
 from model.sampling import SamplingParams
 
-from .engine_requests import engine_for, generate, new_session, score, stored
+from .engine_requests import engine_for, generate, greedy, new_session, score, stored
 
 # (the tiny model's segment_len is 16: the longer prompts are consumed in several chunks)
 PROMPTS = ["Hi", "To be, or not to be, that is the question", "é€😀 multi-byte", "x" * 40]
@@ -116,15 +116,11 @@ def test_stop_string_ends_generation(lm):
         engine = engine_for(lm)
         engine.start()
         new = await new_session(engine, [])
-        g = generate(
-            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[]
-        )
+        g = greedy(engine, stored(new), max_tokens=40)
         _, free = await _collect(g)
         # stop on a string the greedy continuation is known to produce
         stop = free.text[3:5]
-        g = generate(
-            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=40, stop=[stop]
-        )
+        g = greedy(engine, stored(new), max_tokens=40, stop=[stop])
         _, stopped = await _collect(g)
         engine.stop()
         return free, stop, stopped
@@ -173,9 +169,7 @@ def test_long_prompts_are_chunked_between_decode_steps(lm):
         engine = engine_for(lm)
         engine.start()
         new = await new_session(engine, [])
-        g = generate(
-            engine, stored(new), [], SamplingParams(temperature=0.0), seed=None, max_tokens=100_000, stop=[]
-        )
+        g = greedy(engine, stored(new), max_tokens=100_000)
         await g.__anext__()  # decoding has started
         before = engine.counters.decode_steps
         scored = await score(engine, stored(new), text, keep_state=True)
@@ -205,18 +199,7 @@ def test_the_running_count_never_exceeds_the_batch_limit(lm):
         engine = engine_for(lm, max_batch_size=3)
         engine.start()
         new = await new_session(engine, [])
-        gens = [
-            generate(
-                engine,
-                stored(new),
-                list(p.encode()),
-                SamplingParams(temperature=0.0),
-                seed=None,
-                max_tokens=12,
-                stop=[],
-            )  # fmt: skip
-            for p in PROMPTS * 3
-        ]
+        gens = [greedy(engine, stored(new), list(p.encode()), max_tokens=12) for p in PROMPTS * 3]
         done = threading.Event()
 
         def watch() -> None:

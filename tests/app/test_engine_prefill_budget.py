@@ -10,9 +10,8 @@ import pytest
 import model
 from app.config import Settings
 from app.engine.scheduler import PREFILL_TOKENS_PER_STEP
-from model.sampling import SamplingParams
 
-from .engine_requests import engine_for, generate, new_session, score, stored
+from .engine_requests import engine_for, greedy, new_session, score, stored
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +52,7 @@ def test_decoding_rows_advance_every_step_while_a_long_prompt_is_prefilled(lm, b
         steps = _record(engine)
         engine.start()
         new = await new_session(engine, [])
-        gens = [
-            generate(
-                engine,
-                stored(new),
-                [],
-                SamplingParams(temperature=0.0),
-                seed=None,
-                max_tokens=100_000,
-                stop=[],
-            )  # fmt: skip
-            for _ in range(2)
-        ]
+        gens = [greedy(engine, stored(new), max_tokens=100_000) for _ in range(2)]
         for g in gens:
             await g.__anext__()  # both decode
         mark = len(steps)  # the score's steps from here

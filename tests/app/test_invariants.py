@@ -4,7 +4,6 @@ writer per session, boundary invariance, sliding expiry."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 import time
 from datetime import datetime
@@ -14,17 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from .boundaries import assert_scored_alike, create
 from .sse_client import events
 
 SERVER_SETTINGS = {"max_tokens": 300}
 
 TEXT = "It is a truth universally acknowledged, that a single man — ça va? — wants a wife."
-
-
-def create(http: httpx.Client, **body: object) -> dict:
-    r = http.post("/v1/sessions", json=body or None)
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 def wait_version(http: httpx.Client, sid: str, tries: int = 200) -> tuple[int, int]:
@@ -125,25 +119,9 @@ async def _burst(url: str, sid: str, n: int) -> list[httpx.Response]:
 def test_boundary_invariance_end_to_end(http, cuts):
     """Scoring TEXT in one request, or committed over many, gives the same per-token
     log-probs, and greedy generation then continues identically."""
-    ids = list(TEXT.encode())
-    whole = create(http)
-    one = http.post(f"/v1/sessions/{whole['id']}/score", json={"prompt": ids, "commit": True}).json()
-    split = create(http)
-    got: list[float] = []
-    bounds = [0, *sorted(cuts), len(ids)]
-    for a, b in itertools.pairwise(bounds):
-        r = http.post(f"/v1/sessions/{split['id']}/score", json={"prompt": ids[a:b], "commit": True})
-        assert r.status_code == 200
-        got += [t["logprob"] for t in r.json()["tokens"]]
-    assert len(got) == len(ids)
-    assert got == pytest.approx([t["logprob"] for t in one["tokens"]], abs=1e-4)
-    final = http.get(f"/v1/sessions/{split['id']}").json()
-    assert final["version"] == len(bounds) - 1 and final["n_tokens"] == 1 + len(ids)
-    body = {"stream": False, "max_tokens": 24, "temperature": 0}
-    ga = http.post(f"/v1/sessions/{whole['id']}/generate", json=body).json()
-    gb = http.post(f"/v1/sessions/{split['id']}/generate", json=body).json()
-    assert [t["id"] for t in ga["tokens"]] == [t["id"] for t in gb["tokens"]]
-    for sid in (whole["id"], split["id"]):
+    whole, split, pieces = assert_scored_alike(http, list(TEXT.encode()), cuts, max_tokens=24)
+    assert pieces["version"] == len(cuts) + 1 and pieces["n_tokens"] == 1 + len(TEXT.encode())
+    for sid in (whole, split):
         http.delete(f"/v1/sessions/{sid}")
 
 

@@ -6,7 +6,6 @@ invariant it keeps for the other families must hold here too."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import pytest
 import model
 from model.replay import Rollout, replay
 from model.sampling import SamplingParams
+from tests.app.boundaries import assert_scored_alike, create
+from tests.app.servers import serve
 from tests.app.test_chat import STATUS, ChatProcess
 from tests.conftest import ServerProcess
 
@@ -35,19 +36,12 @@ TEXT = "Now is the winter of our discontent made glorious summer by this sun of 
 def server(
     tiny_gguf: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_gguf, tmp_path_factory.mktemp("llama-server"), redis_url, **SETTINGS) as srv:
-        yield srv
+    yield from serve(tiny_gguf, redis_url, tmp_path_factory, **SETTINGS)
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_gguf: Path) -> model.LanguageModel:
     return model.load(tiny_gguf, device="cpu", precision="fp32", options=SETTINGS["model_options"])
-
-
-def create(http: httpx.Client, **body: object) -> dict:
-    r = http.post("/v1/sessions", json=body or None)
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 def generate(http: httpx.Client, sid: str, **body: object) -> dict:
@@ -72,17 +66,8 @@ def test_the_served_model_is_the_file_with_its_serving_options(oa, lm):
 def test_scores_are_the_same_in_one_request_or_many(http, lm, cuts):
     ids = lm.tokenizer.encode(TEXT)
     assert len(ids) > 2 * (SINKS + WINDOW)
-    whole = create(http)  # no BOS: this file's tokenizer does not add one
-    one = http.post(f"/v1/sessions/{whole['id']}/score", json={"prompt": ids, "commit": True}).json()
-    split = create(http)
-    got: list[float] = []
-    for a, b in itertools.pairwise([0, *cuts, len(ids)]):
-        r = http.post(f"/v1/sessions/{split['id']}/score", json={"prompt": ids[a:b], "commit": True})
-        assert r.status_code == 200, r.text
-        got += [t["logprob"] for t in r.json()["tokens"]]
-    want = [t["logprob"] for t in one["tokens"]]
-    assert got[1:] == pytest.approx(want[1:], abs=1e-4)  # the first token has no context
-    assert ids_of(generate(http, whole["id"])) == ids_of(generate(http, split["id"]))
+    # no BOS (this file's tokenizer adds none): the first token has no context
+    assert_scored_alike(http, ids, cuts, max_tokens=12, from_token=1)
 
 
 def test_state_stays_bounded_as_the_session_grows(http):

@@ -13,6 +13,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_openai import ChatOpenAI, OpenAI
 
 from model.chat_template import play_script
+from tests.app.servers import serve
 from tests.conftest import ServerProcess
 
 MODEL = "shakespeare"
@@ -20,10 +21,7 @@ MODEL = "shakespeare"
 
 @pytest.fixture(scope="module")
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(
-        MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200
-    ) as srv:
-        yield srv
+    yield from serve(MODEL, redis_url, tmp_path_factory, max_tokens=200)
 
 
 # -- the openai SDK -------------------------------------------------------------------------

@@ -61,6 +61,19 @@ def _create(http: httpx.Client, prompt: str | list[int] = "") -> dict:
     return r.json()
 
 
+def _score_by_segment(http: httpx.Client, sid: str, ids: list[int]) -> list[float | None]:
+    """`ids` scored into session `sid` one committed request per tgt_len segment: each
+    token's log-prob."""
+    got: list[float | None] = []
+    for start in range(0, len(ids), TGT_LEN):
+        r = http.post(
+            f"/v1/sessions/{sid}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True}
+        )
+        assert r.status_code == 200, r.text
+        got += [t["logprob"] for t in r.json()["tokens"]]
+    return got
+
+
 def test_score_matches_reference_segmentation(http, checkpoints):
     ids, want = _reference_scores(checkpoints["hf"])
     s = _create(http)
@@ -72,13 +85,7 @@ def test_score_matches_reference_segmentation(http, checkpoints):
     assert got[0] is None
     assert max(abs(a - b) for a, b in zip(got[1:], want, strict=True)) <= TOL
     # one committed request per segment: the memory is carried through Redis between them
-    parts: list[float | None] = []
-    for start in range(0, len(ids), TGT_LEN):
-        r = http.post(
-            f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True}
-        )
-        assert r.status_code == 200, r.text
-        parts += [t["logprob"] for t in r.json()["tokens"]]
+    parts = _score_by_segment(http, s["id"], ids)
     assert max(abs(a - b) for a, b in zip(parts[1:], want, strict=True)) <= TOL
     detail = http.get(f"/v1/sessions/{s['id']}").json()
     assert detail["n_tokens"] == len(ids) and detail["version"] == len(ids) // TGT_LEN
@@ -120,12 +127,5 @@ def test_serve_takes_the_hf_directory_directly(checkpoints, redis_url, tmp_path)
     tokens are one segment each and the scores are the reference's again."""
     ids, want = _reference_scores(checkpoints["hf"])
     for client in _serve(checkpoints["hf"], tmp_path / "server-hf", redis_url):
-        s = _create(client)
-        got: list[float | None] = []
-        for start in range(0, len(ids), TGT_LEN):
-            r = client.post(
-                f"/v1/sessions/{s['id']}/score", json={"prompt": ids[start : start + TGT_LEN], "commit": True}
-            )
-            assert r.status_code == 200, r.text
-            got += [t["logprob"] for t in r.json()["tokens"]]
+        got = _score_by_segment(client, _create(client)["id"], ids)
         assert max(abs(a - b) for a, b in zip(got[1:], want, strict=True)) <= TOL

@@ -13,6 +13,7 @@ import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
 from langchain_openai import ChatOpenAI
 
+from tests.app.servers import serve
 from tests.conftest import ServerProcess
 
 MODEL = "shakespeare"
@@ -21,8 +22,7 @@ MODEL = "shakespeare"
 @pytest.fixture(scope="module")
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
     # (room for a greedy reply to reach the turn stop: one cut at max_tokens is `incomplete`)
-    with ServerProcess(MODEL, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=400) as srv:
-        yield srv
+    yield from serve(MODEL, redis_url, tmp_path_factory, max_tokens=400)
 
 
 def test_agents_sdk_two_turns_by_previous_response_id(server):

@@ -7,7 +7,6 @@ so the bounded caches slide across request boundaries.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import model
 from model.replay import Rollout, replay
 from model.sampling import SamplingParams
+from tests.app.boundaries import assert_scored_alike, create
 from tests.conftest import RLT_TINY, ServerProcess
 
 SETTINGS = {"max_tokens": 100, "max_prompt_tokens": 400, "cpu_threads": 1}
@@ -40,32 +40,11 @@ def http(rlt_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
         srv.stop()
 
 
-def create(http: httpx.Client, **body: object) -> dict:
-    r = http.post("/v1/sessions", json=body or None)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
 @pytest.mark.parametrize("cuts", [[1], [5, 6, 7, 30], [16, 17, 33, 60, 61], list(range(3, 90, 11))])
 def test_scores_are_the_same_in_one_request_or_many(http, cuts):
     ids = list(TEXT.encode())
     assert len(ids) > 4 * RLT_TINY["max_context"]
-    whole = create(http)
-    one = http.post(f"/v1/sessions/{whole['id']}/score", json={"prompt": ids, "commit": True}).json()
-    split = create(http)
-    got: list[float] = []
-    bounds = [0, *cuts, len(ids)]
-    for a, b in itertools.pairwise(bounds):
-        r = http.post(f"/v1/sessions/{split['id']}/score", json={"prompt": ids[a:b], "commit": True})
-        assert r.status_code == 200, r.text
-        got += [t["logprob"] for t in r.json()["tokens"]]
-    assert got == pytest.approx([t["logprob"] for t in one["tokens"]], abs=1e-4)
-    # the committed states continue identically: greedy generation agrees
-    body = {"stream": False, "max_tokens": 20, "temperature": 0}
-    ga = http.post(f"/v1/sessions/{whole['id']}/generate", json=body).json()
-    gb = http.post(f"/v1/sessions/{split['id']}/generate", json=body).json()
-    assert [t["id"] for t in ga["tokens"]] == [t["id"] for t in gb["tokens"]]
-    for sid in (whole["id"], split["id"]):
+    for sid in assert_scored_alike(http, ids, cuts, max_tokens=20)[:2]:
         http.delete(f"/v1/sessions/{sid}")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,19 +18,18 @@ import torch
 import model
 from model.sampling import Context, SamplingParams, behaviour_logprobs, draw, make_generator
 from tests.app.sse_client import generate as stream_generate
-from tests.conftest import ServerProcess, tiny_model_of
+from tests.conftest import ServerProcess
 
 EOS = 257  # the byte tokenizer's
 ABC = {str(b): 100.0 for b in b"abc"}  # only a, b and c can win against these biases
 
 
-@pytest.fixture(scope="module", params=["transformer-xl", "rlt"])
-def server(request, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
-    path = tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
-    with ServerProcess(
-        path, tmp_path_factory.mktemp("server"), redis_url, cpu_threads=1, max_tokens=200
-    ) as srv:
-        yield srv
+SERVER_SETTINGS = {"max_tokens": 200}
+
+
+@pytest.fixture(scope="module")
+def server(server_of_each_family: ServerProcess) -> ServerProcess:
+    return server_of_each_family
 
 
 @pytest.fixture(scope="module")

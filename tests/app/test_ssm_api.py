@@ -11,9 +11,7 @@ test_prefix_reuse.py.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,6 +21,8 @@ import model
 from app.replay_client import fetch_transcript
 from model.chat_template import play_script
 from model.replay import replay_transcript, transcript_rollout
+from tests.app.boundaries import assert_scored_alike, create
+from tests.app.servers import serve
 from tests.app.sse_client import generate as stream_generate
 from tests.conftest import SSM_TINY, ServerProcess
 
@@ -38,18 +38,13 @@ TEXT = "Now is the winter of our discontent made glorious summer — ça va? —
 
 
 @pytest.fixture(scope="module", params=list(SSM_TINY))
-def ssm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def server(
+    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A tiny model of each family in turn (with the play-script chat template), served."""
     path = tmp_path_factory.mktemp(request.param) / "tiny"
     model.init(path, family=request.param, seed=0, chat_template=play_script(), **SSM_TINY[request.param])
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(
-    ssm_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    with ServerProcess(ssm_dir, tmp_path_factory.mktemp("ssm-server"), redis_url, **SETTINGS) as srv:
-        yield srv
+    yield from serve(path, redis_url, tmp_path_factory, **SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +58,6 @@ def ok(r: httpx.Response, status: int = 200) -> dict:
     return r.json()
 
 
-def create(http: httpx.Client, **body: object) -> dict:
-    return ok(http.post("/v1/sessions", json=body or None), 201)
-
-
 def greedy(http: httpx.Client, sid: str, n: int = 12) -> dict:
     body = {"stream": False, "max_tokens": n, "temperature": 0, "logprobs": True}
     return ok(http.post(f"/v1/sessions/{sid}/generate", json=body))
@@ -78,17 +69,7 @@ def ids(generated: dict) -> list[int]:
 
 @pytest.mark.parametrize("cuts", [[1], [5, 6, 7, 30], list(range(3, 90, 11))])
 def test_scores_are_the_same_in_one_request_or_many(http, cuts):
-    prompt = list(TEXT.encode())
-    whole = create(http)
-    one = ok(http.post(f"/v1/sessions/{whole['id']}/score", json={"prompt": prompt, "commit": True}))
-    split = create(http)
-    got: list[float] = []
-    for a, b in itertools.pairwise([0, *cuts, len(prompt)]):
-        r = ok(http.post(f"/v1/sessions/{split['id']}/score", json={"prompt": prompt[a:b], "commit": True}))
-        got += [t["logprob"] for t in r["tokens"]]
-    assert got == pytest.approx([t["logprob"] for t in one["tokens"]], abs=1e-4)
-    # the committed states continue identically
-    assert ids(greedy(http, whole["id"], 20)) == ids(greedy(http, split["id"], 20))
+    assert_scored_alike(http, list(TEXT.encode()), cuts, max_tokens=20)
 
 
 def test_the_state_is_one_size_from_the_first_token(http):
@@ -137,12 +118,12 @@ def test_history_fork_rollback_export_and_import_continue_exactly(http):
     assert ids(greedy(http, imported["id"])) == ids(greedy(http, twin["id"]))
 
 
-def test_the_openai_routes(server, ssm_dir):
+def test_the_openai_routes(server):
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     card = oa.models.list().data[0]
     assert (
         card.model_extra is not None
-        and card.model_extra["family"] == model.load(ssm_dir, device="cpu").family
+        and card.model_extra["family"] == model.load(server.model_dir, device="cpu").family
     )
     done = oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, logprobs=1)
     chunks = list(
@@ -160,7 +141,7 @@ def test_the_openai_routes(server, ssm_dir):
     )
 
 
-def test_the_transcript_replays_to_ratio_one(server, http, ssm_dir):
+def test_the_transcript_replays_to_ratio_one(server, http):
     s = create(http, prompt="ROMEO:")
     turns = [
         {"prompt": " O", "max_tokens": 30, "temperature": 0.8, "top_k": 20, "seed": 1},
@@ -178,6 +159,6 @@ def test_the_transcript_replays_to_ratio_one(server, http, ssm_dir):
         ok(http.post(f"/v1/sessions/{s['id']}/generate", json={"stream": False, **tail}))["tokens"]
     )
     rollout = transcript_rollout(fetch_transcript(server.url, s["id"], KEY))
-    result = replay_transcript(model.load(ssm_dir, device="cpu", precision="fp32"), rollout)
+    result = replay_transcript(model.load(server.model_dir, device="cpu", precision="fp32"), rollout)
     assert len(result.ratios) == sampled
     assert max(abs(r - 1) for r in result.ratios) <= 1e-5

@@ -175,6 +175,52 @@ def until_not_busy(
     return "never committed", busy
 
 
+Writer = tuple[str, str, str]  # (the server's URL, the kind of request, that server's name)
+
+
+def race(sid: str, writers: list[Writer], v0: int, n0: int) -> tuple[list[tuple[Committed, str]], int]:
+    """Racing writers on session `sid` (at version `v0`, `n0` tokens): each of `writers` a
+    thread that sends one mutating request at once with the others (seeded by its index)
+    and retries it on 409 until it commits. Asserts that they collided, and that every
+    commit landed exactly once, in order: the versions rise by one per commit and each
+    builds on the one before. Returns the commits in order, each with its server's name,
+    and the tokens they leave in the session."""
+    done: list[tuple[Committed, str]] = []
+    failures: list[str] = []
+    busy = 0
+    lock = threading.Lock()
+    go = threading.Barrier(len(writers))
+
+    def writer(i: int) -> None:
+        nonlocal busy
+        url, kind, name = writers[i]
+        rng = random.Random(i)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            go.wait()
+            got, collided = until_not_busy(lambda: mutate(c, sid, kind, rng, i), rng)
+        with lock:
+            busy += collided
+            if isinstance(got, tuple):
+                done.append((got, name))
+            else:
+                failures.append(f"writer {i}, {kind} via {name}: {got}")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(len(writers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert busy > 0  # they really did collide
+    done.sort()
+    assert [version for (version, _, _), _ in done] == list(range(v0 + 1, v0 + len(writers) + 1))
+    n = n0
+    for commit, _ in done:
+        n += commit[2]
+        assert commit[1] == n, (commit, n)
+    return done, n
+
+
 def honour_retry_after(send, lease_s: float) -> httpx.Response:
     """Call `send()`; on 409 session_busy, wait the `Retry-After` it names (at most the
     lock's lease: by then a dead writer's lock has lapsed) and call it once more."""

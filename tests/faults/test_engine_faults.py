@@ -177,13 +177,18 @@ def _greedy(c: httpx.Client, prompt: str) -> list[int]:
     return [t["id"] for t in tokens]
 
 
+def _wait_compile_state(c: httpx.Client, state: str) -> None:
+    """Until /metrics says the background compile is in `state` (within a minute)."""
+    deadline = time.monotonic() + 60
+    while f'recur_decode_compile_state{{state="{state}"}} 1.0' not in (m := c.get("/metrics").text):
+        assert time.monotonic() < deadline, m[-2000:]
+        time.sleep(0.2)
+
+
 def test_a_compile_that_raises_leaves_the_eager_step_serving(faulty, tiny_model_dir, redis_url, tmp_path):
     expected = _greedy(faulty.client(), "Whether 'tis nobler")
     with _faulty(tiny_model_dir, redis_url, tmp_path, "compile", compile=True) as srv, srv.client() as c:
-        deadline = time.monotonic() + 60
-        while 'recur_decode_compile_state{state="failed"} 1.0' not in (m := c.get("/metrics").text):
-            assert time.monotonic() < deadline, m[-2000:]
-            time.sleep(0.2)
+        _wait_compile_state(c, "failed")
         assert _greedy(c, "Whether 'tis nobler") == expected
     assert "injected fault: the compile raised" in srv.log_tail(200_000)
 
@@ -193,10 +198,7 @@ def test_a_compiled_step_that_raises_at_serve_time_is_dropped_for_the_eager_one(
 ):
     expected = _greedy(faulty.client(), "Whether 'tis nobler")
     with _faulty(tiny_model_dir, redis_url, tmp_path, "compiled", compile=True) as srv, srv.client() as c:
-        deadline = time.monotonic() + 60
-        while 'recur_decode_compile_state{state="ready"} 1.0' not in (m := c.get("/metrics").text):
-            assert time.monotonic() < deadline, m[-2000:]
-            time.sleep(0.2)
+        _wait_compile_state(c, "ready")
         assert _greedy(c, "Whether 'tis nobler") == expected  # its first step met the fault
         m = c.get("/metrics").text
         assert _metric(m, "recur_decode_compiled_steps_total") >= 1

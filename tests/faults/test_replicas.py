@@ -9,7 +9,6 @@ take the lapsed lock and commit first. The version fence must then refuse S's co
 
 from __future__ import annotations
 
-import random
 import secrets
 import threading
 import time
@@ -22,7 +21,7 @@ import redis
 
 from tests.conftest import ServerProcess
 
-from .harness import error_type, mutate, start_all, store_for, stored, stream_generate, until_not_busy
+from .harness import error_type, race, start_all, store_for, stored, stream_generate
 
 STALL_SECONDS = 2.0
 COMMON = dict(cpu_threads=1, max_tokens=64)
@@ -67,58 +66,19 @@ def create(c: httpx.Client, prompt: str | list[int]) -> dict:
 
 
 # -- racing writers -----------------------------------------------------------------------
-@dataclass
-class Success:
-    version: int
-    n_tokens: int
-    consumed: int  # tokens this request added to the state
-    replica: str
-
-
 def test_racing_writers_lose_no_update(cluster, lm, rdb):
     """50 concurrent mutating requests on one session, spread over two replicas; each
     retries on 409 until it commits. Every commit lands exactly once, in order."""
     with cluster.a.client() as c:
         start = create(c, "race")
     sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
-    successes: list[Success] = []
-    busy = 0
-    failures: list[str] = []
-    lock = threading.Lock()
-    go = threading.Barrier(50)
-
-    def worker(i: int) -> None:
-        nonlocal busy
-        rng = random.Random(i)
-        name, srv = ("a", cluster.a) if i % 2 else ("b", cluster.b)
-        kind = ("score", "generate", "stream")[i % 3]
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
-            go.wait()
-            got, collided = until_not_busy(lambda: mutate(c, sid, kind, rng, i), rng)
-        with lock:
-            busy += collided
-            if isinstance(got, tuple):
-                successes.append(Success(*got, replica=name))
-            else:
-                failures.append(f"{kind} via {name}: {got}")
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(50)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
-    assert busy > 0  # the requests really did collide
-    assert {s.replica for s in successes} == {"a", "b"}
-    # versions rise by exactly one per success, and each commit builds on the one before
-    successes.sort(key=lambda s: s.version)
-    assert [s.version for s in successes] == list(range(v0 + 1, v0 + 51))
-    n = n0
-    for s in successes:
-        n += s.consumed
-        assert s.n_tokens == n, (s, n)
+    kinds = ("score", "generate", "stream")
+    replicas = [("b", cluster.b.url), ("a", cluster.a.url)]  # the odd writers to a, the even to b
+    writers = [(replicas[i % 2][1], kinds[i % 3], replicas[i % 2][0]) for i in range(50)]
+    done, n = race(sid, writers, v0, n0)
+    assert {replica for _, replica in done} == {"a", "b"}
     final = stored(rdb, store_for(cluster.a), sid, lm)
-    assert (final.version, final.n_tokens) == (v0 + 50, n0 + sum(s.consumed for s in successes))
+    assert (final.version, final.n_tokens) == (v0 + 50, n)
 
 
 # -- stalled writer -------------------------------------------------------------------------
