@@ -14,36 +14,22 @@ This file imports transformers, so it never runs in the main environment (numpy 
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 from pathlib import Path
 
 import torch
+from hf_cases import Special, build, main  # (this folder: the script's own, first on its path)
 from safetensors.torch import save_file
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
-
-def perturb(model: torch.nn.Module, gen: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied parameters appear once
-            noise = torch.randn(p.shape, generator=gen)
-            if "layer_norm.weight" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(("r_w_bias", "r_r_bias")):
-                p.copy_(0.5 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
+SPECIAL: Special = [
+    (lambda name: "layer_norm.weight" in name, lambda p, noise: 1.0 + 0.2 * noise),
+    (lambda name: name.endswith(("r_w_bias", "r_r_bias")), lambda p, noise: 0.5 * noise),
+]
 
 
 def run_case(out: Path, case: dict) -> None:
-    torch.manual_seed(case["seed"])
-    gen = torch.Generator().manual_seed(case["seed"])
     cfg = TransfoXLConfig(**case["config"])
-    model = TransfoXLLMHeadModel(cfg).eval()
-    perturb(model, gen)
+    model, gen = build(case, lambda: TransfoXLLMHeadModel(cfg), SPECIAL)
     target = out / case["name"]
     model.save_pretrained(target, safe_serialization=case["safe_serialization"])
     symbols = ["<eos>", "<unk>"] + [f"w{i}" for i in range(2, cfg.vocab_size)]
@@ -64,12 +50,5 @@ def run_case(out: Path, case: dict) -> None:
     )
 
 
-def main() -> None:
-    out, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    for case in cases:
-        run_case(out, case)
-    print(json.dumps({"cases": [c["name"] for c in cases]}))
-
-
 if __name__ == "__main__":
-    main()
+    main(run_case)

@@ -18,12 +18,10 @@ This file imports transformers, so it never runs in the main environment.
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 from pathlib import Path
 
 import torch
+from hf_cases import Special, build, main  # (this folder: the script's own, first on its path)
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
@@ -31,20 +29,12 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForC
 KINDS = {"mamba": (MambaConfig, MambaForCausalLM), "mamba2": (Mamba2Config, Mamba2ForCausalLM)}
 
 
-def perturb(model: torch.nn.Module, gen: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied parameters appear once
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("A_log"):  # A = -exp(A_log) stays a decay: perturb its log
-                p.add_(0.3 * noise)
-            elif name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(("dt_proj.bias", "dt_bias")):
-                p.add_(0.5 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
+SPECIAL: Special = [
+    # A = -exp(A_log) stays a decay: perturb its log
+    (lambda name: name.endswith("A_log"), lambda p, noise: p + 0.3 * noise),
+    (lambda name: name.endswith(("norm.weight", "norm_f.weight")), lambda p, noise: 1.0 + 0.2 * noise),
+    (lambda name: name.endswith(("dt_proj.bias", "dt_bias")), lambda p, noise: p + 0.5 * noise),
+]
 
 
 def save_tokenizer(target: Path, vocab_size: int) -> None:
@@ -56,12 +46,9 @@ def save_tokenizer(target: Path, vocab_size: int) -> None:
 
 
 def run_case(out: Path, case: dict) -> None:
-    torch.manual_seed(case["seed"])
-    gen = torch.Generator().manual_seed(case["seed"])
     config_class, model_class = KINDS[case["kind"]]
     cfg = config_class(**case["config"], bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    model = model_class(cfg).eval()
-    perturb(model, gen)
+    model, gen = build(case, lambda: model_class(cfg), SPECIAL)
     target = out / case["name"]
     model.save_pretrained(target)
     save_tokenizer(target, cfg.vocab_size)
@@ -94,12 +81,5 @@ def run_case(out: Path, case: dict) -> None:
     )
 
 
-def main() -> None:
-    out, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    for case in cases:
-        run_case(out, case)
-    print(json.dumps({"done": [c["name"] for c in cases]}))
-
-
 if __name__ == "__main__":
-    main()
+    main(run_case)

@@ -174,8 +174,7 @@ def test_original_layout_without_prefix_and_legacy_bin(reference, tmp_path):
     src = reference["untied_r-post_ln"]
     ids, ref = _ref(src)
     hf_model = model.load(src, device="cpu")
-    for f in ("config.json", "vocab.txt"):
-        (tmp_path / f).write_bytes((src / f).read_bytes())
+    _copy(src, tmp_path, "config.json", "vocab.txt")
     original = {
         k.removeprefix("transformer."): v for k, v in load_file(str(src / "model.safetensors")).items()
     }
@@ -196,23 +195,25 @@ def test_tied_weights_are_shared_not_copied(reference):
     assert crit.out_projs[1] is emb.emb_projs[1] and crit.out_projs[2] is emb.emb_projs[2]
 
 
+def _copy(src: Path, dst: Path, *names: str) -> None:
+    """Copy the files `names` of the checkpoint `src` into `dst`."""
+    for name in names:
+        (dst / name).write_bytes((src / name).read_bytes())
+
+
 class _Payload:
     """Anything that is not a tensor: unpickling it would run arbitrary code."""
 
 
 def test_bin_with_code_is_refused(reference, tmp_path):
-    src = reference["untied_r-pre_ln"]
-    for f in ("config.json", "vocab.txt"):
-        (tmp_path / f).write_bytes((src / f).read_bytes())
+    _copy(reference["untied_r-pre_ln"], tmp_path, "config.json", "vocab.txt")
     torch.save({"weights": _Payload()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="refusing to unpickle"):
         model.load(tmp_path, device="cpu")
 
 
 def test_missing_or_wrong_vocabulary_is_a_clear_error(reference, tmp_path):
-    src = reference["untied_r-post_ln"]
-    for f in ("config.json", "model.safetensors"):
-        (tmp_path / f).write_bytes((src / f).read_bytes())
+    _copy(reference["untied_r-post_ln"], tmp_path, "config.json", "model.safetensors")
     with pytest.raises(FileNotFoundError, match="vocab.txt"):
         model.load(tmp_path, device="cpu")
     (tmp_path / "vocab.txt").write_text("<eos>\n<unk>\nthe\n")
@@ -222,8 +223,7 @@ def test_missing_or_wrong_vocabulary_is_a_clear_error(reference, tmp_path):
 
 def test_weights_that_do_not_fit_the_config_are_named(reference, tmp_path):
     src = reference["untied_r-post_ln"]
-    for f in ("model.safetensors", "vocab.txt"):
-        (tmp_path / f).write_bytes((src / f).read_bytes())
+    _copy(src, tmp_path, "model.safetensors", "vocab.txt")
     cfg = json.loads((src / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layer": 3}))
     with pytest.raises(ValueError, match=r"missing \['layers\.2\."):

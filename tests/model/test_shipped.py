@@ -29,15 +29,29 @@ def greedy(lm: model.LanguageModel, prompt: str, n: int) -> str:
     return tok.decode(ids)
 
 
-def test_shipped_checkpoint_is_small_safetensors_and_loads_by_name():
-    directory = checkpoint.WEIGHTS_DIR / "shakespeare"
-    assert "shakespeare" in model.shipped()
-    files = {p.name: p.stat().st_size for p in directory.iterdir()}
-    # the weights and tokenizer, and the chat template with its turn stop (HF's files)
+def assert_shipped_files(name: str) -> None:
+    """The checkpoint is the weights and tokenizer, and the chat template with its turn stop
+    (HF's files), and small."""
+    files = {p.name: p.stat().st_size for p in (checkpoint.WEIGHTS_DIR / name).iterdir()}
     assert set(files) == {
         "config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"
     }  # fmt: skip
     assert sum(files.values()) <= MAX_BYTES
+
+
+def assert_knows_shakespeare(lm: model.LanguageModel) -> None:
+    """A guard on quality, not a pin: 8 kB from the middle of a held-out play, and the memory
+    helps."""
+    name, text = corpus.load_split("shakespeare", "test")[0]
+    excerpt = [(name, text[40_000:48_000])]
+    with_memory = evaluate.score_with_memory(lm, excerpt).bpb
+    assert with_memory < 2.5, (name, with_memory)  # uniform over bytes would be 8
+    assert with_memory < evaluate.score_without_memory(lm, excerpt).bpb
+
+
+def test_shipped_checkpoint_is_small_safetensors_and_loads_by_name():
+    assert "shakespeare" in model.shipped()
+    assert_shipped_files("shakespeare")
     lm = model.load("shakespeare", device="cpu")
     assert lm.family == "transformer-xl" and not lm.training
     assert lm.tokenizer is not None and lm.tokenizer.vocab_size == 258
@@ -56,32 +70,16 @@ def test_greedy_generation_after_romeo_is_deterministic():
 
 
 def test_shipped_model_predicts_held_out_text_and_uses_its_memory():
-    """A guard on quality, not a pin: 8 kB from the middle of a held-out play."""
-    lm = model.load("shakespeare", device="cpu")
-    name, text = corpus.load_split("shakespeare", "test")[0]
-    excerpt = [(name, text[40_000:48_000])]
-    with_memory = evaluate.score_with_memory(lm, excerpt).bpb
-    without = evaluate.score_without_memory(lm, excerpt).bpb
-    assert with_memory < 2.5
-    assert with_memory < without
+    assert_knows_shakespeare(model.load("shakespeare", device="cpu"))
 
 
 def test_the_shipped_mamba_is_what_we_shipped_and_knows_shakespeare():
     """`shakespeare-mamba`: the pin, its files, and the same quality guard as above."""
-    directory = checkpoint.WEIGHTS_DIR / "shakespeare-mamba"
-    files = {p.name: p.stat().st_size for p in directory.iterdir()}
-    assert set(files) == {
-        "config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"
-    }  # fmt: skip
-    assert sum(files.values()) <= MAX_BYTES
+    assert_shipped_files("shakespeare-mamba")
     lm = model.load("shakespeare-mamba", device="cpu")
     assert lm.family == "mamba2" and lm.fingerprint == MAMBA_FINGERPRINT and not lm.training
     assert checkpoint.chat_template("shakespeare-mamba") is not None
-    name, text = corpus.load_split("shakespeare", "test")[0]
-    excerpt = [(name, text[40_000:48_000])]
-    with_memory = evaluate.score_with_memory(lm, excerpt).bpb
-    assert with_memory < 2.5, (name, with_memory)  # uniform over bytes would be 8
-    assert with_memory < evaluate.score_without_memory(lm, excerpt).bpb
+    assert_knows_shakespeare(lm)
 
 
 def test_the_context_window_is_each_familys_attention_span():

@@ -16,7 +16,7 @@ from model.mamba import linear_scan
 from model.mamba2 import ssd
 from model.state import Persist, State, StateError, encode
 
-from .conftest import SSM_TINY, run_chunks, tiny_config, tiny_ssm
+from .conftest import SSM_TINY, assert_any_chunking_agrees, run_chunks, tiny_config, tiny_ssm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,19 +36,7 @@ def stream_and_chunks(draw):
 @given(case=stream_and_chunks())
 def test_prefill_equals_token_by_token_in_any_chunking(family, case):
     length, sizes, seed = case
-    lm = tiny_ssm(family, seed=1)
-    tokens = torch.randint(0, 258, (2, length), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        whole, s_whole = run_chunks(lm, tokens, [length])
-        chunked, s_chunked = run_chunks(lm, tokens, sizes)
-        one_by_one, s_one = run_chunks(lm, tokens, [1] * length)
-    assert (whole - one_by_one).abs().max().item() <= 1e-4
-    assert (chunked - one_by_one).abs().max().item() <= 1e-4
-    for name, t in s_one.tensors.items():
-        assert t.shape == s_whole[name].shape == s_chunked[name].shape
-        # the SSM state sums a whole history and reaches tens: fp32 rounding is relative
-        torch.testing.assert_close(s_whole[name].float(), t.float(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s_chunked[name].float(), t.float(), atol=1e-5, rtol=1e-5)
+    assert_any_chunking_agrees(tiny_ssm(family, seed=1), length, sizes, seed, every_state=True)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 8, 33])
