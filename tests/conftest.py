@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 import redis
+import torch
 from hypothesis import settings
 
 import model
@@ -40,6 +41,16 @@ SSM_TINY: dict[str, dict] = {
     "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
     "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`: a worker per core) each worker's torch takes its share
+    of the cores for intra-op threads, not all of them: with one pool per core in every
+    worker, the tiny models' per-token ops wait on each other's thread wake-ups (a tiny RLT
+    step took 85 ms on two threads against 2 ms on one on the shared 2-core machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 # Hypothesis: `make test` runs each costly property on a fifth of its examples; `make test-slow`
