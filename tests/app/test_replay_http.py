@@ -3,7 +3,7 @@ mixed sampling settings through the real server (real Redis, fp32 on the CPU), w
 prompt-only commits, a rollback, a fork and a stream kept on hang-up in between, replays
 from its transcript (`GET /v1/sessions/{id}/transcript`, fetched by `recur replay`'s
 client) to importance ratios of 1 within 1e-5, one per sampled token; changed weights
-move them."""
+move them. RLT runs on the tiny model in the default suite, the shipped one in the slow."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from app.replay_client import fetch_transcript, server_precision
 from model.checkpoint import resolve
 from model.replay import replay_transcript, transcript_rollout
 from tests.app.test_disconnect import raw_events, settled
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, tiny_model_of
 
 KEY = "key-replay"
 SETTINGS = {
@@ -81,12 +81,26 @@ TURNS: list[dict] = [
 ]
 
 
-@pytest.fixture(scope="module", params=["shakespeare", "shakespeare-rlt"])
+def checkpoint(name: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A shipped model's name, or the directory of the tiny RLT (`tiny-rlt`)."""
+    return str(tiny_model_of("rlt", tiny_model_dir, tmp_path_factory)) if name == "tiny-rlt" else name
+
+
+@pytest.fixture(
+    scope="module",
+    # RLT on the tiny model in the default suite; the shipped RLT (minutes of replay on
+    # 2 cores) in the slow one
+    params=["shakespeare", "tiny-rlt", pytest.param("shakespeare-rlt", marks=pytest.mark.slow)],
+)
 def served(
-    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, ServerProcess]]:
-    name = request.param
-    srv = ServerProcess(resolve(name), tmp_path_factory.mktemp(name), redis_url, **SETTINGS)
+    """(the model as `recur replay` and `model.load` take it, its server)"""
+    name = checkpoint(request.param, tiny_model_dir, tmp_path_factory)
+    srv = ServerProcess(resolve(name), tmp_path_factory.mktemp(request.param), redis_url, **SETTINGS)
     srv.start()
     try:
         yield name, srv
@@ -206,10 +220,13 @@ def test_changed_weights_move_the_ratios(served, session, tmp_path: Path, capsys
     assert report["n_actions"] == sum(session[1].values()) and report["max_abs_ratio_minus_1"] > 1e-3
 
 
-def test_auto_precision_follows_a_bf16_server(redis_url, tmp_path: Path, capsys):
+@pytest.mark.parametrize("model_name", ["tiny-rlt", pytest.param("shakespeare-rlt", marks=pytest.mark.slow)])
+def test_auto_precision_follows_a_bf16_server(
+    model_name, redis_url, tiny_model_dir, tmp_path_factory, tmp_path: Path, capsys
+):
     """A server in bf16 (autocast, on the CPU here) says so on GET /v1/models; replay in fp32
     sees its rounding, and `--precision auto` replays in bf16."""
-    name = "shakespeare-rlt"
+    name = checkpoint(model_name, tiny_model_dir, tmp_path_factory)
     srv = ServerProcess(resolve(name), tmp_path, redis_url, **{**SETTINGS, "precision": "bf16"}).start()
     try:
         assert server_precision(srv.url, KEY) == "bf16"

@@ -210,9 +210,15 @@ def test_rlt_batched_chunks_with_padding_equal_each_stream_alone():
                 _close(alone[name], t)
 
 
-def test_shipped_rlt_prefill_equals_decoding_token_by_token():
-    lm = model.load("shakespeare-rlt", device="cpu")
-    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(8))
+@pytest.mark.parametrize(
+    # the tiny RLT (a context of 8, chunks of 5: 100 tokens cross both many times) in the
+    # default suite; the shipped one (minutes of single-token steps on 2 cores) in the slow one
+    ("name", "n"),
+    [("tiny-rlt", 100), pytest.param("shakespeare-rlt", 300, marks=pytest.mark.slow)],
+)
+def test_rlt_prefill_equals_decoding_token_by_token(name, n):
+    lm = tiny_rlt(seed=6) if name == "tiny-rlt" else model.load(name, device="cpu")
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         whole, s_whole = lm.consume(ids, lm.new_state(1))
         one, s_one = lm.new_state(1), []
@@ -220,8 +226,8 @@ def test_shipped_rlt_prefill_equals_decoding_token_by_token():
             lp, one = lm.prefill(ids[:, t : t + 1], one, logprobs=True)
             s_one.append(lp)
     _close(whole[:, 1:], torch.cat(s_one, 1)[:, 1:])
-    for name in lm.persistent:
-        _close(s_whole[name].float(), one[name].float())
+    for key in lm.persistent:
+        _close(s_whole[key].float(), one[key].float())
 
 
 # -- the CPU weight layout ----------------------------------------------------------------

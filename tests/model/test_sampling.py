@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from model.sampling import (
@@ -24,6 +24,7 @@ from model.sampling import (
     sample,
     transform,
 )
+from tests.conftest import examples
 
 
 def test_greedy_is_argmax_with_model_logprob():
@@ -298,7 +299,7 @@ def batches(draw_):
     return V, rows, scale
 
 
-@settings(max_examples=150, deadline=None)
+@examples(150)
 @given(batches(), st.integers(0, 2**31))
 def test_the_distribution_sums_to_one_and_gives_dropped_tokens_nothing(batch, seed):
     V, rows, scale = batch
@@ -353,7 +354,7 @@ def extreme_rows(draw_, V: int):
     )
 
 
-@settings(max_examples=300, deadline=None)
+@examples(300)
 @given(st.data(), st.integers(2, 40), st.floats(0, 1e4), st.integers(0, 2**31))
 def test_every_valid_control_gives_finite_logprobs(data, V, scale, seed):
     """Any controls SamplingParams accepts, at the edges of their ranges (temperatures up

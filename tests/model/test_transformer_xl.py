@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from model.transformer_xl import rel_shift
+from tests.conftest import examples
 
 from .conftest import logits_with_one_token_changed, tiny_txl
 
@@ -38,7 +39,7 @@ def stream_and_chunks(draw):
 
 
 @pytest.mark.parametrize("pre_lnorm", [False, True])
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(case=stream_and_chunks())
 def test_chunk_invariance(pre_lnorm, case):
     length, sizes, seed = case
