@@ -60,13 +60,20 @@ settings.register_profile("full")
 QUICK_SHARE = 5
 
 
+def example_count(full: int) -> int:
+    """How many examples a costly property runs: `full` under the "full" profile, full /
+    QUICK_SHARE (at least 2) otherwise. For the generators that hypothesis's `settings` does
+    not reach (schemathesis's command line, a property built inside a test); a test that
+    uses it is marked `full_examples` so that `make test-slow` runs it at the full count."""
+    return full if settings.get_current_profile_name() == "full" else max(2, full // QUICK_SHARE)
+
+
 def examples(full: int) -> Callable[[Callable], Callable]:
-    """`@examples(n)` above `@given`: n examples under the "full" profile, n / QUICK_SHARE
-    (at least 2) otherwise, no deadline; marked `full_examples`, which `make test-slow` selects."""
+    """`@examples(n)` above `@given`: `example_count(n)` examples, no deadline; marked
+    `full_examples`, which `make test-slow` selects."""
 
     def apply(test: Callable) -> Callable:
-        n = full if settings.get_current_profile_name() == "full" else max(2, full // QUICK_SHARE)
-        return pytest.mark.full_examples(settings(max_examples=n, deadline=None)(test))
+        return pytest.mark.full_examples(settings(max_examples=example_count(full), deadline=None)(test))
 
     return apply
 

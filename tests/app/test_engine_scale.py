@@ -230,7 +230,9 @@ def test_compiled_decode_step_matches_eager(lm):
     probe's timing, `tests/app/test_compiler.py` makes sure it does)."""
 
     async def run(compile: bool):
-        engine = engine_for(lm, compile=compile)
+        # one stream: the batch classes of 1 and 4 rows are all it can use (each class is a
+        # graph of its own to compile; tests/app/test_compiler.py probes every class)
+        engine = engine_for(lm, compile=compile, max_batch_size=4)
         engine.start()
         while engine.decode_step.status.state == "compiling":  # the eager step would serve meanwhile
             await asyncio.sleep(0.2)

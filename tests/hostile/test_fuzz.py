@@ -22,7 +22,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from app.api.errors import ErrorType
+from tests.conftest import example_count
 
+# at the full count (`make test-slow`; a fifth in `make test`: tests/conftest.py example_count)
 MIN_CASES = 1000
 EXAMPLES_PER_OPERATION = 135  # x 8 routes with parameters; the 4 without yield one case each
 _ERROR_TYPES = {e.value for e in ErrorType}
@@ -75,6 +77,7 @@ def live(server) -> Iterator[LiveSessions]:
     sessions.client.close()
 
 
+@pytest.mark.full_examples
 def test_api_never_fails_with_5xx_or_a_malformed_error(server, live):
     # (schemathesis's pytest plugin does not run on pytest 9: drive its strategies directly)
     api = schemathesis.openapi.from_url(server.url + "/openapi.json")
@@ -88,7 +91,7 @@ def test_api_never_fails_with_5xx_or_a_malformed_error(server, live):
 
         @given(case=strategy)
         @settings(
-            max_examples=EXAMPLES_PER_OPERATION,
+            max_examples=example_count(EXAMPLES_PER_OPERATION),
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
@@ -103,5 +106,5 @@ def test_api_never_fails_with_5xx_or_a_malformed_error(server, live):
 
         fuzz()
     # at least MIN_CASES generated requests, spread over every route
-    assert sum(counts.values()) >= MIN_CASES, counts
+    assert sum(counts.values()) >= example_count(MIN_CASES), counts
     assert len(counts) >= 10, counts

@@ -35,13 +35,15 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 import model
 from app.api.deps import IF_MATCH
 from app.api.openapi import range_pattern
-from tests.conftest import TINY, ServerProcess
+from tests.conftest import TINY, ServerProcess, example_count
 
 # two tenants: the stateful phase checks that neither reads what the other created
 KEYS = {"alice": "contract-key-alice", "bob": "contract-key-bob"}
 KEY = KEYS["alice"]
 SEED = 7
-EXAMPLES = 60  # per operation and phase, as the run: under a minute on two cores
+# per operation and phase, as the run: at this count in `make test-slow`, a fifth of it
+# in `make test` (tests/conftest.py example_count)
+EXAMPLES = 60
 # statuses a schema-valid request may get besides schemathesis's defaults (2xx, 3xx, 401,
 # 403, 404, 409, 429, 5xx): 412 when If-Match names another version than the session's
 # (the session's state, not the request's shape), and 413 prompt_too_long past the
@@ -145,6 +147,7 @@ def http(contract_server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
+@pytest.mark.full_examples
 def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProcess, tmp_path: Path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
@@ -161,7 +164,7 @@ def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProc
         "run", f"{contract_server.url}/openapi.json",
         "--checks", "all",
         "--phases", "examples,coverage,fuzzing,stateful",
-        "--max-examples", str(EXAMPLES),
+        "--max-examples", str(example_count(EXAMPLES)),
         "--seed", str(SEED),
         "--workers", "1",
         "--request-timeout", "30",
