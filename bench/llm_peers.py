@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -54,24 +55,58 @@ def build_llama_cpp() -> Path:
     """llama.cpp from the sources the sdist vendors, compiled once with CMake into
     .bench-peers/server: `llama-server`, and the shared libraries it links (libllama,
     libggml), which the Python bindings load too."""
-    bin_dir = PEERS / "server" / "bin"
-    if (bin_dir / "llama-server").is_file() and (bin_dir / "libllama.so").is_file():
-        return bin_dir
-    vendored = next(sdist().parent.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = PEERS / "server"
+    bin_dir, stamp = build / "bin", build / "recur-cmake-options"
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
+        *isa_options(),
     ]
+    built = (bin_dir / "llama-server").is_file() and (bin_dir / "libllama.so").is_file()
+    if built and stamp.is_file() and stamp.read_text() == " ".join(flags):
+        return bin_dir
+    vendored = next(sdist().parent.glob("llama_cpp_python-*/vendor/llama.cpp"))
     run(["cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja", *flags], "cmake")
     run(
         ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
         "llama-server and libllama",
     )
+    stamp.write_text(" ".join(flags))  # built with these options (another CPU: built again)
     return bin_dir
+
+
+# ggml's options for the instruction sets it has kernels for, by the name /proc/cpuinfo gives them
+GGML_ISA = {
+    "sse4_2": "GGML_SSE42",
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "bmi2": "GGML_BMI2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
+
+
+def isa_options() -> list[str]:
+    """Every instruction set this CPU reports, but AMX: ggml's default (`GGML_NATIVE`,
+    -march=native) compiles its AMX kernels wherever the CPU lists the AMX flags, and a
+    virtual machine can list them without its kernel granting the tile state (so on this
+    machine: SIGILL at the first `tileloadd`). The AVX-512 and VNNI kernels serve instead."""
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+    return ["-DGGML_NATIVE=OFF"] + [
+        f"-D{opt}={'ON' if isa in flags else 'OFF'}" for isa, opt in GGML_ISA.items()
+    ]
 
 
 def build_python() -> Path:
@@ -82,6 +117,9 @@ def build_python() -> Path:
     if not (target / "llama_cpp").is_dir():
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), str(sdist())]
         run(cmd, "llama-cpp-python (its Python package)", {"CMAKE_ARGS": "-DLLAMA_BUILD=OFF"})
+    # only build_llama_cpp's libraries: a copy of libggml that pip put beside the package (a
+    # wheel it cached, built for another CPU) would be loaded in their place
+    shutil.rmtree(target / "llama_cpp" / "lib", ignore_errors=True)
     return target
 
 
