@@ -117,8 +117,8 @@ def section(r: dict) -> str:
         "`--no-prefix-reuse`, the repetitions alternating between the servers and the two clients. "
         f"The same fixed lines, greedy, each reply exactly {r['max_tokens']} tokens (`min_tokens` = the "
         "cap, so a turn's growth is its prefill); each latency is the median of "
-        f"{r['repetitions']} repetitions (the SDK call, client to client). Run under `nice -n 10` on "
-        f"the shared 2-core machine; load average (1, 5, 15 min) at its end: {load}.",
+        f"{r['repetitions']} repetitions (the SDK call, client to client). Run on the shared 2-core "
+        f"machine; load average (1, 5, 15 min) at its end: {load} (above 2, other jobs took cores).",
         "",
         "| target | measured | |",
         "|---|---|---|",
