@@ -533,9 +533,10 @@ def ops(prof: dict) -> str:
     return ", ".join(f"{o['op']} {o['share']:.0%}" for o in prof["top_ops"][:5])
 
 
-def floor(step_ms: float, floor_ms: float) -> str:
-    """What the step's distance from the machine's floor says: the machine or the code."""
-    if floor_ms >= 0.8 * step_ms:
+def whose_gap(step_ms: float, floor_ms: float) -> str:
+    """What the step's distance from the floor of this run's limits says: within 1.25x of it
+    the machine bounds the step, past that the code does."""
+    if step_ms <= 1.25 * floor_ms:
         return "so the GEMM-rate fraction is bound by the machine's limits as measured here before any code."
     return (
         f"and the step takes {step_ms / floor_ms:.1f}× that: the gap is the code's (the ops below), "
@@ -560,7 +561,7 @@ def why(result: dict) -> str:
         f"to {result.get('load_after')} on 2 cores). A 64-row `shakespeare` step took {m['txl_ms'][64]} ms for "
         f"{g['mb']} MB and {g['mflop']} MFLOP: at the limits measured in this run ({m['read_gbs']} GB/s, "
         f"{m['gemm_gflops']} GFLOP/s; compare section 1's) those alone need {floor_ms:.1f} ms, "
-        f"{floor(m['txl_ms'][64], floor_ms)} Its profile: kernels "
+        f"{whose_gap(m['txl_ms'][64], floor_ms)} Its profile: kernels "
         f"{txl['kernel_share']:.0%} of the step, {txl['ops_per_call']} ops per step; by self time {ops(txl)}. "
         f"The two attention products (`baddbmm`, `bmm`: {share:.0%} of the step) read {txl['kv_mb']} MB of "
         f"cached keys and values at {in_step:.1f} GB/s; `copy_` includes the arena's row writes, one element "
