@@ -98,7 +98,10 @@ def step_times(name: str, batches: list[int], rounds: int, steps: int) -> tuple[
     state = states[batches[-1]]
     prof = profile_step(lm, state, best[batches[-1]])[0]
     print(f"{name} {batches[-1]} rows: {prof}", flush=True)
-    return best, {"batch": batches[-1], "kv_mb": cache_mb(state), **prof}
+    works = {B: work(lm, s) for B, s in states.items()}
+    need = {B: {"mb": round(w.bytes / 1e6, 2), "mflop": round(w.flops / 1e6, 1), "kv_mb": cache_mb(states[B])}
+            for B, w in works.items()}  # fmt: skip
+    return best, {"batch": batches[-1], "kv_mb": cache_mb(state), "work": need, **prof}
 
 
 def cache_mb(state) -> float:
@@ -143,6 +146,46 @@ def kernel_pair(B: int, H: int, dh: int, K: int, pos: bool, reps: int) -> dict:
     cache = 2 * B * K * H * dh * 4  # bytes of keys and values each must read
     return {"sdpa_us": round(sdpa * 1e6, 1), "one_pass_us": round(one * 1e6, 1), "speedup": round(sdpa / one, 2),
             "read_gbs": round(cache / min(sdpa, one) / 1e9, 2), "max_abs_diff": diff}  # fmt: skip
+
+
+@torch.no_grad()
+def relayouts(rounds: int) -> list[dict]:
+    """New buffers for a batch's caches, with huge pages (`model.state.huge_pages`) and
+    without, in turn: stacking B filled `shakespeare` states into a batch, and the first
+    in-place step on it, which lays the caches out in new arenas (as every ARENA_SLACK-th
+    step re-lays them out)."""
+    from model.state import arena
+
+    lm = MODELS["shakespeare"]()
+    n = fill_length(lm)
+    one = lm.consume(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
+    advise, out = arena._MADVISE, []
+    for B in (16, 64):
+        ids = torch.zeros(B, 1, dtype=torch.long)
+        best = {}
+        for _ in range(rounds * 2):
+            for way, fn in (("plain", None), ("huge", advise)):
+                arena._MADVISE = fn
+                try:
+                    t0 = time.perf_counter()
+                    batch = lm.stack_states([one] * B)
+                    t1 = time.perf_counter()
+                    step(lm, batch, ids)
+                    t2 = time.perf_counter()
+                finally:
+                    arena._MADVISE = advise
+                del batch
+                prev = best.get(way, (float("inf"), float("inf")))
+                best[way] = (min(prev[0], t1 - t0), min(prev[1], t2 - t1))
+        row = {"batch": B, "cache_mb": cache_mb(lm.stack_states([one] * B))}
+        for i, what in enumerate(("stack", "relayout_step")):
+            row[what] = {w: round(t[i] * 1e3, 2) for w, t in best.items()}
+            row[what]["speedup"] = round(best["plain"][i] / best["huge"][i], 2)
+        print(row, flush=True)
+        out.append(row)
+    return out
 
 
 @torch.no_grad()
@@ -207,6 +250,7 @@ def model_level(rounds: int) -> dict:
     return {
         "profiles": {"shakespeare": txl_prof, "shakespeare-rlt": rlt_prof},
         "attention": attention_kernels(rounds),
+        "relayouts": relayouts(rounds),
         "read_gbs": round(bw / 1e9, 2),
         "gemm_gflops": round(gemm / 1e9, 2),
         "txl_ms": {B: round(t * 1e3, 3) for B, t in txl.items()},
@@ -586,6 +630,9 @@ def why(result: dict) -> str:
             f"{need:.0%} of it{', beyond the roofline at the read rate measured here' if need > 1 else ''}. At batch 16 recur's step grows {r16 / r1:.1f}× "
             f"over batch 1 and HF's {hf['hf_ms'][16] / hf['hf_ms'][1]:.1f}×."
         )
+    text.append(floors_text(m))
+    if "relayouts" in m:
+        text.append(relayouts_text(m["relayouts"]))
     text.append(
         "What would close the batched targets: one kernel per layer for the whole (rows × heads) attention "
         "that streams each cached key and value once at the read rate (a small C++/OpenMP extension), "
@@ -596,6 +643,80 @@ def why(result: dict) -> str:
         "sharing the two cores."
     )
     return "\n\n".join(text)
+
+
+FLOOR_LABELS = {
+    "txl_16": "16 rows ÷ 1 at 8×",
+    "txl_64": "64 rows ÷ 1 at 16×",
+    "gemm_64": "64 rows at 50% of GEMM",
+}
+
+
+def floors(m: dict) -> dict[str, dict]:
+    """For each batched model-level target: the step it needs, and the floor this run's
+    limits set for it. A decode step on one thread runs its kernels in turn: the attention
+    products stream the cached keys and values (at the read rate, next to no FLOPs), and the
+    linear layers take the longer of reading their weights and doing their FLOPs (at the
+    GEMM rate); the floor is the two added. Also the figure a step at that floor would reach."""
+    w, t1 = m["profiles"]["shakespeare"]["work"], m["txl_ms"][1]
+    out = {}
+    for key, B in (("txl_16", 16), ("txl_64", 64), ("gemm_64", 64)):
+        mb, mflop, kv = w[B]["mb"], w[B]["mflop"], w[B]["kv_mb"]
+        read_ms = kv / m["read_gbs"]  # MB / (GB/s) = ms
+        gemm_ms = max((mb - kv) / m["read_gbs"], mflop / m["gemm_gflops"])
+        floor = read_ms + gemm_ms
+        if key == "gemm_64":
+            need, best = mflop / (TARGETS[key] * m["gemm_gflops"]), mflop / m["gemm_gflops"] / floor
+        else:
+            need, best = B * t1 / TARGETS[key], B * t1 / floor
+        out[key] = {"rows": B, "need_ms": need, "read_ms": read_ms, "gemm_ms": gemm_ms, "floor_ms": floor,
+                    "at_floor": best, "step_ms": m["txl_ms"][B], "kv_mb": kv}  # fmt: skip
+    return out
+
+
+def floors_text(m: dict) -> str:
+    """Which batched targets this machine allows at all (`floors`)."""
+    parts = []
+    for key, f in floors(m).items():
+        at = f"{f['at_floor']:.0%}" if key in FRACTIONS else f"{f['at_floor']:.1f}×"
+        verdict = (
+            "beyond this machine: no code reaches it in fp32 here"
+            if f["floor_ms"] > f["need_ms"]
+            else f"within this machine's limits; the step is {f['step_ms'] / f['floor_ms']:.1f}× the floor"
+        )
+        parts.append(
+            f"{FLOOR_LABELS[key]}: "
+            f"the target needs a {f['rows']}-row step of {f['need_ms']:.2f} ms; its {f['kv_mb']} MB of cached "
+            f"keys and values at the read rate take {f['read_ms']:.2f} ms and its linear layers "
+            f"{f['gemm_ms']:.2f} ms, {f['floor_ms']:.2f} ms in turn, where the figure would be {at}: {verdict}"
+        )
+    return (
+        "**What this machine allows** (`floors`: each target's step against the floor this run's limits set "
+        "for it; a one-thread step runs its kernels in turn, so the cache reads and the linear layers add): "
+        + "; ".join(parts)
+        + ". The 1-row step these ratios divide by is mostly fixed per-op cost "
+        "(a few hundred ops, each a few microseconds), so the ratio of a large batch is bounded by the large "
+        "step's bytes and FLOPs, not by its own speed."
+    )
+
+
+def relayouts_text(rows: list[dict]) -> str:
+    """New cache buffers with huge pages and without, side by side (`relayouts`)."""
+    parts = [
+        f"{r['batch']} rows ({r['cache_mb']} MB of keys and values): stacking {r['stack']['plain']} → "
+        f"{r['stack']['huge']} ms ({r['stack']['speedup']:.2f}×), the step that lays them out in new arenas "
+        f"{r['relayout_step']['plain']} → {r['relayout_step']['huge']} ms ({r['relayout_step']['speedup']:.2f}×)"
+        for r in rows
+    ]
+    return (
+        "**New buffers on huge pages** (`relayouts`, plain → advised, side by side in this run): a batch's "
+        "caches get new buffers when the batch is stacked (its membership changed) and every "
+        "`ARENA_SLACK` (64) steps, when an arena's spare rows run out; most of that time was page faults "
+        "on untouched memory, which `model.state.huge_pages` now takes 2 MiB at a time: "
+        + "; ".join(parts)
+        + ". The medians above leave the re-layout step out; a served batch pays it once per 64 steps. "
+        "Below about 32 MB a buffer comes from memory glibc already holds, so there is nothing to gain."
+    )
 
 
 def int_keys(x):

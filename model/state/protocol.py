@@ -8,12 +8,13 @@ format is blob.py's).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from .arena import Arena, Window
+from .arena import Arena, Window, huge_pages
 from .blob import StateError, serialise
 
 
@@ -115,7 +116,7 @@ class State:
             if dim is not None:
                 longest = max(p.shape[dim] for p in parts)
                 parts = [_left_pad(p, dim, longest) for p in parts]
-            out[name] = torch.cat(parts, 0)
+            out[name] = _cat_rows(parts)
         return first._holding(out)
 
     def split(self, lengths: Mapping[str, torch.Tensor] | None = None) -> list[State]:
@@ -145,6 +146,16 @@ class State:
         if not 0 <= since <= int(self.n_tokens[0]):
             raise ValueError(f"since={since} is outside 0..{int(self.n_tokens[0])}")
         return serialise(self, dtype, since=since)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts, 0)`, into a buffer backed by huge pages (`huge_pages`: a batch's
+    caches are the largest buffers a step fills) unless autograd follows the parts."""
+    if any(p.requires_grad for p in parts):
+        return torch.cat(parts, 0)
+    dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return torch.cat(parts, 0, out=huge_pages(torch.empty(shape, dtype=dtype, device=parts[0].device)))
 
 
 def _left_pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -322,3 +322,39 @@ def test_under_autograd_states_are_built_functionally():
     assert not st.arenas and st["swa_k"].requires_grad
     with pytest.raises(RuntimeError, match="only without autograd"):
         lm(torch.randint(0, 258, (1, 3)), st, model.IN_PLACE)
+
+
+# -- huge pages for a batch's new buffers ---------------------------------------------------
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "unknown"
+    return text.split("[")[1].split("]")[0]
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
+def test_a_stacked_batch_lies_on_huge_pages():
+    """`State.stack` fills a new buffer advised for huge pages (`model.state.huge_pages`):
+    its 2 MiB pages are huge ones, and the values are the rows stacked."""
+    rows = torch.randn(1, 2, 4096, 256)  # 8 MiB a row
+    state = model.State("f", "x", {"k": rows}, {"k": 2}, ("k",))
+    batch = model.State.stack([state] * 6)
+    same = torch.equal(batch["k"], rows.expand(6, -1, -1, -1))
+    middle = batch["k"].data_ptr() + batch["k"].untyped_storage().nbytes() // 2
+    huge_kb = _anon_huge_kb(middle)
+    assert same
+    assert huge_kb >= 2048, f"the batch's mapping holds {huge_kb} kB of huge pages"
