@@ -643,28 +643,7 @@ def why(result: dict) -> str:
         f"{rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; {ops(rlt)}.",
     ]
     if hf:
-        r1, r16 = hf["recur_ms"][1], hf["recur_ms"][16]
-        bw, goal = m["bw_6x512"], hf["hf_ms"][1] / TARGETS["hf_1"]
-        need = bw["fraction"] * bw["step_ms"] / goal
-        text.append(
-            f"Against HF: HF's batch-1 step is {hf['hf_ms'][1]} ms, so {TARGETS['hf_1']:g}× needs recur's in "
-            f"{goal:.1f} ms; recur's (here {r1} ms) has the shape of the 6 × 512 row above (native weights), which took "
-            f"{bw['step_ms']} ms at {bw['fraction']:.0%} of this run's read roofline: {goal:.1f} ms would be "
-            f"{need:.0%} of it{', beyond the roofline at the read rate measured here' if need > 1 else ''}. At batch 16 recur's step grows {r16 / r1:.1f}× "
-            f"over batch 1 and HF's {hf['hf_ms'][16] / hf['hf_ms'][1]:.1f}×."
-        )
-        if "work" in hf:
-            w = hf["work"]
-            goal16 = hf["hf_ms"][16] / TARGETS["hf_16"]
-            kv_ms = w["kv_mb"] / m["read_gbs"]
-            lin_ms = max((w["mb"] - w["kv_mb"]) / m["read_gbs"], w["mflop"] / m["gemm_gflops"])
-            text.append(
-                f"At batch 16, {TARGETS['hf_16']:g}× needs recur's step in {goal16:.1f} ms (here {r16} ms): its "
-                f"{w['kv_mb']} MB of cached keys and values at the read rate take {kv_ms:.1f} ms and its linear "
-                f"layers {lin_ms:.1f} ms, {kv_ms + lin_ms:.1f} ms in turn, so the target is "
-                + ("beyond this machine in fp32." if kv_ms + lin_ms > goal16 else
-                   f"within this machine's limits, and the step is {r16 / (kv_ms + lin_ms):.1f}× that floor.")
-            )  # fmt: skip
+        text += hf_why(m, hf)
     text.append(floors_text(m))
     if "relayouts" in m:
         text.append(relayouts_text(m["relayouts"]))
@@ -677,22 +656,58 @@ def why(result: dict) -> str:
         "tensors can hold it as [B, L × H, M, d_head] (heads counted as layers), with the attention batched "
         "head-major so that every view stays a view."
     )
-    h = result.get("http", {})
-    if h and "server_cores" in h["levels"][0]:
-        by = {r["streams"]: r for r in h["levels"]}
-        per_token = m["txl_ms"][16] / 16
-        text.append(
-            f"Over HTTP the server process was on {by[1]['server_cores']} cores at 1 stream and "
-            f"{by[16]['server_cores']} at 16, and spent {by[1]['server_cpu_ms_per_token']} and "
-            f"{by[16]['server_cpu_ms_per_token']} ms of CPU per token, where the 16-row step alone costs "
-            f"{per_token:.3f} ms per token. The engine thread and the event loop take turns on the GIL (each op "
-            "of the eager step takes it between kernels), so the loop's per-token work (SSE framing, the "
-            "middleware stack, the sessions service) adds to the step instead of running beside it on the "
-            "second core. The HTTP ratio is bounded by the model-level ratio and by that per-token work: what "
-            "would close it is a decode step that holds the GIL once (a compiled or C++ step) and fewer "
-            "Python layers per SSE event."
-        )
+    text += http_why(m, result.get("http", {}))
     return "\n\n".join(text)
+
+
+def hf_why(m: dict, hf: dict) -> list[str]:
+    """Against HF: what each batch's target needs of recur's step, against the roofline and
+    the floor of this run's limits."""
+    out: list[str] = []
+    r1, r16 = hf["recur_ms"][1], hf["recur_ms"][16]
+    bw, goal = m["bw_6x512"], hf["hf_ms"][1] / TARGETS["hf_1"]
+    need = bw["fraction"] * bw["step_ms"] / goal
+    out.append(
+        f"Against HF: HF's batch-1 step is {hf['hf_ms'][1]} ms, so {TARGETS['hf_1']:g}× needs recur's in "
+        f"{goal:.1f} ms; recur's (here {r1} ms) has the shape of the 6 × 512 row above (native weights), which took "
+        f"{bw['step_ms']} ms at {bw['fraction']:.0%} of this run's read roofline: {goal:.1f} ms would be "
+        f"{need:.0%} of it{', beyond the roofline at the read rate measured here' if need > 1 else ''}. At batch 16 recur's step grows {r16 / r1:.1f}× "
+        f"over batch 1 and HF's {hf['hf_ms'][16] / hf['hf_ms'][1]:.1f}×."
+    )
+    if "work" in hf:
+        w = hf["work"]
+        goal16 = hf["hf_ms"][16] / TARGETS["hf_16"]
+        kv_ms = w["kv_mb"] / m["read_gbs"]
+        lin_ms = max((w["mb"] - w["kv_mb"]) / m["read_gbs"], w["mflop"] / m["gemm_gflops"])
+        out.append(
+            f"At batch 16, {TARGETS['hf_16']:g}× needs recur's step in {goal16:.1f} ms (here {r16} ms): its "
+            f"{w['kv_mb']} MB of cached keys and values at the read rate take {kv_ms:.1f} ms and its linear "
+            f"layers {lin_ms:.1f} ms, {kv_ms + lin_ms:.1f} ms in turn, so the target is "
+            + ("beyond this machine in fp32." if kv_ms + lin_ms > goal16 else
+               f"within this machine's limits, and the step is {r16 / (kv_ms + lin_ms):.1f}× that floor.")
+        )  # fmt: skip
+    return out
+
+
+def http_why(m: dict, h: dict) -> list[str]:
+    """Where the HTTP ratio goes: the server's cores and CPU per token at 1 and 16 streams."""
+    if not h or "server_cores" not in h["levels"][0]:
+        return []
+    out: list[str] = []
+    by = {r["streams"]: r for r in h["levels"]}
+    per_token = m["txl_ms"][16] / 16
+    out.append(
+        f"Over HTTP the server process was on {by[1]['server_cores']} cores at 1 stream and "
+        f"{by[16]['server_cores']} at 16, and spent {by[1]['server_cpu_ms_per_token']} and "
+        f"{by[16]['server_cpu_ms_per_token']} ms of CPU per token, where the 16-row step alone costs "
+        f"{per_token:.3f} ms per token. The engine thread and the event loop take turns on the GIL (each op "
+        "of the eager step takes it between kernels), so the loop's per-token work (SSE framing, the "
+        "middleware stack, the sessions service) adds to the step instead of running beside it on the "
+        "second core. The HTTP ratio is bounded by the model-level ratio and by that per-token work: what "
+        "would close it is a decode step that holds the GIL once (a compiled or C++ step) and fewer "
+        "Python layers per SSE event."
+    )
+    return out
 
 
 FLOOR_LABELS = {
