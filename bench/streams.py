@@ -179,7 +179,7 @@ def relayouts(rounds: int) -> list[dict]:
                 del batch
                 prev = best.get(way, (float("inf"), float("inf")))
                 best[way] = (min(prev[0], t1 - t0), min(prev[1], t2 - t1))
-        row = {"batch": B, "cache_mb": cache_mb(lm.stack_states([one] * B))}
+        row = {"batch": B, "cache_mb": round(B * cache_mb(one), 2)}
         for i, what in enumerate(("stack", "relayout_step")):
             row[what] = {w: round(t[i] * 1e3, 2) for w, t in best.items()}
             row[what]["speedup"] = round(best["plain"][i] / best["huge"][i], 2)
@@ -568,11 +568,8 @@ def section(result: dict) -> str:
     lines += ["| figure | before (issue 30) | target | measured | |", "|---|---|---|---|---|"]
     got = figures(result)
     beyond = {k for k, f in floors(m).items() if f["floor_ms"] > f["need_ms"]} if m else set()
-    hf = result.get("hf")
-    if m and hf:  # the batch-1 step HF's 10× needs, against this run's read roofline (see `why`)
-        bw = m["bw_6x512"]
-        if bw["fraction"] * bw["step_ms"] * TARGETS["hf_1"] > hf["hf_ms"][1]:
-            beyond.add("hf_1")
+    if m and result.get("hf") and hf_batch1_share(m, result["hf"]) > 1:
+        beyond.add("hf_1")
     for key, label, before in ROWS:
         t = TARGETS[key]
         target = ("≤ " if key == "stall_p99" else "≥ ") + (f"{t:.0%}" if key in FRACTIONS else f"{t:g}")
@@ -619,7 +616,7 @@ def why(result: dict) -> str:
         return ""
     p, g, att = m["profiles"], m["gemm_64"], {(r["model"], r["batch"]): r for r in m["attention"]}
     txl, rlt = p["shakespeare"], p["shakespeare-rlt"]
-    floor_ms = max(g["mb"] / m["read_gbs"], g["mflop"] / m["gemm_gflops"])  # MB / (GB/s) = ms
+    floor_ms = sum(step_floor(txl["work"][64], m))
     sp = {k: f"{r['speedup']:.2f}×" for k, r in att.items()}
     share = sum(o["share"] for o in txl["top_ops"] if o["op"] in ("bmm", "baddbmm"))
     in_step = txl["kv_mb"] / (share * m["txl_ms"][64])  # MB / ms = GB/s
@@ -627,7 +624,7 @@ def why(result: dict) -> str:
         f"**Why the misses, and what would close them** (from this run; load average {result.get('load_before')} "
         f"to {result.get('load_after')} on 2 cores). A 64-row `shakespeare` step took {m['txl_ms'][64]} ms for "
         f"{g['mb']} MB and {g['mflop']} MFLOP: at the limits measured in this run ({m['read_gbs']} GB/s, "
-        f"{m['gemm_gflops']} GFLOP/s; compare section 1's) those alone need {floor_ms:.1f} ms, "
+        f"{m['gemm_gflops']} GFLOP/s; compare section 1's) those alone need {floor_ms:.1f} ms in turn (`step_floor`), "
         f"{whose_gap(m['txl_ms'][64], floor_ms)} Its profile: kernels "
         f"{txl['kernel_share']:.0%} of the step, {txl['ops_per_call']} ops per step; by self time {ops(txl)}. "
         f"The two attention products (`baddbmm`, `bmm`: {share:.0%} of the step) read {txl['kv_mb']} MB of "
@@ -665,8 +662,7 @@ def hf_why(m: dict, hf: dict) -> list[str]:
     the floor of this run's limits."""
     out: list[str] = []
     r1, r16 = hf["recur_ms"][1], hf["recur_ms"][16]
-    bw, goal = m["bw_6x512"], hf["hf_ms"][1] / TARGETS["hf_1"]
-    need = bw["fraction"] * bw["step_ms"] / goal
+    bw, goal, need = m["bw_6x512"], hf["hf_ms"][1] / TARGETS["hf_1"], hf_batch1_share(m, hf)
     out.append(
         f"Against HF: HF's batch-1 step is {hf['hf_ms'][1]} ms, so {TARGETS['hf_1']:g}× needs recur's in "
         f"{goal:.1f} ms; recur's (here {r1} ms) has the shape of the 6 × 512 row above (native weights), which took "
@@ -677,8 +673,7 @@ def hf_why(m: dict, hf: dict) -> list[str]:
     if "work" in hf:
         w = hf["work"]
         goal16 = hf["hf_ms"][16] / TARGETS["hf_16"]
-        kv_ms = w["kv_mb"] / m["read_gbs"]
-        lin_ms = max((w["mb"] - w["kv_mb"]) / m["read_gbs"], w["mflop"] / m["gemm_gflops"])
+        kv_ms, lin_ms = step_floor(w, m)
         out.append(
             f"At batch 16, {TARGETS['hf_16']:g}× needs recur's step in {goal16:.1f} ms (here {r16} ms): its "
             f"{w['kv_mb']} MB of cached keys and values at the read rate take {kv_ms:.1f} ms and its linear "
@@ -710,6 +705,23 @@ def http_why(m: dict, h: dict) -> list[str]:
     return out
 
 
+def step_floor(w: dict, m: dict) -> tuple[float, float]:
+    """The floor this run's limits set for a decode step of work `w` (MB, MFLOP, and the MB of
+    cached keys and values among them), as (cache ms, linear-layer ms). One thread runs the
+    kernels in turn, so the two add: the attention products stream the cache at the read rate
+    (next to no FLOPs), and the linear layers take the longer of reading their weights and
+    doing their FLOPs at the GEMM rate."""
+    cache_ms = w["kv_mb"] / m["read_gbs"]  # MB / (GB/s) = ms
+    return cache_ms, max((w["mb"] - w["kv_mb"]) / m["read_gbs"], w["mflop"] / m["gemm_gflops"])
+
+
+def hf_batch1_share(m: dict, hf: dict) -> float:
+    """The fraction of this run's read roofline a batch-1 step would need to be HF's step ÷
+    the hf_1 target (above 1: beyond the roofline), from the 6 × 512 row of the same shape."""
+    bw = m["bw_6x512"]
+    return bw["fraction"] * bw["step_ms"] * TARGETS["hf_1"] / hf["hf_ms"][1]
+
+
 FLOOR_LABELS = {
     "txl_16": "16 rows ÷ 1 at 8×",
     "txl_64": "64 rows ÷ 1 at 16×",
@@ -719,16 +731,12 @@ FLOOR_LABELS = {
 
 def floors(m: dict) -> dict[str, dict]:
     """For each batched model-level target: the step it needs, and the floor this run's
-    limits set for it. A decode step on one thread runs its kernels in turn: the attention
-    products stream the cached keys and values (at the read rate, next to no FLOPs), and the
-    linear layers take the longer of reading their weights and doing their FLOPs (at the
-    GEMM rate); the floor is the two added. Also the figure a step at that floor would reach."""
+    limits set for it (`step_floor`); also the figure a step at that floor would reach."""
     w, t1 = m["profiles"]["shakespeare"]["work"], m["txl_ms"][1]
     out = {}
     for key, B in (("txl_16", 16), ("txl_64", 64), ("gemm_64", 64)):
-        mb, mflop, kv = w[B]["mb"], w[B]["mflop"], w[B]["kv_mb"]
-        read_ms = kv / m["read_gbs"]  # MB / (GB/s) = ms
-        gemm_ms = max((mb - kv) / m["read_gbs"], mflop / m["gemm_gflops"])
+        mflop, kv = w[B]["mflop"], w[B]["kv_mb"]
+        read_ms, gemm_ms = step_floor(w[B], m)
         floor = read_ms + gemm_ms
         if key == "gemm_64":
             need, best = mflop / (TARGETS[key] * m["gemm_gflops"]), mflop / m["gemm_gflops"] / floor
@@ -777,8 +785,8 @@ def relayouts_text(rows: list[dict]) -> str:
     return (
         "**New buffers on huge pages** (`relayouts`, plain → advised, side by side in this run): a batch's "
         "caches get new buffers when the batch is stacked (its membership changed) and every "
-        "`ARENA_SLACK` (64) steps, when an arena's spare rows run out; most of that time was page faults "
-        "on untouched memory, which `model.state.huge_pages` now takes 2 MiB at a time: "
+        "`ARENA_SLACK` (64) steps, when an arena's spare rows run out. Filling untouched memory faults "
+        "its pages in one at a time; advised (`model.state.huge_pages`), 2 MiB at a time: "
         + "; ".join(parts)
         + ". The medians above leave the re-layout step out; a served batch pays it once per 64 steps. "
         "Below about 32 MB a buffer comes from memory glibc already holds, so there is nothing to gain."

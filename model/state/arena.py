@@ -45,9 +45,9 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     has them: the whole 2 MiB pages inside it are advised (MADV_HUGEPAGE; Linux, where
     transparent huge pages are `madvise` or `always`). Filling a new buffer of a batch's
     caches (an arena's re-layout, a stacked batch) then takes one page fault per 2 MiB
-    instead of one per 4 KiB: copying a 64-row `shakespeare` window into a new arena took
-    17 ms plain and 9 ms advised (bench/streams.py, "arena re-layout"). Elsewhere, or
-    where the call fails, nothing changes."""
+    instead of one per 4 KiB: for 64 `shakespeare` rows, stacking and the re-laying step ran
+    1.7x and 1.6x faster (bench/streams.py, `relayouts`). Elsewhere, or where the call
+    fails, nothing changes."""
     if _MADVISE is None or t.device.type != "cpu":
         return t
     start = t.untyped_storage().data_ptr()
