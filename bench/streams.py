@@ -9,7 +9,12 @@ moves every batch alike):
      here; batch-1 steps of Transformer-XL 6 × 512 (mem 512) and 6 × 256 at attention
      length 3,800 as a fraction of the 1-thread read bandwidth measured here (the bytes
      and FLOPs a step must move and do are bench/roofline.py's `work`);
-  3. `shakespeare-rlt` prefill tokens/s at 8k ÷ at 2k (`lm.consume`, best of 2).
+  3. `shakespeare-rlt` prefill tokens/s at 8k ÷ at 2k (`lm.consume`, best of 2);
+  and where the misses come from: the attention kernels side by side against a contiguous
+  read of as many bytes (`attention_kernels`), the cost of each row a batch adds by kind of
+  work (`per_row`), the step's linear layers at 1 and 16 rows by each of the torch wheel's
+  matrix libraries (`small_gemms`), and new cache buffers with huge pages and without
+  (`relayouts`).
 Over HTTP (a `recur serve` process, Redis, 1 torch thread, compile off, default settings
 otherwise):
   4. aggregate tokens/s of 16 streams ÷ 1 stream, with TTFT and ITL p50/p90/p99 at 1, 16
@@ -40,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -49,8 +55,10 @@ from harness import ROOT, Redis, Server, emit, model_dir, write_section
 from roofline import MODELS, best_of, fill_length, gemm_rate, profile_step, read_bandwidth, step, work
 from safetensors.torch import load_file
 from serving import corpus_text, pct, stream
+from torch.profiler import profile
 
 import model
+from model.state.arena import ARENA_SLACK
 from model.transformer_xl import attend_one
 
 HEADING = "## 12. Many streams"
@@ -111,6 +119,112 @@ def cache_mb(state) -> float:
     return round(sum(state[n].numel() * state[n].element_size() for n in names) / 1e6, 2)
 
 
+# a decode step's kernels by what they do, for `per_row`
+OP_CLASSES = {
+    "linear layers": ("aten::addmm", "aten::mm"),
+    "attention": (
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_softmax",
+        "aten::masked_fill_",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ),
+    "copies": ("aten::copy_",),  # the cache appends among them
+}
+
+
+@torch.no_grad()
+def per_row(name: str, rows: int, rounds: int) -> dict:
+    """Where a batch's extra rows go: the 1-row and the `rows`-row step of `name` (filled
+    states, eager) in turn over several rounds, each timed and then profiled over
+    ARENA_SLACK steps (the mean: one re-layout of the arenas among them, as a served batch
+    pays it); the best round kept. The profiled kernels' self times by `OP_CLASSES`; "the
+    rest" (Python, dispatch, every other op) is the unprofiled step less them. Also the
+    bytes of cache each row adds and the linear layers' GFLOP/s. A ratio `rows` ÷ 1 of R
+    needs each added row to cost at most (rows / R - 1) / (rows - 1) of the 1-row step."""
+    lm = MODELS[name]()
+    one = lm.consume(
+        torch.randint(0, 256, (fill_length(lm),), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
+    states = {B: lm.stack_states([one] * B) for B in (1, rows)}
+    best: dict[int, dict] = {}
+    for _ in range(rounds):
+        for B in states:
+            ids = torch.zeros(B, 1, dtype=torch.long)
+            t0 = time.perf_counter()
+            for _ in range(ARENA_SLACK):
+                states[B] = step(lm, states[B], ids)
+            wall = (time.perf_counter() - t0) / ARENA_SLACK
+            with profile(with_flops=True) as prof:
+                for _ in range(ARENA_SLACK):
+                    states[B] = step(lm, states[B], ids)
+            if B not in best or wall < best[B]["step"]:
+                best[B] = {"step": wall, **op_classes(prof, ARENA_SLACK, wall)}
+    flops = {B: b.pop("linear_flops") for B, b in best.items()}
+    return {"model": name, "rows": rows, "kv_mb_per_row": cache_mb(states[1]),
+            "weights_mb": round(work(lm, states[1]).bytes / 1e6 - cache_mb(states[1]), 2),
+            "ms": {B: {k: round(v * 1e3, 3) for k, v in b.items()} for B, b in best.items()},
+            "linear_gflops": {B: round(flops[B] / best[B]["linear layers"] / 1e9, 1) for B in best}}  # fmt: skip
+
+
+@torch.no_grad()
+def small_gemms(rounds: int) -> dict:
+    """The linear layers of a `shakespeare` decode step (every nn.Linear a step runs, in
+    order, weights as loaded) at 1 and 16 rows, three ways in turn: `F.linear` (MKL, as the
+    step runs them), and with the weights packed ahead for the batch size by MKL and by
+    oneDNN (the torch wheel's own packed paths, where it has them). Seconds per step's worth
+    of products, the best of the rounds; a 16-row step's ÷ a 1-row step's, per way."""
+    lm = MODELS["shakespeare"]()
+    layers = [
+        (m.weight, m.bias)
+        for n, m in lm.named_modules()
+        if isinstance(m, torch.nn.Linear) and "r_net" not in n
+    ]
+    out: dict[str, dict] = {}
+    for B in (1, 16):
+        for way, fn in gemm_ways(layers, B).items():
+            out.setdefault(way, {})[B] = best_of(fn, rounds * 10)
+    rows = {way: {"ms": {B: round(t * 1e3, 3) for B, t in ts.items()}, "16_over_1": round(ts[16] / ts[1], 2)}
+            for way, ts in out.items()}  # fmt: skip
+    print(f"small GEMMs: {rows}", flush=True)
+    return rows
+
+
+def gemm_ways(layers: list, B: int) -> dict:
+    """`small_gemms`' ways of running `layers` (weight, bias) on B rows."""
+    xs = [torch.randn(B, w.shape[1]) for w, _ in layers]
+    ways: dict[str, Callable[[], list]] = {
+        "mkl": lambda: [F.linear(x, w, b) for x, (w, b) in zip(xs, layers, strict=True)]
+    }
+    try:
+        mk = [torch.ops.mkl._mkl_reorder_linear_weight(w, B) for w, _ in layers]
+        dn = [torch.ops.mkldnn._reorder_linear_weight(w, B) for w, _ in layers]
+    except (AttributeError, RuntimeError):  # a torch build without them
+        return ways
+    ways["mkl_packed"] = lambda: [
+        torch.ops.mkl._mkl_linear(x, p, w, b, B) for x, p, (w, b) in zip(xs, mk, layers, strict=True)
+    ]
+    ways["onednn_packed"] = lambda: [
+        torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+        for x, p, (_, b) in zip(xs, dn, layers, strict=True)
+    ]
+    return ways
+
+
+def op_classes(prof, steps: int, wall: float) -> dict[str, float]:
+    """Seconds per step of the kernels by `OP_CLASSES`, "the rest" of `wall` (a step's
+    unprofiled seconds), and the linear layers' FLOPs per step."""
+    out = dict.fromkeys(OP_CLASSES, 0.0)
+    flops = 0.0
+    for e in prof.key_averages():
+        cls = next((c for c, names in OP_CLASSES.items() if e.key in names), None)
+        if cls is not None:
+            out[cls] += e.self_cpu_time_total / 1e6 / steps
+            flops += e.flops / steps if cls == "linear layers" else 0.0
+    out["the rest"] = max(0.0, wall - sum(out.values()))
+    return {**out, "linear_flops": flops}
+
+
 @torch.no_grad()
 def attention_kernels(rounds: int) -> list[dict]:
     """One query per (row, head) over a decode step's cache, side by side: the fused `sdpa`
@@ -141,11 +255,17 @@ def kernel_pair(B: int, H: int, dh: int, K: int, pos: bool, reps: int) -> dict:
     def one_pass() -> torch.Tensor:
         return attend_one(q, k_tm, v_tm, bias, None, dh**-0.5)
 
+    flat = torch.randn(2 * B * H * dh * K, generator=g)  # as many bytes as the cache, contiguous
+
+    def read() -> torch.Tensor:  # the floor: that many bytes streamed once, next to no arithmetic
+        return flat.sum()
+
     diff = float((fused() - one_pass()).abs().max())
-    sdpa, one = best_of(fused, reps), best_of(one_pass, reps)
+    sdpa, one, floor = best_of(fused, reps), best_of(one_pass, reps), best_of(read, reps)
     cache = 2 * B * K * H * dh * 4  # bytes of keys and values each must read
     return {"sdpa_us": round(sdpa * 1e6, 1), "one_pass_us": round(one * 1e6, 1), "speedup": round(sdpa / one, 2),
-            "read_gbs": round(cache / min(sdpa, one) / 1e9, 2), "max_abs_diff": diff}  # fmt: skip
+            "read_gbs": round(cache / min(sdpa, one) / 1e9, 2), "max_abs_diff": diff,
+            "plain_read_us": round(floor * 1e6, 1), "of_plain_read": round(floor / min(sdpa, one), 2)}  # fmt: skip
 
 
 @torch.no_grad()
@@ -250,6 +370,8 @@ def model_level(rounds: int) -> dict:
     return {
         "profiles": {"shakespeare": txl_prof, "shakespeare-rlt": rlt_prof},
         "attention": attention_kernels(rounds),
+        "per_row": per_row("shakespeare", 16, rounds),
+        "small_gemms": small_gemms(rounds),
         "relayouts": relayouts(rounds),
         "read_gbs": round(bw / 1e9, 2),
         "gemm_gflops": round(gemm / 1e9, 2),
@@ -637,24 +759,90 @@ def why(result: dict) -> str:
         f"`shakespeare-rlt`'s (4 heads × 32, no position term) {sp[('shakespeare-rlt', 1)]}, "
         f"{sp[('shakespeare-rlt', 16)]} and {sp[('shakespeare-rlt', 64)]} at 1, 16 and 64 rows. The one-pass "
         "products do not beat `sdpa` at RLT's shapes, so RLT keeps it; its 16-row step's profile: kernels "
-        f"{rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; {ops(rlt)}.",
+        f"{rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; {ops(rlt)}." + plain_read_text(att),
     ]
+    if "per_row" in m:
+        text.append(per_row_text(m))
     if hf:
         text += hf_why(m, hf)
     text.append(floors_text(m))
     if "relayouts" in m:
         text.append(relayouts_text(m["relayouts"]))
-    text.append(
-        "What would close the batched targets that this machine allows (16 rows ÷ 1, and HF at batch 16): "
-        "one kernel per layer for the whole (rows × heads) attention that streams each cached key and value "
-        "once at the read rate (a small C++/OpenMP extension), and a cache whose appends write whole cache "
-        "lines. The time-major cache writes one element per line: a new key row lands in D lines. A "
-        "(layer × head, row, time, d_head) layout appends d_head contiguous values per head, and the state's "
-        "tensors can hold it as [B, L × H, M, d_head] (heads counted as layers), with the attention batched "
-        "head-major so that every view stays a view."
-    )
     text += http_why(m, result.get("http", {}))
     return "\n\n".join(text)
+
+
+def plain_read_text(att: dict) -> str:
+    """The attention kernels against a contiguous read of as many bytes (`kernel_pair`)."""
+    if "of_plain_read" not in att[("shakespeare", 16)]:
+        return ""
+    r = [att[("shakespeare", B)]["of_plain_read"] for B in (16, 64)]
+    return (
+        " Against a contiguous read of as many bytes (a sum over a buffer the size of the cache, warm like "
+        f"it), the faster kernel at `shakespeare`'s shapes runs at {r[0]:.0%} of that read's speed at 16 rows "
+        f"and {r[1]:.0%} at 64."
+    )
+
+
+REMEDIES = {
+    "linear layers": "a small-batch matrix product that overlaps its weight reads with its FMAs",
+    "copies": "appends that write whole cache lines (a time-major cache writes one element per line; a "
+    "(layer × head, row, time, d_head) layout would write d_head contiguous values)",
+    "attention": "an attention nearer the read floor of its cache",
+    "the rest": "fewer and cheaper elementwise ops per row",
+}
+
+
+def per_row_text(m: dict) -> str:
+    """Where a batch's added rows go (`per_row`), against what the 16 ÷ 1 target allows and
+    the floor each kind of work has per added row."""
+    p = m["per_row"]
+    one, many, n = p["ms"][1], p["ms"][p["rows"]], p["rows"]
+    allowed = one["step"] * (n / TARGETS["txl_16"] - 1) / (n - 1) * 1e3  # µs per added row
+    per = {k: (many[k] - one[k]) / (n - 1) * 1e3 for k in one}
+    cache_us = p["kv_mb_per_row"] / m["read_gbs"] * 1e3
+    weights_ms = p["weights_mb"] / m["read_gbs"]
+    flops_ms = n * one["linear layers"] * p["linear_gflops"][1] / m["gemm_gflops"]  # the 1-row FLOPs, n times
+    floor = {"linear layers": (max(weights_ms, flops_ms) - weights_ms) / (n - 1) * 1e3, "attention": cache_us}
+    excess = sorted(
+        ((k, v - floor.get(k, 0.0)) for k, v in per.items() if k != "step"), key=lambda kv: -kv[1]
+    )
+    return (
+        f"**Where the added rows go** (`per_row`: the 1-row and {n}-row `shakespeare` steps, each the mean of "
+        f"{ARENA_SLACK} steps, one re-layout among them, and profiled): {one['step']} and {many['step']} ms, so each "
+        f"added row costs {per['step']:.0f} µs, where {TARGETS['txl_16']:g}× allows {allowed:.0f} µs. By kind (µs "
+        "per added row): " + ", ".join(f"{k} {v:.0f}" for k, v in per.items() if k != "step") + ". "
+        f"A row's own cache is {p['kv_mb_per_row']} MB, {cache_us:.0f} µs at the read rate. The linear layers share "
+        f"their {p['weights_mb']} MB of weights across the rows: reading them takes {weights_ms:.2f} ms and {n} rows' "
+        f"FLOPs at the GEMM rate {flops_ms:.2f} ms, so a product that overlapped the two would add "
+        f"{floor['linear layers']:.0f} µs per row; in the step MKL's {n}-row products take "
+        f"{many['linear layers'] / one['linear layers']:.1f}× the 1-row ones, at {p['linear_gflops'][n]} GFLOP/s "
+        f"({p['linear_gflops'][n] / m['gemm_gflops']:.0%} of this run's GEMM rate).{small_gemms_text(m)} Over those "
+        "floors, each added row costs "
+        + ", ".join(f"{k} {v:.0f} µs" for k, v in excess)
+        + f", and {n} ÷ 1 at "
+        f"{TARGETS['txl_16']:g}× needs {per['step'] - allowed:.0f} µs of it gone. What would close it (and HF at "
+        f"batch 16, the same step at 6 × 512), largest share first: "
+        + "; ".join(REMEDIES[k] for k, _ in excess)
+        + "."
+    )
+
+
+def small_gemms_text(m: dict) -> str:
+    """The step's products at 1 and 16 rows, MKL as run and the wheel's packed paths (`small_gemms`)."""
+    g = m.get("small_gemms")
+    if not g:
+        return ""
+    parts = ", ".join(
+        f"{way} {r['ms'][1]} → {r['ms'][16]} ms ({r['16_over_1']:.2f}×)" for way, r in g.items()
+    )
+    fastest = min(g, key=lambda way: g[way]["ms"][16])
+    best1 = min(r["ms"][1] for r in g.values())
+    return (
+        f" Alone, with their weights hot (`small_gemms`, 1 → 16 rows): {parts}. The fastest at 16 rows "
+        f"({fastest}) still takes {g[fastest]['ms'][16] / best1:.1f}× the fastest 1-row products: neither of "
+        "the torch wheel's matrix libraries (MKL, oneDNN) serves 16 rows at the price of one."
+    )
 
 
 def hf_why(m: dict, hf: dict) -> list[str]:
