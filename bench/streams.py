@@ -13,8 +13,8 @@ moves every batch alike):
   and where the misses come from: the attention kernels side by side against a contiguous
   read of as many bytes (`attention_kernels`), the cost of each row a batch adds by kind of
   work (`per_row`), the step's linear layers at 1 and 16 rows by each of the torch wheel's
-  matrix libraries (`small_gemms`), and new cache buffers with huge pages and without
-  (`relayouts`).
+  matrix libraries (`small_gemms`), new cache buffers with huge pages and without
+  (`relayouts`), and what a stream joining or leaving a batch costs (`restacks`).
 Over HTTP (a `recur serve` process, Redis, 1 torch thread, compile off, default settings
 otherwise):
   4. aggregate tokens/s of 16 streams ÷ 1 stream, with TTFT and ITL p50/p90/p99 at 1, 16
@@ -290,7 +290,7 @@ def relayouts(rounds: int) -> list[dict]:
                 arena._MADVISE = fn
                 try:
                     t0 = time.perf_counter()
-                    batch = lm.stack_states([one] * B)
+                    batch = model.State.stack([one] * B)  # plain: its first step re-lays it out
                     t1 = time.perf_counter()
                     step(lm, batch, ids)
                     t2 = time.perf_counter()
@@ -303,6 +303,38 @@ def relayouts(rounds: int) -> list[dict]:
         for i, what in enumerate(("stack", "relayout_step")):
             row[what] = {w: round(t[i] * 1e3, 2) for w, t in best.items()}
             row[what]["speedup"] = round(best["plain"][i] / best["huge"][i], 2)
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+@torch.no_grad()
+def restacks(rounds: int) -> list[dict]:
+    """What a stream joining or leaving a served batch costs (the runner re-stacks the
+    batch): B rows as a split batch leaves them (views of its arenas) stacked again, then
+    two decode steps; the stack plus the first step, less the second. Two ways in turn:
+    stacked plainly (the first step then copies every row into new arenas) and as
+    `lm.stack_states` stacks them, straight into arenas of the decode step's layout
+    (`batch_layouts`)."""
+    lm = MODELS["shakespeare"]()
+    one = lm.consume(
+        torch.randint(0, 256, (fill_length(lm),), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
+    )[1]
+    out = []
+    for B in (16, 64):
+        ids = torch.zeros(B, 1, dtype=torch.long)
+        rows = lm.split_state(step(lm, step(lm, lm.stack_states([one] * B), ids), ids))
+        best: dict[str, float] = {}
+        for _ in range(rounds * 2):
+            for way, layouts in (("plain", None), ("arenas", lm.batch_layouts())):
+                t0 = time.perf_counter()
+                batch = step(lm, model.State.stack(rows, layouts), ids)
+                t1 = time.perf_counter()
+                step(lm, batch, ids)
+                cost = 2 * t1 - t0 - time.perf_counter()  # stack + first step - second step
+                best[way] = min(best.get(way, float("inf")), cost)
+                del batch
+        row = {"batch": B, **{w: round(t * 1e3, 2) for w, t in best.items()}, "speedup": round(best["plain"] / best["arenas"], 2)}  # fmt: skip
         print(row, flush=True)
         out.append(row)
     return out
@@ -373,6 +405,7 @@ def model_level(rounds: int) -> dict:
         "per_row": per_row("shakespeare", 16, rounds),
         "small_gemms": small_gemms(rounds),
         "relayouts": relayouts(rounds),
+        "restacks": restacks(rounds),
         "read_gbs": round(bw / 1e9, 2),
         "gemm_gflops": round(gemm / 1e9, 2),
         "txl_ms": {B: round(t * 1e3, 3) for B, t in txl.items()},
@@ -768,6 +801,8 @@ def why(result: dict) -> str:
     text.append(floors_text(m))
     if "relayouts" in m:
         text.append(relayouts_text(m["relayouts"]))
+    if "restacks" in m:
+        text.append(restacks_text(m["restacks"]))
     text += http_why(m, result.get("http", {}))
     return "\n\n".join(text)
 
@@ -978,6 +1013,20 @@ def relayouts_text(rows: list[dict]) -> str:
         + "; ".join(parts)
         + ". The medians above leave the re-layout step out; a served batch pays it once per 64 steps. "
         "Below about 32 MB a buffer comes from memory glibc already holds, so there is nothing to gain."
+    )
+
+
+def restacks_text(rows: list[dict]) -> str:
+    """A batch's membership change, stacked plainly and into arenas, side by side (`restacks`)."""
+    parts = [f"{r['batch']} rows {r['plain']} → {r['arenas']} ms ({r['speedup']:.2f}×)" for r in rows]
+    return (
+        "**A stream joining or leaving** (`restacks`, side by side in this run): the runner re-stacks its "
+        "batch whenever its membership changes, and that step costs the stack plus whatever the first "
+        "decode step copies. Stacked plainly, the first step then copies every row again into arenas laid "
+        "out for decoding; `lm.stack_states` stacks the rows straight into such arenas (`batch_layouts`), "
+        "so the first step appends in place. The cost of a change, plain → into arenas: "
+        + "; ".join(parts)
+        + ". It still grows with the batch: every row is copied once per change."
     )
 
 

@@ -320,7 +320,12 @@ class LanguageModel(nn.Module):
         return self.rebuild_state(moved)
 
     def stack_states(self, states: list[State]) -> State:
-        return State.stack(states)
+        return State.stack(states, self.batch_layouts())
+
+    def batch_layouts(self) -> dict[str, bool]:
+        """The time axes a decode step grows in place, each with whether its arena is
+        time-major (`model.state.Arena`): a stacked batch starts in such arenas (`State.stack`)."""
+        return {}
 
     def split_state(self, state: State) -> list[State]:
         return state.split(self.state_lengths(state))

@@ -357,6 +357,9 @@ class Llama(LanguageModel):
     def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"last_hidden": (self.config.d_model,)}
 
+    def batch_layouts(self) -> dict[str, bool]:
+        return {"k": False, "v": False}  # `advance` grows the window in place; the sinks fill apart
+
     def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().check_state_tensors(tensors)
         for k, v in (("k", "v"), ("sink_k", "sink_v")):

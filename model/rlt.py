@@ -421,6 +421,9 @@ class RLT(LanguageModel):
     def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"s": (self.config.d_model,)}
 
+    def batch_layouts(self) -> dict[str, bool]:
+        return dict.fromkeys(self.time_axes(), False)  # `advance` grows every axis, row-major
+
     def new_state(self, batch_size: int = 1) -> State:
         s0 = self.s_star.expand(batch_size, self.config.d_model)  # training: gradients reach s*
         if not (self.training and torch.is_grad_enabled()):

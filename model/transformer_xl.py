@@ -456,6 +456,9 @@ class TransformerXL(LanguageModel):
     def fixed_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"last_hidden": (self.config.d_model,)}
 
+    def batch_layouts(self) -> dict[str, bool]:
+        return {"mem": False, "k": True, "v": True}  # as `advance` grows them for a decode step
+
     @torch.no_grad()
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
         mem = tensors["mem"]
@@ -551,9 +554,12 @@ class TransformerXL(LanguageModel):
         in_place = how.in_place
         grown = {"mem": state.window("mem").grow(T, in_place)}
         if not self.training:  # training projects the memory afresh (with gradients): no cache
-            # decode steps scan each stream's keys and values along time (`attend_one`)
-            time_major = T == 1
-            grown.update({name: state.window(name).grow(T, in_place, time_major) for name in ("k", "v")})
+            # decode steps scan each stream's keys and values along time (`attend_one`): their
+            # arenas are time-major, as a stacked batch's are from the start (`batch_layouts`)
+            layouts = self.batch_layouts()
+            grown.update(
+                {name: state.window(name).grow(T, in_place, T == 1 and layouts[name]) for name in ("k", "v")}
+            )
         mask = self._mask(T, M, state.n_tokens.clamp(max=cfg.mem_len))
 
         with self.autocast():

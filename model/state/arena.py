@@ -5,10 +5,12 @@ then slice the window) that step copies each whole window, several times per lay
 forward that runs in place (`model.family.Execution`, never under autograd) instead writes
 the new rows into an `Arena`, a buffer with spare rows after the window, and hands on a
 view of it; the arena is copied only when its spare rows run out (once every
-`ARENA_SLACK` steps). Rows an arena has handed out are never written again: a view may
-append in place only while it ends exactly where the arena's claimed rows end, so two
-states grown from one (a fork, a retried request) never write the same rows, and no view
-ever changes under its holder. Every other `State` operation makes ordinary tensors.
+`ARENA_SLACK` steps). A batch stacked for decoding starts in arenas of the layout its steps
+grow (`Arena.stacked`, `State.stack`), so a batch whose membership changed is copied once,
+not twice. Rows an arena has handed out are never written again: a view may append in
+place only while it ends exactly where the arena's claimed rows end, so two states grown
+from one (a fork, a retried request) never write the same rows, and no view ever changes
+under its holder. Every other `State` operation makes ordinary tensors.
 """
 
 from __future__ import annotations
@@ -73,12 +75,32 @@ class Arena:
         self.data, self.end, self.time_major = data, end, time_major
 
     @staticmethod
-    def empty(like: torch.Tensor, capacity: int, time_major: bool) -> torch.Tensor:
-        """An uninitialised [B, L, capacity, D] buffer for rows like `like` [B, L, M, D]."""
-        B, L, _, D = like.shape
+    def empty(like: torch.Tensor, capacity: int, time_major: bool, batch: int | None = None) -> torch.Tensor:
+        """An uninitialised [B, L, capacity, D] buffer for rows like `like` [B, L, M, D] (of
+        `batch` streams, where given, rather than like's B)."""
+        _, L, _, D = like.shape
+        B = like.shape[0] if batch is None else batch
         if time_major:  # (L, B, D, capacity) in memory
             return huge_pages(like.new_empty(L, B, D, capacity)).permute(1, 0, 3, 2)
         return huge_pages(like.new_empty(B, L, capacity, D))
+
+    @staticmethod
+    def stacked(parts: list[torch.Tensor], M: int, time_major: bool) -> Arena:
+        """An arena holding `parts` ([b, L, m, D] each, m <= M) one after another along the
+        batch axis, each part's rows at the end of an M-row window (zeros before them: the
+        left padding of a shorter stream), with ARENA_SLACK spare rows after it. A batch
+        stacked so (`State.stack`) is already laid out as its decode steps grow it: its first
+        step appends in place instead of copying every row into a new arena."""
+        first = parts[0]
+        data = Arena.empty(first, M + ARENA_SLACK, time_major, sum(p.shape[0] for p in parts))
+        b = 0
+        for p in parts:
+            n, m = p.shape[0], p.shape[2]
+            rows = data[b : b + n]
+            rows[:, :, : M - m].zero_()
+            rows[:, :, M - m : M].copy_(p)
+            b += n
+        return Arena(data, M, time_major)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is this arena's newest window: its last row is the last claimed row."""

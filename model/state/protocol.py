@@ -94,13 +94,15 @@ class State:
 
     # -- batching --------------------------------------------------------------------
     @staticmethod
-    def stack(states: Iterable[State]) -> State:
+    def stack(states: Iterable[State], layouts: Mapping[str, bool] | None = None) -> State:
         """Concatenate single- or multi-stream states along the batch axis.
 
         Tensors in `seq_dims` are left-padded with zeros to the longest; the family's
         validity counters (which are ordinary tensors) say which rows are real. A tensor
         that some of the states lack (a cache one holds and another, loaded from bytes, does
-        not yet) is left out: the family recomputes it.
+        not yet) is left out: the family recomputes it. The time-axis tensors named in
+        `layouts` are stacked straight into an arena (`Arena.stacked`; the value: whether it
+        is time-major), as the family's decode steps grow them.
         """
         states = list(states)
         if not states:
@@ -110,14 +112,20 @@ class State:
             if s.fingerprint != first.fingerprint:
                 raise StateError("cannot batch states of different models")
         out: dict[str, torch.Tensor] = {}
+        arenas: dict[str, Arena] = {}
         for name in [n for n in first.tensors if all(n in s.tensors for s in states)]:
             parts = [s.tensors[name] for s in states]
             dim = first.seq_dims.get(name)
-            if dim is not None:
-                longest = max(p.shape[dim] for p in parts)
-                parts = [_left_pad(p, dim, longest) for p in parts]
-            out[name] = _cat_rows(parts)
-        return first._holding(out)
+            if dim is None:
+                out[name] = _cat_rows(parts)
+                continue
+            longest = max(p.shape[dim] for p in parts)
+            if layouts is not None and name in layouts and _arena_rows(parts, dim, longest):
+                arenas[name] = Arena.stacked(parts, longest, layouts[name])
+                out[name] = arenas[name].data[:, :, :longest]
+            else:
+                out[name] = _cat_rows([_left_pad(p, dim, longest) for p in parts])
+        return first._holding(out, arenas)
 
     def split(self, lengths: Mapping[str, torch.Tensor] | None = None) -> list[State]:
         """Split into single-stream states. `lengths[name]` ([B]) trims left padding per row."""
@@ -156,6 +164,18 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     return torch.cat(parts, 0, out=huge_pages(torch.empty(shape, dtype=dtype, device=parts[0].device)))
+
+
+def _arena_rows(parts: list[torch.Tensor], dim: int, longest: int) -> bool:
+    """Whether time-axis `parts` can be stacked into an arena: [B, L, M, D] rows along dim
+    2, of one dtype, not followed by autograd, and not empty."""
+    first = parts[0]
+    return (
+        dim == 2
+        and longest > 0
+        and first.dim() == 4
+        and all(p.dtype == first.dtype and p.device == first.device and not p.requires_grad for p in parts)
+    )
 
 
 def _left_pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

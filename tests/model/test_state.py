@@ -314,6 +314,37 @@ def test_states_grown_from_one_state_never_write_the_same_rows(family):
     _same_state(sb, rsb)
 
 
+def _llama():
+    from .test_llama import tiny
+
+    return tiny(window=16)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama"])
+def test_a_stacked_batch_is_laid_out_as_its_decode_steps_grow_it(family):
+    """`lm.stack_states` puts the time axes a decode step grows (`batch_layouts`) straight
+    into arenas of their layout: the same values as a plain stack (short rows left-padded
+    with zeros), and the first in-place decode step appends where the stack put them, with
+    the same logits, instead of copying every row into new arenas."""
+    lm = _llama() if family == "llama" else FAMILIES[family]()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        rows = [lm(torch.randint(0, 258, (1, n), generator=g))[1] for n in (3, 11, 40)]
+        rows = [r for st in rows for r in lm.split_state(lm(torch.tensor([[5]]), st, model.IN_PLACE)[1])]
+        batch, plain = lm.stack_states(rows), model.State.stack(rows)
+        layouts = lm.batch_layouts()
+        assert layouts and set(batch.arenas) == set(layouts) and not plain.arenas
+        for name in plain.tensors:
+            assert torch.equal(batch[name], plain[name]), name
+        before = {n: a.data.data_ptr() for n, a in batch.arenas.items()}
+        ids = torch.tensor([[1], [2], [3]])
+        got, grown = lm(ids, batch, model.IN_PLACE)
+        want, _ = lm(ids, plain, model.IN_PLACE)
+    assert {n: a.data.data_ptr() for n, a in grown.arenas.items() if n in before} == before
+    assert all(grown.arenas[n].time_major == layouts[n] for n in layouts)
+    _same(got, want)
+
+
 def test_under_autograd_states_are_built_functionally():
     """Training back-propagates through the state: no in-place writes, no arenas."""
     lm = tiny_rlt()
