@@ -3,6 +3,7 @@ stdout; Ctrl-C is a real SIGINT sent to its PID in the middle of a generation.""
 
 from __future__ import annotations
 
+import codecs
 import os
 import queue
 import re
@@ -42,9 +43,13 @@ class ChatProcess:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        # whatever the pipe holds at once (a fast generation writes thousands of characters
+        # a second: read one at a time, the test would fall ever further behind)
         assert self.proc.stdout is not None
-        while chunk := self.proc.stdout.read(1):
-            self._chunks.put(chunk)
+        fd = self.proc.stdout.fileno()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(fd, 65536):
+            self._chunks.put(decoder.decode(chunk))
 
     def wait_for(self, pattern: str | re.Pattern, start: int = 0, timeout: float = 60) -> re.Match:
         rx = re.compile(pattern) if isinstance(pattern, str) else pattern
@@ -57,6 +62,8 @@ class ChatProcess:
                 raise AssertionError(f"{rx.pattern!r} not seen; output so far:\n{self.output[-2000:]}")
             try:
                 self.output += self._chunks.get(timeout=0.1)
+                while not self._chunks.empty():  # everything that has arrived, then one search
+                    self.output += self._chunks.get_nowait()
             except queue.Empty:
                 if self.proc.poll() is not None and self._chunks.empty():
                     raise AssertionError(
