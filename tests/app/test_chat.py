@@ -23,6 +23,15 @@ STATUS = re.compile(r"\[session ([0-9a-f]{32}) · version (\d+) · (\d+) tokens\
 IMPORT_LINE = re.compile(r"^import time:[^|]*\|[^|]*\| *([\w.]+)\n", re.M)
 
 
+def _interruptible() -> None:
+    """In the chat's process before it starts: SIGINT at its default and not blocked. A child
+    inherits its parent's ignored signals and blocked-signal mask, and a test worker that
+    has run other tests may hold either; Python only turns SIGINT into KeyboardInterrupt
+    where it starts with the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class ChatProcess:
     def __init__(self, url: str, *args: str):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -37,6 +46,7 @@ class ChatProcess:
             text=True,
             encoding="utf-8",
             errors="replace",
+            preexec_fn=_interruptible,
         )
         self.output = ""
         self._chunks: queue.Queue[str] = queue.Queue()
