@@ -86,10 +86,7 @@ def step_times(name: str, batches: list[int], rounds: int, steps: int) -> tuple[
     in turn; the best round's median. Then the largest batch's step profiled
     (roofline.profile_step: kernels' share, top ops by self time, ops per step)."""
     lm = MODELS[name]()
-    n = fill_length(lm)
-    one = lm.consume(
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
-    )[1]
+    one = filled(lm)
     states = {B: lm.stack_states([one] * B) for B in batches}
     best = {B: float("inf") for B in batches}
     for _ in range(rounds):
@@ -120,6 +117,12 @@ def cache_mb(state) -> float:
     return round(sum(state[n].numel() * state[n].element_size() for n in names) / 1e6, 2)
 
 
+def filled(lm) -> model.State:
+    """One stream's state with every time axis full (`fill_length` random tokens, seed 0)."""
+    ids = torch.randint(0, 256, (fill_length(lm),), generator=torch.Generator().manual_seed(0))
+    return lm.consume(ids, lm.new_state(1))[1]
+
+
 # a decode step's kernels by what they do, for `per_row`
 OP_CLASSES = {
     "linear layers": ("aten::addmm", "aten::mm"),
@@ -145,9 +148,7 @@ def per_row(name: str, rows: int, rounds: int) -> dict:
     row adds and the linear layers' GFLOP/s. A ratio `rows` ÷ 1 of R needs each added row
     to cost at most (rows / R - 1) / (rows - 1) of the 1-row step."""
     lm = MODELS[name]()
-    one = lm.consume(
-        torch.randint(0, 256, (fill_length(lm),), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
-    )[1]
+    one = filled(lm)
     states = {B: lm.stack_states([one] * B) for B in (1, rows)}
     best: dict[int, dict] = {}
     for _ in range(rounds):
@@ -277,10 +278,7 @@ def relayouts(rounds: int) -> list[dict]:
     from model.state import arena
 
     lm = MODELS["shakespeare"]()
-    n = fill_length(lm)
-    one = lm.consume(
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
-    )[1]
+    one = filled(lm)
     advise, out = arena._MADVISE, []
     for B in (16, 64):
         ids = torch.zeros(B, 1, dtype=torch.long)
@@ -317,9 +315,7 @@ def restacks(rounds: int) -> list[dict]:
     `lm.stack_states` stacks them, straight into arenas of the decode step's layout
     (`batch_layouts`)."""
     lm = MODELS["shakespeare"]()
-    one = lm.consume(
-        torch.randint(0, 256, (fill_length(lm),), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
-    )[1]
+    one = filled(lm)
     out = []
     for B in (16, 64):
         ids = torch.zeros(B, 1, dtype=torch.long)
@@ -345,10 +341,7 @@ def roofline_fraction(name: str, B: int, limit: float, kind: str, rounds: int) -
     """A step's bytes/time ÷ the read bandwidth (kind "bandwidth") or FLOPs/time ÷ the GEMM
     rate ("gemm")."""
     lm = MODELS[name]()
-    n = fill_length(lm)
-    one = lm.consume(
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
-    )[1]
+    one = filled(lm)
     state = lm.stack_states([one] * B)
     w = work(lm, state)
     t = step_times_on(lm, state, rounds)

@@ -195,9 +195,6 @@ class DecodeStep:
         compiled = self._compiled
         if compiled is not None and self.serves_compiled(tokens.shape[0]):
             self.compiled_steps += 1
-            if state.arenas:  # grown in place by an eager forward (a prefill): a layout the
-                # compiled code's guards were not traced on; its own outputs are plain tensors
-                state = state.clone()
             try:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     return compiled(tokens, state)
@@ -277,8 +274,17 @@ def _compile(lm: LanguageModel) -> Step:
     # shapes change with the batch and the state's fill level: dynamic, so that they do not
     # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph
     if lm.device.type == "cuda":
-        return torch.compile(lm.forward, dynamic=True, mode="reduce-overhead")
-    return torch.compile(lm.forward, dynamic=True, options=_options(lm))
+        step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead")
+    else:
+        step = torch.compile(lm.forward, dynamic=True, options=_options(lm))
+
+    def compiled(tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        # a state in arenas (stacked for decoding, or grown in place by an eager forward) has
+        # another layout than the plain tensors the graphs are traced on and return: given
+        # as is, it would compile again (or, past a guard, run eagerly)
+        return step(tokens, state.plain() if state.arenas else state)
+
+    return compiled
 
 
 def _probe_states(lm: LanguageModel) -> list[State]:

@@ -71,6 +71,11 @@ class State:
     def clone(self) -> State:
         return self._holding({k: v.clone() for k, v in self.tensors.items()})
 
+    def plain(self) -> State:
+        """This state in contiguous tensors and no arenas: one memory layout, whatever made
+        it (a stack into arenas, an in-place step), for code traced on one (a compiled step)."""
+        return self._holding({k: v.contiguous() for k, v in self.tensors.items()})
+
     def detach(self) -> State:
         """The same state with every tensor cut from the autograd graph (truncated BPTT)."""
         return self._holding({k: v.detach() for k, v in self.tensors.items()})

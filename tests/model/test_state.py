@@ -17,6 +17,7 @@ from model import StateError
 from model.state import ARENA_SLACK
 
 from .conftest import tiny_txl
+from .test_llama import tiny as tiny_llama
 from .test_rlt import tiny_rlt
 
 
@@ -314,19 +315,13 @@ def test_states_grown_from_one_state_never_write_the_same_rows(family):
     _same_state(sb, rsb)
 
 
-def _llama():
-    from .test_llama import tiny
-
-    return tiny(window=16)
-
-
 @pytest.mark.parametrize("family", [*FAMILIES, "llama"])
 def test_a_stacked_batch_is_laid_out_as_its_decode_steps_grow_it(family):
     """`lm.stack_states` puts the time axes a decode step grows (`batch_layouts`) straight
     into arenas of their layout: the same values as a plain stack (short rows left-padded
     with zeros), and the first in-place decode step appends where the stack put them, with
     the same logits, instead of copying every row into new arenas."""
-    lm = _llama() if family == "llama" else FAMILIES[family]()
+    lm = tiny_llama(window=16) if family == "llama" else FAMILIES[family]()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         rows = [lm(torch.randint(0, 258, (1, n), generator=g))[1] for n in (3, 11, 40)]
