@@ -298,6 +298,11 @@ def targets(r: Results) -> list[str]:
         "they were measured); `make bench` also runs that commit's model/ side by side in this run "
         "(`git archive`), the second ratio, which machine noise between runs does not move.",
         "",
+        "Targets 1, 2, 3 and 6 are also issue 30's: section 12 (`bench/streams.py`, later in the same "
+        "`make bench`) measures them again, each step against the limits sampled in that script, and "
+        "adds that issue's own figures. The two measurements are minutes apart on a shared machine, so "
+        "where they differ, the gap is the machine's; section 12 says what each miss needs.",
+        "",
         "**On a GPU** (not measured here: this page is a CPU run). `bench/gpu_smoke.sh` on a CUDA host "
         "checks the CUDA paths (pinned copies, the "
         "CUDA-graph decode step, bf16, in-place state growth), GPU fp32 logits against the CPU's "

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 import model
-from model import IN_PLACE, LanguageModel, State
+from model import LanguageModel, State
 from model.checkpoint import build
 
 # shipped `shakespeare-rlt` before issue 14's work, the targets' baseline (3x these):
@@ -68,6 +68,9 @@ from model.checkpoint import build
 # prefill 311-1025, so the best is the fairest baseline (noise only adds time). `make
 # bench` also re-measures that tree side by side in its own run (bench/report.py).
 RLT_BASELINE = {"commit": "ad05664", "decode_tokens_per_s": 512.0, "prefill_tokens_per_s": 1025.0}
+# how an eager decode step grows its state: in place. The baseline's model/ (which this script
+# also measures, above) predates `model.Execution` and grew in place by default.
+IN_PLACE = getattr(model, "IN_PLACE", None)
 
 GIB = 1 << 30
 # the profiler names of the compute kernels: matmuls and fused attention; everything else
@@ -239,12 +242,16 @@ def work(lm: LanguageModel, state: State) -> Work:
 Forward = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
 
+def eager(lm: LanguageModel, ids: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+    return lm(ids, state) if IN_PLACE is None else lm(ids, state, IN_PLACE)
+
+
 def step(lm: LanguageModel, state: State, ids: torch.Tensor, forward: Forward | None = None) -> State:
     """One decode step, as `app/engine/runner.py` runs it (greedy picking in place of
     sampling); `forward` is the one-token forward the engine runs (`DecodeStep`), eager by
     default."""
     ids[:, 0] = lm.next_logits(state).argmax(-1)
-    return (forward(ids, state) if forward is not None else lm(ids, state, IN_PLACE))[1]
+    return (forward(ids, state) if forward is not None else eager(lm, ids, state))[1]
 
 
 def time_steps(
