@@ -501,7 +501,9 @@ def history(r: Results) -> list[str]:
         "",
         "A 32-token greedy request on a session that already holds the history, against a stateless "
         "baseline that re-sends the whole history and re-prefills it (a new session created with "
-        "the history as its prompt, then the same request). Both over real HTTP.",
+        "the history as its prompt, then the same request). Both over real HTTP. The stateful "
+        "requests are timed in rounds over every length in turn (the median per length), so that a "
+        "burst of load on the shared machine hits the lengths alike.",
         "",
         table(r.hist, COLUMNS["history"]),
         "",
@@ -548,7 +550,9 @@ def concurrency(r: Results) -> list[str]:
         "## 6. Concurrency over HTTP with SSE",
         "",
         "N sessions each stream 64 tokens at temperature 0.8, all started together; the server "
-        f"batches their decode steps (`max_batch_size` 64, {r.serving['cpu_threads']} torch thread).",
+        f"batches their decode steps (`max_batch_size` 64, {r.serving['cpu_threads']} torch thread). "
+        f"Each count was measured in {r.conc[0].get('rounds', 1)} rounds, every count in turn within a "
+        "round (so that a burst of load hits them alike), and the round with the most tokens/s is shown.",
         "",
         table(r.conc, COLUMNS["concurrency"]),
         "",

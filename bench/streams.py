@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from harness import ROOT, Redis, Server, emit, model_dir, write_section
 from roofline import MODELS, best_of, fill_length, gemm_rate, profile_step, read_bandwidth, step, work
 from safetensors.torch import load_file
-from serving import corpus_text, pct, stream
+from serving import corpus_text, cpu_seconds, levels, pct, sessions, stream
 from torch.profiler import profile
 
 import model
@@ -481,33 +481,6 @@ def hf_level(rounds: int) -> dict:
 
 
 # -- over HTTP ------------------------------------------------------------------------------
-async def sessions(client: httpx.AsyncClient, n: int) -> list[str]:
-    return [(await client.post("/v1/sessions", json={"prompt": "ROMEO:"})).json()["id"] for _ in range(n)]
-
-
-async def levels(client: httpx.AsyncClient, counts: list[int], pid: int) -> list[dict]:
-    """Per stream count: aggregate tokens/s, TTFT and ITL percentiles, and the server
-    process's (`pid`) cores in use and CPU time per token over the run."""
-    out = []
-    for n in counts:
-        sids = await sessions(client, n)
-        await stream(client, sids[0], seed=0)  # warm-up
-        t0, c0 = time.perf_counter(), cpu_seconds(pid)
-        results = await asyncio.gather(*(stream(client, sid, seed=i) for i, sid in enumerate(sids)))
-        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
-        ttft, itl = [r[0] for r in results], [g for r in results for g in r[1]]
-        tokens = sum(r[2] for r in results)
-        row = {"streams": n, "tokens_per_s": round(tokens / wall, 1), "server_cores": round(cpu / wall, 2),
-               "server_cpu_ms_per_token": round(cpu / tokens * 1e3, 3)}  # fmt: skip
-        for q in (50, 90, 99):
-            row[f"ttft_p{q}_ms"] = round(pct(ttft, q) * 1e3, 1)
-        for q in (50, 90, 99):
-            row[f"itl_p{q}_ms"] = round(pct(itl, q) * 1e3, 2)
-        print(row, flush=True)
-        out.append(row)
-    return out
-
-
 async def stall(client: httpx.AsyncClient, prompt_tokens: int, reps: int) -> dict:
     """p99 ITL of 15 streams alone, and while a `prompt_tokens` score arrives (best of reps
     each: noise only adds time)."""
@@ -544,12 +517,6 @@ async def score_rate(client: httpx.AsyncClient, text: str) -> float:
     r = await client.post(f"/v1/sessions/{sid}/score", json={"prompt": text, "commit": False})
     r.raise_for_status()
     return time.perf_counter() - t0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` has used (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve(name: str, work_dir: Path, fn, root: Path):
@@ -630,7 +597,7 @@ def http_level(reps: int, root: Path) -> dict:
 
     async def txl(client, server):
         return {
-            "levels": await levels(client, [1, 16, 64], server.proc.pid),
+            "levels": await levels(client, [1, 16, 64], reps, server.proc.pid),
             "stall": await stall(client, 8000, reps),
         }
 
@@ -755,8 +722,10 @@ def section(result: dict) -> str:
         lines.append(f"| {label} | {before} | {target} | {measured} | {v} |")
     h = result.get("http", {})
     if h:
-        cols = list(h["levels"][0])
-        lines += ["", "TTFT and ITL over HTTP/SSE (64 tokens per stream):", "",
+        cols = [c for c in h["levels"][0] if c != "rounds"]
+        rounds = h["levels"][0].get("rounds", 1)
+        lines += ["", f"TTFT and ITL over HTTP/SSE (64 tokens per stream; each count measured in {rounds} "
+                  "rounds, every count in turn within a round, and the round with the most tokens/s kept):", "",
                   "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
         lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in h["levels"]]
         s = h["stall"]
