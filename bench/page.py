@@ -11,6 +11,7 @@ import datetime
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import plots
 
@@ -253,12 +254,26 @@ class Results:
         return f"; {row['tokens_per_s'] / here[key]:.2f}× the baseline re-measured in this run ({here[key]})"
 
 
+def cpu() -> str:
+    """This machine's CPU as /proc/cpuinfo names it, with its widest matrix or vector unit: a
+    compiled step and an eager one do not scale alike from one CPU to another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    name, flags = fields.get("model name\t", "").strip(), set(fields.get("flags\t\t", "").split())
+    units = {"amx_tile": "AMX", "avx512f": "AVX-512", "avx2": "AVX2"}
+    unit = next((label for flag, label in units.items() if flag in flags), "")
+    return f"{name}{f' ({unit})' if unit else ''}"
+
+
 def header(r: Results) -> list[str]:
     return [
         "# Benchmarks",
         "",
         f"Written by `make bench` (`bench/report.py`) on {datetime.date.today()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}. "
+        f"{platform.machine()}, {cpu()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}. "
         f"Model: {r.serving['model']}. Every figure below comes from this one run; read the ratios, "
         "which are measured side by side, and the fractions of the machine's limits measured in the "
         "same run, rather than the absolute times of a shared machine.",
@@ -296,7 +311,10 @@ def targets(r: Results) -> list[str]:
         f"The baseline of targets 4 and 5 is the code before issue 14 (commit {base['commit']}): the "
         "verdict divides by the figures recorded in `RLT_BASELINE` (`bench/roofline.py` says when and how "
         "they were measured); `make bench` also runs that commit's model/ side by side in this run "
-        "(`git archive`), the second ratio, which machine noise between runs does not move.",
+        "(`git archive`), the second ratio, which machine noise between runs does not move. The "
+        "recorded figures were measured on a 2-core AMD EPYC; on another CPU they are another "
+        "machine's, and the side-by-side ratio is the one to read (the compiled step the server "
+        "runs and the baseline's eager code do not scale alike from one CPU to another).",
         "",
         "Targets 1, 2, 3 and 6 are also issue 30's: section 12 (`bench/streams.py`, later in the same "
         "`make bench`) measures them again, each step against the limits sampled in that script, and "
