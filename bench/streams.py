@@ -752,6 +752,20 @@ def whose_gap(step_ms: float, floor_ms: float) -> str:
     )
 
 
+def rlt_kernel_text(att: dict, rlt: dict) -> str:
+    """Whether RLT would gain from the one-pass products, from this run's side-by-side figures
+    and its 16-row step's profile (RLT keeps `sdpa`)."""
+    gain = max(att[("shakespeare-rlt", B)]["speedup"] for B in (16, 64))
+    if gain <= 1.05:
+        return "The one-pass products do not beat `sdpa` at RLT's shapes, so RLT keeps it."
+    share = sum(o["share"] for o in rlt["top_ops"] if "scaled_dot_product" in o["op"])
+    return (
+        f"At RLT's shapes the one-pass products beat `sdpa` in this run by up to {gain:.2f}×; attention is {share:.0%} of RLT's "
+        f"16-row step, so even this gain would take at most {share * (1 - 1 / gain):.0%} off it, and RLT "
+        "keeps `sdpa`."
+    )
+
+
 def why(result: dict) -> str:
     """The misses explained from this run's own measurements: the profiles, the attention
     kernels side by side, the limits and the load."""
@@ -779,9 +793,10 @@ def why(result: dict) -> str:
         f"{sp[('shakespeare', 16)]} at 16 rows and {sp[('shakespeare', 64)]} at 64 at `shakespeare`'s shapes "
         f"(the faster reading its 64-row cache at {att[('shakespeare', 64)]['read_gbs']} GB/s); at "
         f"`shakespeare-rlt`'s (4 heads × 32, no position term) {sp[('shakespeare-rlt', 1)]}, "
-        f"{sp[('shakespeare-rlt', 16)]} and {sp[('shakespeare-rlt', 64)]} at 1, 16 and 64 rows. The one-pass "
-        "products do not beat `sdpa` at RLT's shapes, so RLT keeps it; its 16-row step's profile: kernels "
-        f"{rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; {ops(rlt)}." + plain_read_text(att),
+        f"{sp[('shakespeare-rlt', 16)]} and {sp[('shakespeare-rlt', 64)]} at 1, 16 and 64 rows. "
+        + rlt_kernel_text(att, rlt)
+        + f" Its 16-row step's profile: kernels {rlt['kernel_share']:.0%}, {rlt['ops_per_call']} ops per step; "
+        f"{ops(rlt)}." + plain_read_text(att),
     ]
     if "per_row" in m:
         text.append(per_row_text(m))
