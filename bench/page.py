@@ -255,17 +255,20 @@ class Results:
 
 
 def cpu() -> str:
-    """This machine's CPU as /proc/cpuinfo names it, with its widest matrix or vector unit: a
-    compiled step and an eager one do not scale alike from one CPU to another."""
+    """The CPU of the machine writing the page, as /proc/cpuinfo names it, with its widest
+    matrix or vector unit: a compiled step and an eager one do not scale alike from one CPU
+    to another."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    name, flags = fields.get("model name\t", "").strip(), set(fields.get("flags\t\t", "").split())
+    fields = {
+        k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)
+    }
+    flags = set(fields.get("flags", "").split())
     units = {"amx_tile": "AMX", "avx512f": "AVX-512", "avx2": "AVX2"}
     unit = next((label for flag, label in units.items() if flag in flags), "")
-    return f"{name}{f' ({unit})' if unit else ''}"
+    return fields.get("model name", "unknown CPU") + (f" ({unit})" if unit else "")
 
 
 def header(r: Results) -> list[str]:

@@ -154,10 +154,8 @@ def history(url: str, lengths: list[int], chunk: int, reps: int) -> list[dict]:
                 client.post(f"/v1/sessions/{sid}/score", json={"prompt": text[i : i + chunk], "commit": True})
             assert client.get(f"/v1/sessions/{sid}").json()["n_tokens"] == n
             timed_generate(client, sid)  # warm the session (hot cache), as a live conversation is
-            sids[n], stateless[n] = (
-                sid,
-                statistics.median(stateless_ms(client, text, 1 if n >= 50_000 else reps)),
-            )
+            sids[n] = sid
+            stateless[n] = statistics.median(stateless_seconds(client, text, 1 if n >= 50_000 else reps))
         stateful: dict[int, list[float]] = {n: [] for n in lengths}
         for _ in range(reps):
             for n in lengths:
@@ -177,7 +175,7 @@ def history(url: str, lengths: list[int], chunk: int, reps: int) -> list[dict]:
     return out
 
 
-def stateless_ms(client: httpx.Client, text: str, reps: int) -> list[float]:
+def stateless_seconds(client: httpx.Client, text: str, reps: int) -> list[float]:
     """Seconds to answer with no kept state: a fresh session sent the whole history, then the
     same generate."""
     out = []

@@ -53,7 +53,7 @@ import httpx
 import torch
 import torch.nn.functional as F
 from harness import ROOT, Redis, Server, emit, model_dir, write_section
-from roofline import MODELS, best_of, fill_length, gemm_rate, profile_step, read_bandwidth, step, work
+from roofline import MODELS, Machine, best_of, fill_length, profile_step, step, work
 from safetensors.torch import load_file
 from serving import corpus_text, cpu_seconds, levels, pct, sessions, stream
 from torch.profiler import profile
@@ -359,12 +359,6 @@ def with_fraction(row: dict, limit: float, kind: str) -> dict:
     return {**row, "fraction": round(amount / (row["step_ms"] / 1e3) / limit, 3)}
 
 
-def limits() -> tuple[float, float]:
-    bw, gemm = read_bandwidth(1), gemm_rate(1)
-    print(f"1 thread: read {bw / 1e9:.1f} GB/s, GEMM {gemm / 1e9:.1f} GFLOP/s", flush=True)
-    return bw, gemm
-
-
 def step_times_on(lm, state, rounds: int, steps: int = 10) -> float:
     ids = torch.zeros(state.batch_size, 1, dtype=torch.long)
     state = step(lm, state, ids)
@@ -402,12 +396,11 @@ def model_level(rounds: int) -> dict:
     """Every model-level figure. The limits are sampled at the start, before the roofline steps
     and at the end, and every fraction is of the best sample: a sample taken while another job
     ran reads low, and must not flatter a figure (the lowest shows how much the machine moved)."""
-    torch.set_num_threads(1)
-    samples = [limits()]
+    machine = Machine()  # samples the limits (and sets 1 thread)
     txl, txl_prof = step_times("shakespeare", [1, 16, 64], rounds, 10)
     rlt, rlt_prof = step_times("shakespeare-rlt", [1, 16], rounds, 10)
     rlt_prefill = prefill_rate("shakespeare-rlt", [2048, 8192])
-    samples.append(limits())
+    machine.sample()
     steps = {"gemm_64": roofline_step("shakespeare", 64, rounds),
              "bw_6x512": roofline_step("txl-6x512-mem512", 1, rounds),
              "bw_3800": roofline_step("txl-6x256-len3800", 1, rounds)}  # fmt: skip
@@ -419,13 +412,13 @@ def model_level(rounds: int) -> dict:
         "relayouts": relayouts(rounds),
         "restacks": restacks(rounds),
     }
-    samples.append(limits())
-    bw, gemm = max(s[0] for s in samples), max(s[1] for s in samples)
+    machine.sample()
+    bw, gemm, seen = machine.best("bandwidth_1t"), machine.best("gemm_1t"), machine.summary()
     return out | {
         "read_gbs": round(bw / 1e9, 2),
         "gemm_gflops": round(gemm / 1e9, 2),
-        "read_gbs_lowest": round(min(s[0] for s in samples) / 1e9, 2),
-        "gemm_gflops_lowest": round(min(s[1] for s in samples) / 1e9, 2),
+        "read_gbs_lowest": seen["bandwidth_1t_lowest"],
+        "gemm_gflops_lowest": seen["gemm_1t_lowest"],
         "txl_ms": {B: round(t * 1e3, 3) for B, t in txl.items()},
         "rlt_ms": {B: round(t * 1e3, 3) for B, t in rlt.items()},
         "txl_16": round(16 * txl[1] / txl[16], 2),
@@ -760,8 +753,8 @@ def rlt_kernel_text(att: dict, rlt: dict) -> str:
         return "The one-pass products do not beat `sdpa` at RLT's shapes, so RLT keeps it."
     share = sum(o["share"] for o in rlt["top_ops"] if "scaled_dot_product" in o["op"])
     return (
-        f"At RLT's shapes the one-pass products beat `sdpa` in this run by up to {gain:.2f}×; attention is {share:.0%} of RLT's "
-        f"16-row step, so even this gain would take at most {share * (1 - 1 / gain):.0%} off it, and RLT "
+        f"At RLT's shapes the one-pass products beat `sdpa` in this run by up to {gain:.2f}×; "
+        f"attention is {share:.0%} of RLT's 16-row step, so even this gain would take at most {share * (1 - 1 / gain):.0%} off it, and RLT "
         "keeps `sdpa`."
     )
 
