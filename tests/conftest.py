@@ -27,8 +27,8 @@ import redis
 import torch
 from hypothesis import settings
 
-import model
 from app.embedded_redis import free_port
+from tests.sensitive import write_sensitive
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16)
@@ -152,7 +152,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
-    model.init(path, seed=0, **TINY)
+    write_sensitive(path, seed=0, **TINY)
     return path
 
 
@@ -245,6 +245,21 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def metric(self, name: str, key: str | None = None, **labels: str) -> float:
+        """The sum of the samples named `name` on /metrics whose labels include `labels`, read
+        with prometheus-client's own parser (0 when there are none). A test reads a value,
+        never a substring: the HELP and TYPE lines name every metric, even one never counted."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=30).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
 
@@ -265,7 +280,7 @@ def tiny_model_of(family: str, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     if family == "transformer-xl":
         return tiny_model_dir
     path = tmp_path_factory.mktemp(family) / "tiny"  # the same name, so the tests read alike
-    model.init(path, family=family, seed=0, **(RLT_TINY if family == "rlt" else SSM_TINY[family]))
+    write_sensitive(path, family=family, seed=0, **(RLT_TINY if family == "rlt" else SSM_TINY[family]))
     return path
 
 

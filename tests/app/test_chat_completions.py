@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-import model
 from model import checkpoint
 from model.chat_template import ChatTemplate, play_script
 from tests.conftest import TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 SCENE = [
     {"role": "system", "content": "Enter Romeo and Juliet."},
@@ -201,7 +201,7 @@ def test_text_parts_names_and_template_variables(oa, server):
 
 # -- checkpoints without the shipped template ---------------------------------------------------
 def _tiny(directory: Path, template: ChatTemplate | None) -> Path:
-    model.init(directory, seed=0, chat_template=template, **TINY)
+    write_sensitive(directory, seed=0, chat_template=template, **TINY)
     return directory
 
 

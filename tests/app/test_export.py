@@ -9,6 +9,7 @@ import pytest
 
 import model
 from tests.conftest import TINY
+from tests.sensitive import write_sensitive
 
 A, B = "key-export-a", "key-export-b"
 SERVER_SETTINGS = {"api_keys": f"{A},{B}", "max_import_mb": 0.02}  # 20 KiB: a few tiny states
@@ -87,7 +88,7 @@ def test_bad_bytes_get_a_clear_4xx_and_create_nothing(a, tmp_path, tiny_model_di
     invalid_state(import_state(a, bytes(flipped)), "checksum")
     invalid_state(import_state(a, b"\x80\x04\x95 a pickle, say"), "cannot be imported")
     # a state of another model: same family and shapes, other weights
-    model.init(tmp_path / "other", seed=1, **TINY)
+    write_sensitive(tmp_path / "other", seed=1, **TINY)
     lm = model.load(tmp_path / "other", device="cpu")
     st = lm.new_state(1)
     _, st = lm.consume([lm.tokenizer.bos_id, 65], st)

@@ -17,6 +17,7 @@ import pytest
 import model
 from tests.app.sse_client import generating
 from tests.conftest import TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 BATCH = 8  # the server's max_batch_size: n times the prompts may not pass it
 TOKENS = 8
@@ -28,7 +29,7 @@ MESSAGES = [{"role": "user", "content": "Good morrow, cousin."}]
 def server(redis_url, tmp_path_factory) -> Iterator[ServerProcess]:
     """A tiny byte-level model with the shipped play-script chat template."""
     path = tmp_path_factory.mktemp("n-model") / "tiny"
-    model.init(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
+    write_sensitive(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
     settings = {"cpu_threads": 1, "max_tokens": 50, "max_batch_size": BATCH}
     with ServerProcess(path, tmp_path_factory.mktemp("server"), redis_url, **settings) as srv:
         yield srv

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-import model
 from tests.conftest import SSM_TINY, TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 A, B = "key-reuse-a", "key-reuse-b"
 RLT_TINY = dict(
@@ -34,7 +34,7 @@ SETTINGS = {
 def server(request, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = tmp_path_factory.mktemp("models") / request.param
     extra = {"transformer-xl": TINY, "rlt": RLT_TINY, **SSM_TINY}[request.param]
-    model.init(path, family=request.param, seed=0, **extra)
+    write_sensitive(path, family=request.param, seed=0, **extra)
     srv = ServerProcess(path, tmp_path_factory.mktemp("reuse-server"), redis_url, **SETTINGS).start()
     yield srv
     srv.stop()
@@ -59,13 +59,7 @@ def consumed(c: httpx.Client, sid: str) -> list[int]:
 
 
 def counters(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics").text
-    return {
-        name: float(m.group(1))
-        if (m := re.search(rf"^recur_prefix_reuse_{name}_total ([0-9.e+]+)$", text, re.M))
-        else 0.0
-        for name in ("hits", "misses", "tokens_saved")
-    }
+    return {name: server.metric(f"recur_prefix_reuse_{name}_total") for name in ("hits", "misses", "tokens_saved")}
 
 
 def same(got: dict, want: dict) -> None:
@@ -91,6 +85,7 @@ def test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill(serve
         assert after["tokens_saved"] - before["tokens_saved"] == len(history)
         # the same request under a key that has no prefixes: a full prefill, the same answer
         full = complete(b, prompt2)
+        assert full["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a cold run
         assert counters(server)["misses"] == after["misses"] + 1
         same(turn2, full)
         # the matched session was forked, never modified; the fork lives the stateless TTL

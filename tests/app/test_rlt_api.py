@@ -18,6 +18,7 @@ from model.replay import Rollout, replay
 from model.sampling import SamplingParams
 from tests.app.boundaries import assert_scored_alike, create
 from tests.conftest import RLT_TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 SETTINGS = {"max_tokens": 100, "max_prompt_tokens": 400, "cpu_threads": 1}
 TEXT = "Now is the winter of our discontent made glorious summer — ça va? — by this sun of York."
@@ -26,7 +27,7 @@ TEXT = "Now is the winter of our discontent made glorious summer — ça va? —
 @pytest.fixture(scope="module")
 def rlt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("rlt") / "tiny-rlt"
-    model.init(path, family="rlt", seed=0, **RLT_TINY)
+    write_sensitive(path, family="rlt", seed=0, **RLT_TINY)
     return path
 
 

@@ -25,6 +25,7 @@ from tests.app.boundaries import assert_scored_alike, create
 from tests.app.servers import serve
 from tests.app.sse_client import generate as stream_generate
 from tests.conftest import SSM_TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 KEY = "key-ssm"
 SETTINGS = {
@@ -43,7 +44,9 @@ def server(
 ) -> Iterator[ServerProcess]:
     """A tiny model of each family in turn (with the play-script chat template), served."""
     path = tmp_path_factory.mktemp(request.param) / "tiny"
-    model.init(path, family=request.param, seed=0, chat_template=play_script(), **SSM_TINY[request.param])
+    write_sensitive(
+        path, family=request.param, seed=0, chat_template=play_script(), **SSM_TINY[request.param]
+    )
     yield from serve(path, redis_url, tmp_path_factory, **SETTINGS)
 
 

@@ -36,6 +36,7 @@ import model
 from app.api.deps import IF_MATCH
 from app.api.openapi import range_pattern
 from tests.conftest import TINY, ServerProcess, example_count
+from tests.sensitive import write_sensitive
 
 # two tenants: the stateful phase checks that neither reads what the other created
 KEYS = {"alice": "contract-key-alice", "bob": "contract-key-bob"}
@@ -124,7 +125,7 @@ def contract_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
     keys (/metrics asks for one too), and a small generation cap so fuzzed requests stay
     cheap."""
     path = tmp_path_factory.mktemp("contract-model") / "tiny"
-    model.init(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
+    write_sensitive(path, seed=0, chat_template=model.checkpoint.chat_template("shakespeare"), **TINY)
     srv = ServerProcess(
         path,
         tmp_path_factory.mktemp("contract"),

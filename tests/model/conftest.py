@@ -13,6 +13,7 @@ from model.corpus import shakespeare_works
 from model.state import State
 from model.train import TrainConfig
 from tests.conftest import SSM_TINY
+from tests.sensitive import sensitive_model
 
 TINY = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, tgt_len=8, dropout=0.0)
 
@@ -30,21 +31,8 @@ def tiny_txl(seed: int = 0, **overrides: object) -> model.LanguageModel:
 
 
 def tiny_ssm(family: str, seed: int = 0, **overrides: object) -> model.LanguageModel:
-    """A tiny Mamba or Mamba-2 whose SSM matters: weights of unit gain (GPT-2's init makes
-    B_t, C_t and the gate tiny), Delta and A spread so that some channels decay within a few
-    tokens and some keep the whole stream."""
-    torch.manual_seed(seed)
-    lm = build(family, {**SSM_TINY[family], **overrides})
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(-3.0, 1.0)
-            elif name.endswith(("dt_proj.bias", "dt_bias")):
-                p.uniform_(-4.0, 1.0)
-            elif p.dim() >= 2 and "embeddings" not in name:
-                p.normal_(0.0, p[0].numel() ** -0.5)
-    lm.fingerprint = model.fingerprint(lm)
-    return lm.eval()
+    """A tiny Mamba or Mamba-2 whose SSM matters (tests/sensitive.py)."""
+    return sensitive_model(family, {**SSM_TINY[family], **overrides}, seed)
 
 
 def tiny_config(out: Path, corpus: Path, **overrides: object) -> TrainConfig:
