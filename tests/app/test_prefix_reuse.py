@@ -5,7 +5,6 @@ prefixes; the matched session is never touched; a stale entry falls back to a pr
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 import redis
@@ -39,14 +38,35 @@ def oa(server) -> openai.OpenAI:
     return client(server)
 
 
+@pytest.fixture(scope="module")
+def cold(server, redis_url, tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """The reference for "the whole conversation resent": a server of the same model with
+    prefix reuse off and keys of its own in Redis, so that it can only prefill the whole
+    text from an empty state; it cannot fork the chain's stored states (`resent` checks)."""
+    with ServerProcess(
+        server.model_dir, tmp_path_factory.mktemp("cold"), redis_url, cpu_threads=1, max_tokens=200,
+        api_keys=",".join(KEYS), prefix_reuse=False,
+    ) as srv:  # fmt: skip
+        yield client(srv)
+
+
+def resent(cold: openai.OpenAI, **request: object) -> openai.types.responses.Response:
+    """A whole conversation resent to the cold server: prefilled from nothing."""
+    whole = cold.responses.create(store=False, **GREEDY, **request)  # type: ignore[call-overload]
+    assert whole.usage.input_tokens_details.cached_tokens == 0
+    return whole
+
+
 def keys_of(server: ServerProcess) -> set[bytes]:
     r = redis.Redis.from_url(server.redis_url)
     return set(r.scan_iter(match=server.settings["key_prefix"] + "*"))
 
 
-def test_chain_equals_whole_conversation_and_reuses_state(oa):
+def test_chain_equals_whole_conversation_and_reuses_state(oa, cold):
     model = oa.models.list().data[0].id
-    first = oa.responses.create(model=model, input="Good morrow, fair lady.", instructions="A garden.", **GREEDY)
+    first = oa.responses.create(
+        model=model, input="Good morrow, fair lady.", instructions="A garden.", **GREEDY
+    )
     assert first.status in ("completed", "incomplete") and first.output_text
     second = oa.responses.create(
         model=model, input="What news?", previous_response_id=first.id, instructions="A garden.", **GREEDY,
@@ -54,8 +74,8 @@ def test_chain_equals_whole_conversation_and_reuses_state(oa):
     )  # fmt: skip
     assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's state was reused
     assert second.usage.input_tokens > second.usage.input_tokens_details.cached_tokens
-    whole = oa.responses.create(
-        model=model, instructions="A garden.", **GREEDY, include=["message.output_text.logprobs"], store=False,
+    whole = resent(
+        cold, model=model, instructions="A garden.", include=["message.output_text.logprobs"],
         input=[
             {"role": "user", "content": "Good morrow, fair lady."},
             {"role": "assistant", "content": first.output_text},
@@ -68,7 +88,9 @@ def test_chain_equals_whole_conversation_and_reuses_state(oa):
     b = whole.output[0].content[0].logprobs
     assert len(a) == len(b) and all(abs(x.logprob - y.logprob) <= 1e-4 for x, y in zip(a, b, strict=True))
     # branching: two continuations of one response are two forks, neither conflicts
-    x = oa.responses.create(model=model, input="What news?", previous_response_id=first.id, instructions="A garden.", **GREEDY)
+    x = oa.responses.create(
+        model=model, input="What news?", previous_response_id=first.id, instructions="A garden.", **GREEDY
+    )
     assert x.output_text == second.output_text and x.id != second.id
     # streamed: the event sequence, numbered, ending with the same text
     events = list(oa.responses.create(model=model, input="What news?", previous_response_id=first.id,
@@ -76,7 +98,11 @@ def test_chain_equals_whole_conversation_and_reuses_state(oa):
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]  # fmt: skip
-    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert types[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == second.output_text
@@ -129,7 +155,7 @@ def test_another_key_sees_nothing(server, oa):
     assert oa.responses.retrieve(r.id).id == r.id
 
 
-def test_conversations(oa):
+def test_conversations(oa, cold):
     conv = oa.conversations.create(items=[{"role": "system", "content": "A street."}], metadata={"k": "v"})
     assert oa.conversations.retrieve(conv.id).metadata == {"k": "v"}
     oa.conversations.items.create(conv.id, items=[{"role": "user", "content": "Who goes there?"}])
@@ -138,19 +164,20 @@ def test_conversations(oa):
     items = list(oa.conversations.items.list(conv.id, order="asc"))
     assert [i.role for i in items] == ["system", "user", "user", "assistant"]
     assert items[-1].content[0].text == r.output_text
-    whole = oa.responses.create(
-        input=[{"role": i.role, "content": i.content[0].text} for i in items[:3]], store=False, **GREEDY
-    )
+    whole = resent(cold, input=[{"role": i.role, "content": i.content[0].text} for i in items[:3]])
     assert whole.output_text == r.output_text
     oa.conversations.items.delete(items[1].id, conversation_id=conv.id)  # the state cannot un-consume it
     again = oa.responses.create(input="Speak!", conversation=conv.id, **GREEDY)
     left = [items[0], items[2], items[3]]  # so the items are prefilled anew (from a prefix, at most)
     assert again.usage.input_tokens_details.cached_tokens < r.usage.input_tokens
-    resent = oa.responses.create(
-        input=[*({"role": i.role, "content": i.content[0].text} for i in left), {"role": "user", "content": "Speak!"}],
-        store=False, **GREEDY,
-    )  # fmt: skip
-    assert resent.output_text == again.output_text
+    anew = resent(
+        cold,
+        input=[
+            *({"role": i.role, "content": i.content[0].text} for i in left),
+            {"role": "user", "content": "Speak!"},
+        ],
+    )
+    assert anew.output_text == again.output_text
     oa.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError):
         oa.conversations.retrieve(conv.id)
@@ -184,7 +211,10 @@ def test_background_completes_replays_and_cancels(server, oa):
     assert rest[-1].type in ("response.completed", "response.incomplete")
     done = oa.responses.retrieve(r.id)
     assert done.output_text == "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
-    assert done.output_text == oa.responses.create(input="Tell a long tale.", temperature=0, max_output_tokens=120).output_text
+    assert (
+        done.output_text
+        == oa.responses.create(input="Tell a long tale.", temperature=0, max_output_tokens=120).output_text
+    )
     # cancel: it stops and keeps nothing more
     c = oa.responses.create(input="Another long tale.", background=True, temperature=0, max_output_tokens=200)
     assert oa.responses.cancel(c.id).status in ("cancelled", "completed", "incomplete")
@@ -198,7 +228,9 @@ def test_background_of_a_dead_replica_is_failed(server, redis_url, tmp_path_fact
                            max_tokens=1000, api_keys=",".join(KEYS), response_lease_seconds=1.5,
                            key_prefix=server.settings["key_prefix"]).start()  # fmt: skip
     try:
-        r = client(doomed).responses.create(input="A very long tale.", background=True, max_output_tokens=1000)
+        r = client(doomed).responses.create(
+            input="A very long tale.", background=True, max_output_tokens=1000
+        )
         doomed.kill()
     finally:
         doomed.stop()
@@ -211,22 +243,24 @@ def test_background_of_a_dead_replica_is_failed(server, redis_url, tmp_path_fact
     assert events[-1].type == "response.failed"
 
 
-def test_chain_continues_on_another_replica_and_after_restart(server, redis_url, tmp_path_factory):
+def test_chain_continues_on_another_replica_and_after_restart(server, cold, redis_url, tmp_path_factory):
     first = client(server).responses.create(input="Good morrow.", **GREEDY)
     other = ServerProcess(server.model_dir, tmp_path_factory.mktemp("other"), redis_url, cpu_threads=1,
                           max_tokens=200, api_keys=",".join(KEYS), key_prefix=server.settings["key_prefix"])  # fmt: skip
+    hit = {"name": "recur_response_reuse_total", "key": KEYS[0], "result": "hit"}
     with other:
         second = client(other).responses.create(input="And to you.", previous_response_id=first.id, **GREEDY)
         assert second.usage.input_tokens_details.cached_tokens > 0
+        assert other.metric(**hit) == 1  # the reuse happened on the replica that served it
     with other:  # restarted: nothing in its memory
         third = client(other).responses.create(input="Farewell.", previous_response_id=second.id, **GREEDY)
         assert third.usage.input_tokens_details.cached_tokens > 0
-    whole = client(server).responses.create(
-        input=[{"role": "user", "content": "Good morrow."}, {"role": "assistant", "content": first.output_text},
-               {"role": "user", "content": "And to you."}, {"role": "assistant", "content": second.output_text},
-               {"role": "user", "content": "Farewell."}], store=False, **GREEDY)  # fmt: skip
+        assert other.metric(**hit) == 1
+    whole = resent(
+        cold, input=[{"role": "user", "content": "Good morrow."}, {"role": "assistant", "content": first.output_text},
+                     {"role": "user", "content": "And to you."}, {"role": "assistant", "content": second.output_text},
+                     {"role": "user", "content": "Farewell."}])  # fmt: skip
     assert whole.output_text == third.output_text
-    assert httpx.get(server.url + "/metrics").text.count("recur_response_reuse_total") >= 1
 
 
 def test_a_stream_that_fails_midway_is_kept_as_failed(server, oa):
@@ -263,7 +297,11 @@ def test_two_responses_at_once_on_one_conversation_the_second_is_409(oa):
         events = list(first)
     assert refused.value.body["type"] == items_refused.value.body["type"] == "session_busy"
     assert events[-1].type == "response.incomplete"  # (max_output_tokens reached: min_tokens)
-    assert [i.role for i in oa.conversations.items.list(conv.id, order="asc")] == ["user", "user", "assistant"]
+    assert [i.role for i in oa.conversations.items.list(conv.id, order="asc")] == [
+        "user",
+        "user",
+        "assistant",
+    ]
     after = oa.responses.create(conversation=conv.id, input="Now me.", **GREEDY)
     assert after.status in ("completed", "incomplete") and after.usage.input_tokens_details.cached_tokens > 0
 
