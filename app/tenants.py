@@ -170,6 +170,16 @@ class Tenants:
         self._seen(owner, await self.store.settle(owner, meta, index))
         return meta
 
+    async def settled(self, owner: str, meta: SessionMeta, index: bool) -> SessionMeta:
+        """`settle` after a write that has happened: best effort, as `touch`. The write's
+        answer is its truth, and a ledger Redis did not answer for must not turn it into a
+        failure; the session's next write settles it again."""
+        try:
+            return await self.settle(owner, meta, index)
+        except StoreUnavailable:
+            log.warning("could not settle session %s in its tenant's ledger", meta.id)
+            return meta
+
     async def touch(self, owner: str, meta: SessionMeta) -> None:
         """A read re-armed the session's expiry: the ledger follows. Best effort: a read never
         fails for the ledger (in a Cluster it lives on another primary than the session); a
@@ -183,6 +193,14 @@ class Tenants:
     async def forget(self, owner: str, session_id: str) -> None:
         """A deleted session, or one a failed write never made, leaves the ledger."""
         self._seen(owner, await self.store.forget(owner, session_id))
+
+    async def forgotten(self, owner: str, object_id: str) -> None:
+        """`forget` after a delete that has happened: best effort, as `settled` (an entry
+        left behind leaves the ledger when its expiry passes)."""
+        try:
+            await self.forget(owner, object_id)
+        except StoreUnavailable:
+            log.warning("could not take %s out of its tenant's ledger", object_id)
 
     async def usage(self, owner: str) -> LedgerTotals:
         return self._seen(owner, await self.store.usage(owner))

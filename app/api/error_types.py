@@ -35,6 +35,7 @@ class ErrorType(str, enum.Enum):
     state_corrupt = "state_corrupt"
     invalid_state = "invalid_state"
     redis_unavailable = "redis_unavailable"
+    outcome_unknown = "outcome_unknown"  # a write Redis did not answer: it may have happened
     not_ready = "not_ready"
     engine_stalled = "engine_stalled"
     internal_error = "internal_error"

@@ -24,6 +24,7 @@ from app.sessions import ClientDisconnected, ModelMismatch, NotContinuable, Stat
 from app.store import (
     CommitConflict,
     ObjectNotFound,
+    OutcomeUnknown,
     QuotaExceeded,
     SessionBusy,
     SessionNotFound,
@@ -65,6 +66,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.state_corrupt: 500,
     ErrorType.invalid_state: 422,
     ErrorType.redis_unavailable: 503,
+    ErrorType.outcome_unknown: 503,
     ErrorType.not_ready: 503,
     ErrorType.engine_stalled: 503,
     ErrorType.internal_error: 500,
@@ -80,6 +82,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (VersionMismatch, ErrorType.version_mismatch),
     (VersionGone, ErrorType.version_gone),
     (CommitConflict, ErrorType.session_conflict),
+    (OutcomeUnknown, ErrorType.outcome_unknown),  # (a StoreUnavailable: before it)
     (StoreUnavailable, ErrorType.redis_unavailable),
     (QuotaExceeded, ErrorType.quota_exceeded),
     (StorageFull, ErrorType.storage_full),
@@ -123,6 +126,7 @@ def body(etype: ErrorType, message: str) -> dict:
 RETRY_AFTER = {
     ErrorType.queue_full: 1,
     ErrorType.redis_unavailable: 1,
+    ErrorType.outcome_unknown: 1,  # (by then, a write a stalled Redis had queued has run)
     ErrorType.not_ready: 5,
     ErrorType.engine_stalled: 5,
     ErrorType.storage_full: 30,

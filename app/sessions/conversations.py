@@ -67,7 +67,7 @@ class Conversations:
 
     async def delete(self, owner: str, conversation_id: str) -> None:
         session = await self.store.delete("conversation", conversation_id, owner)
-        await self.service.tenants.forget(owner, conversation_id)
+        await self.service.tenants.forgotten(owner, conversation_id)
         if session:
             try:
                 await self.service.delete(session, None, owner)

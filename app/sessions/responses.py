@@ -213,7 +213,7 @@ class Responses:
         """Delete a response and the state it holds. Its descendants hold their own."""
         fields = await self.store.read("response", response_id, owner, ["own"])
         session = await self.store.delete("response", response_id, owner)
-        await self.service.tenants.forget(owner, response_id)
+        await self.service.tenants.forgotten(owner, response_id)
         if session and fields["own"]:
             await self._forget(owner, session)
 

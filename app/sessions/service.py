@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from app import logs, prefixes
 from app.engine import Engine, Finished, Logprobs, QueueFull, Request, Stored
 from app.store import (
+    OutcomeUnknown,
     SessionMeta,
     SessionStore,
     StateBlobs,
@@ -146,6 +147,8 @@ class SessionService(SessionReads):
         except StateError as exc:
             await self.tenants.forget(owner, session_id)
             raise StateRejected(f"the state cannot be imported: {exc}") from None
+        except OutcomeUnknown:
+            raise  # (the session may exist: its place in the ledger stays)
         except BaseException:
             await self.tenants.forget(owner, session_id)
             raise
@@ -182,12 +185,14 @@ class SessionService(SessionReads):
                 keep=keep or self.history_versions, transcript=[segment],
                 tokens_hash=prefixes.UNKNOWN if kind == "import" else tokens,
             )  # fmt: skip
+        except OutcomeUnknown:
+            raise  # (the session may exist: its place in the ledger stays)
         except BaseException:
             await self.tenants.forget(owner, session_id)
             raise
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
-        return await self.tenants.settle(owner, meta, index=self.prefix_reuse)
+        return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
     async def fork(
         self,
@@ -221,15 +226,17 @@ class SessionService(SessionReads):
                 at.state, at.version.n_tokens, source.model, source.fingerprint, ttl, owner, new_id,
                 keep=source.keep_versions, transcript=inherited, tokens_hash=at.tokens_hash,
             )  # fmt: skip
+        except OutcomeUnknown:
+            raise  # (the session may exist: its place in the ledger stays)
         except BaseException:
             await self.tenants.forget(owner, new_id)
             raise
-        return await self.tenants.settle(owner, meta, index=self.prefix_reuse)
+        return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
         self.cache.drop(session_id)
-        await self.tenants.forget(owner, session_id)
+        await self.tenants.forgotten(owner, session_id)
 
     # -- transactions -------------------------------------------------------------------------
     async def score(
@@ -327,7 +334,7 @@ class SessionService(SessionReads):
             res.n_tokens, **{res.encoded.kind: res.encoded.blob}, segment=packed, tokens_hash=tokens_hash
         )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
-        return await self.tenants.settle(owner, meta, index=self.prefix_reuse)
+        return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
     async def release(self, writer: Writer, owner: str) -> None:
         """Give up a writer's lock. A writer that did not commit had still re-armed its

@@ -18,6 +18,11 @@ without them. Every form gets the same bounded pool, timeouts and client name. A
 unreachable Redis (or, in a Cluster, the primary holding a key's slot) surfaces as
 `StoreUnavailable` within the socket timeout, never as a hang.
 
+A command that timed out may still be queued in Redis: a stalled Redis runs it when the
+stall ends. So the client retries a command once after a lost connection, never after a
+timeout, and a write (`scripts.WRITES`) that got no answer is `OutcomeUnknown`, never
+"failed": each such write recognises its own first run, so the retry answers truly.
+
 `Connection` runs the scripts (app/store/scripts.py) and watches Redis's memory for the
 storage guard, off the requests' path. It knows no key schema: the rooms beside it do.
 """
@@ -36,7 +41,7 @@ from urllib.parse import unquote
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
@@ -55,7 +60,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from app import metrics
 
 from . import scripts
-from .types import StoreUnavailable
+from .types import OutcomeUnknown, StoreUnavailable
 
 log = logging.getLogger("recur.store")
 
@@ -121,7 +126,28 @@ def parse_redis_url(url: str) -> RedisTarget:
     )
 
 
-class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+class NotSent(RedisConnectionError):
+    """No connection to send a command on: none came free in time, or none could be opened
+    (Redis down, no primary known). The command never left, so nothing of it ran."""
+
+
+class _Handout:
+    """A pool whose failure to hand out a connection says so (NotSent): redis-py raises the
+    same errors for a connection refused before a command was sent as for one lost after."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[misc]
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise NotSent(str(exc)) from exc
+
+
+class _Pool(_Handout, aioredis.BlockingConnectionPool):
+    """One server's bounded pool: past `max_connections` busy ones, a command waits for a
+    free connection (up to the timeout)."""
+
+
+class _SentinelPool(_Handout, SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """The Sentinel-managed primary's connections in the same bounded pool as one server's:
     past `max_connections` busy ones, a command waits for a free one. Each new connection
     asks the Sentinels where the primary is, so after a failover it finds the new one."""
@@ -144,6 +170,14 @@ _UNREACHABLE = (
     SlotNotCoveredError,
     TryAgainError,
 )
+
+
+def _unsent(exc: Exception) -> bool:
+    """Whether `exc` says the command never reached Redis (no connection to send it on), or
+    that Redis refused it unrun (a Cluster's refusal)."""
+    cause = exc.__cause__ if isinstance(exc, RedisClusterException) else None
+    refusals = (NotSent, MasterNotFoundError, ClusterError, SlotNotCoveredError, TryAgainError)
+    return isinstance(exc, refusals) or isinstance(cause, refusals)
 
 
 def unavailable(exc: Exception) -> StoreUnavailable | None:
@@ -183,7 +217,8 @@ class Connection:
         common: dict[str, Any] = dict(
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),
+            # (a lost connection only: never a timeout, see the module)
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=False,
             client_name=CLIENT_NAME,
         )
@@ -218,14 +253,13 @@ class Connection:
             )
         # one server, a bounded pool: past `max_connections` busy ones, a command waits for
         # a free connection (up to `timeout`, then StoreUnavailable) instead of opening another
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **common
-        )
+        pool = _Pool.from_url(url, max_connections=max_connections, timeout=timeout, **common)
         return aioredis.Redis.from_pool(pool)
 
-    async def run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def run(self, name: str, keys: list[str], args: list[Any], what: str = "", check: str = "") -> Any:
         """Run script `name` (app/store/lua/NAME.lua), its errors as StoreUnavailable where
-        Redis cannot serve now."""
+        Redis cannot serve now; a write (`scripts.WRITES`) sent without an answer raises
+        OutcomeUnknown, naming `what` it does and how to `check` whether it happened."""
         script = self.scripts[name]
         self._follow_primary()
         try:
@@ -251,6 +285,8 @@ class Connection:
             if err is None:
                 raise
             metrics.REDIS_ERRORS.inc()
+            if name in scripts.WRITES and not isinstance(exc, RedisResponseError) and not _unsent(exc):
+                err = OutcomeUnknown(what or f"a write ({name})", check or "read what it writes")
             raise err from None
 
     def _follow_primary(self) -> None:
@@ -283,7 +319,7 @@ class Connection:
         try:
             await asyncio.wait_for(self._permits.acquire(), self.timeout)
         except TimeoutError:
-            raise RedisConnectionError("No connection available.") from None  # as the pool says
+            raise NotSent("No connection available.") from None  # (as redis-py's pool says it)
         try:
             yield
         finally:

@@ -29,6 +29,11 @@ def new_object_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
+def new_op_id() -> str:
+    """Names one write of a stored object, so that its retry knows its first run (stored.lua)."""
+    return secrets.token_hex(8)
+
+
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -55,10 +60,10 @@ class ResponseStore:
         """Write `values` (making the object if new). `worker`: only while the response is
         active; False when it is not (cancelled or failed meanwhile: nothing written)."""
         pairs = [x for kv in values.items() for x in kv]
-        args = [owner, ttl, "1" if worker else "0", *pairs]
-        status = _text(
-            fields(await self.connection.run("object_save", self._keys(kind, object_id), args))["status"]
-        )
+        args = [owner, ttl, "1" if worker else "0", new_op_id(), *pairs]
+        what, check = f"saving {kind} {object_id}", f"read the {kind}"
+        raw = await self.connection.run("object_save", self._keys(kind, object_id), args, what, check)
+        status = _text(fields(raw)["status"])
         if status == "missing":
             raise ObjectNotFound(kind, object_id)
         return status == "ok"
@@ -74,7 +79,11 @@ class ResponseStore:
 
     async def delete(self, kind: Kind, object_id: str, owner: str) -> str:
         """Delete the owner's object; returns the session that held its state ('' if none)."""
-        answer = fields(await self.connection.run("object_delete", self._keys(kind, object_id), [owner]))
+        what, check = f"deleting {kind} {object_id}", f"read the {kind} (not found: it was deleted)"
+        args = [owner, new_op_id()]
+        answer = fields(
+            await self.connection.run("object_delete", self._keys(kind, object_id), args, what, check)
+        )
         if _text(answer["status"]) != "ok":
             raise ObjectNotFound(kind, object_id)
         return _text(answer["session"])
@@ -84,8 +93,11 @@ class ResponseStore:
         self, response_id: str, owner: str, event: str, lease_until: float, ttl: int
     ) -> bool:
         """Append an event ('' : only renew the lease); False once the response was stopped."""
-        args = [owner, event, f"{lease_until:.3f}", ttl]
-        answer = fields(await self.connection.run("response_event", self.keys.response(response_id), args))
+        args = [owner, event, f"{lease_until:.3f}", ttl, new_op_id() if event else ""]
+        what, check = f"an event of response {response_id}", "read its events"
+        answer = fields(
+            await self.connection.run("response_event", self.keys.response(response_id), args, what, check)
+        )
         return _text(answer["status"]) == "ok"
 
     async def events(self, response_id: str, owner: str, start: int) -> tuple[bool, list[str]]:
@@ -100,8 +112,11 @@ class ResponseStore:
     async def cancel(self, response_id: str, owner: str) -> tuple[str, str]:
         """Cancel an active background response: ('ok', body), ('ended', body) for one that
         had ended, ('foreground', '') for one that did not run in the background."""
+        what, check = f"cancelling response {response_id}", "read the response (its status)"
         answer = fields(
-            await self.connection.run("response_cancel", self.keys.response(response_id), [owner])
+            await self.connection.run(
+                "response_cancel", self.keys.response(response_id), [owner], what, check
+            )
         )
         status = _text(answer["status"])
         if status == "missing":
@@ -113,7 +128,9 @@ class ResponseStore:
         'failed' when this did, 'alive' (its lease was renewed), 'gone' (it had ended, or is
         no more)."""
         args = [message, "1" if now else ""]
-        answer = fields(await self.connection.run("response_expire", self.keys.response(response_id), args))
+        what, check = f"failing response {response_id}", "read the response (its status)"
+        keys = self.keys.response(response_id)
+        answer = fields(await self.connection.run("response_expire", keys, args, what, check))
         return _text(answer["status"])
 
     async def lease(
@@ -127,8 +144,10 @@ class ResponseStore:
 
     # -- a conversation's items -----------------------------------------------------------------
     async def add_items(self, conversation_id: str, owner: str, ttl: int, items: list[dict]) -> int:
-        args = [owner, ttl, *(json.dumps(i, separators=(",", ":")) for i in items)]
-        answer = fields(await self.connection.run("items_add", self.keys.conversation(conversation_id), args))
+        args = [owner, ttl, new_op_id(), *(json.dumps(i, separators=(",", ":")) for i in items)]
+        what, check = f"adding items to conversation {conversation_id}", "list its items"
+        keys = self.keys.conversation(conversation_id)
+        answer = fields(await self.connection.run("items_add", keys, args, what, check))
         if _text(answer["status"]) != "ok":
             raise ObjectNotFound("conversation", conversation_id)
         return int(answer["count"])
@@ -148,7 +167,11 @@ class ResponseStore:
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> None:
         answer = fields(
             await self.connection.run(
-                "items_delete", self.keys.conversation(conversation_id), [owner, item_id]
+                "items_delete",
+                self.keys.conversation(conversation_id),
+                [owner, item_id, new_op_id()],
+                f"deleting item {item_id} of conversation {conversation_id}",
+                "list its items",
             )
         )
         status = _text(answer["status"])

@@ -19,6 +19,20 @@ SCRIPTS = (
     "unindex",
 )  # fmt: skip
 
+# The writes whose effect a request's answer reports. One that was sent and got no answer
+# (a timeout, a lost connection) may still have run, so it is never reported as failed:
+# `Connection.run` raises OutcomeUnknown. The client's retry (a lost connection only,
+# never a timeout: a timed-out command may still be queued in Redis and run after the
+# retry) is safe for these because each recognises its own first run: a commit or create
+# by its commit id, a begin or delete by its lock token. The other scripts read, or write
+# what the next write of the same kind overwrites (the ledger, leases, the lock's lease).
+WRITES = frozenset(
+    {
+        "create", "commit", "delete", "object_save", "object_delete", "items_add", "items_delete",
+        "response_cancel", "response_event", "response_expire",
+    }
+)  # fmt: skip
+
 
 @functools.cache
 def source(name: str) -> str:

@@ -51,11 +51,12 @@ class SessionStore:
         self.transcript_max_bytes = transcript_max_bytes
         self.lock_lease_ms = max(1, int(lock_lease_seconds * 1000))
 
-    async def _run(self, name: str, session_id: str, args: list[Any]) -> Any:
-        """Script `name` on session `session_id`'s keys (a malformed id is no session)."""
+    async def _run(self, name: str, session_id: str, args: list[Any], what: str = "", check: str = "") -> Any:
+        """Script `name` on session `session_id`'s keys (a malformed id is no session); a
+        write's `what` and `check` name it when its outcome is unknown (OutcomeUnknown)."""
         if not SESSION_ID.fullmatch(session_id):
             raise SessionNotFound(session_id)
-        return await self.connection.run(name, self.keys.of_session(session_id), args)
+        return await self.connection.run(name, self.keys.of_session(session_id), args, what, check)
 
     async def create(
         self,
@@ -79,7 +80,8 @@ class SessionStore:
                 self.transcript_max_bytes, len(state.deltas), tokens_hash, state.snapshot, *state.deltas,
                 *transcript,
             ]  # fmt: skip
-            raw = await self._run("create", sid, args)
+            what, check = f"creating session {sid}", f"read session {sid} (not found: it was not created)"
+            raw = await self._run("create", sid, args, what, check)
             if raw:
                 metrics.STATE_BYTES_WRITTEN.inc(state.nbytes)
                 return SessionMeta.from_fields(sid, fields(raw)["meta"])
@@ -150,11 +152,12 @@ class SessionStore:
         ]
 
     async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
-        _checked(
-            await self._run("delete", session_id, [_arg(expected_version), owner]),
-            session_id,
-            expected_version,
+        args = [_arg(expected_version), owner, secrets.token_hex(16)]
+        what, check = (
+            f"deleting session {session_id}",
+            f"read session {session_id} (not found: it was deleted)",
         )
+        _checked(await self._run("delete", session_id, args, what, check), session_id, expected_version)
 
     async def begin(
         self,
@@ -244,7 +247,10 @@ class Writer:
             self.meta.version, int(n_tokens), self._token, mode, blob, new_commit_id(), segment,
             s.transcript_max_bytes, tokens_hash,
         ]  # fmt: skip
-        answer = fields(await s._run("commit", sid, args))
+        new = self.meta.version + 1
+        what = f"committing version {new} of session {sid}"
+        check = f"read the session (version {new - 1}: it was not committed; {new}: it was)"
+        answer = fields(await s._run("commit", sid, args, what, check))
         if answer["status"] == b"missing":
             raise CommitConflict(sid, self.meta.version, None)
         if answer["status"] == b"conflict":

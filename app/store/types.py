@@ -71,6 +71,19 @@ class StoreUnavailable(StoreError):
     """Redis cannot be reached or did not answer in time."""
 
 
+class OutcomeUnknown(StoreUnavailable):
+    """A write was sent and Redis did not answer (a timeout, a lost connection): it may
+    have happened or not, and may still happen, as a command a stalled Redis had queued
+    runs when the stall ends. Never reported as "nothing changed": the message names what
+    to read to find out."""
+
+    def __init__(self, what: str, check: str):
+        super().__init__(
+            f"Redis did not answer in time: {what} may or may not have happened; {check}, "
+            "then retry if it did not"
+        )
+
+
 class QuotaExceeded(StoreError):
     """The tenant is at one of its limits (`limit`: sessions, bytes, requests, tokens, streams);
     nothing was written. `retry_after`: seconds until a rate limit would let it through."""

@@ -4,8 +4,10 @@
 -- 'snapshot', blob, new commit id, transcript segment (or ''), transcript bound, the new
 -- tokens' hash. A delta is appended; a snapshot replaces state and deltas, which move to
 -- the history (when more than one version is kept). Returns {'status', 'ok', 'meta', meta},
--- {'status', 'missing'} or {'status', 'conflict', 'version', v}.
+-- {'status', 'missing'} or {'status', 'conflict', 'version', v}. A retry that finds its own
+-- commit id current (its first run's answer was lost) answers as that run did.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'status', 'missing'} end
+if redis.call('HGET', KEYS[1], 'commit') == ARGV[6] then return {'status', 'ok', 'meta', meta(KEYS[1])} end
 local v = redis.call('HGET', KEYS[1], 'version')
 if v ~= ARGV[1] then return {'status', 'conflict', 'version', v} end
 local new = tonumber(v) + 1

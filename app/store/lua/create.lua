@@ -2,8 +2,12 @@
 -- A new session. KEYS: the session's five. ARGV: ttl, model, fingerprint, n_tokens, owner,
 -- commit id, versions to keep, transcript bound, number of deltas D, the tokens' hash
 -- (app/prefixes.py; '' if unknown), snapshot, D deltas, transcript segments...
--- Returns {'meta', meta}, or false when the id is taken.
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+-- Returns {'meta', meta}, or false when the id is taken: by another session, for a retry
+-- that finds its own commit id there (its first run's answer was lost) answers as that run did.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'commit') == ARGV[6] then return {'meta', meta(KEYS[1])} end
+  return false
+end
 local ts = string.format('%.6f', now())
 -- the first write must be one Redis refuses over maxmemory (HSET, not DEL): after a
 -- script's first write, Redis lets the rest through, so a full Redis would take it all

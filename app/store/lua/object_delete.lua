@@ -1,7 +1,14 @@
 --! uses: stored
--- Delete a response or a conversation. KEYS: its hash, then its list. ARGV: owner.
+-- Delete a response or a conversation. KEYS: its hash, then its list. ARGV: owner, op id.
 -- Returns {'status', 'ok', 'session', id} (the session that held its state) or {'status', 'missing'}.
+-- The hash stays a minute as a tombstone that no tenant owns ('-'), so that the retry of
+-- this delete knows its first run, and it answers as that run did.
+if redis.call('HGET', KEYS[1], 'owner') == '-' and done(KEYS[1], ARGV[2]) then
+  return {'status', 'ok', 'session', redis.call('HGET', KEYS[1], 'session') or ''}
+end
 if not mine(KEYS[1], ARGV[1]) then return {'status', 'missing'} end
 local session = redis.call('HGET', KEYS[1], 'session') or ''
 redis.call('DEL', unpack(KEYS))
+redis.call('HSET', KEYS[1], 'owner', '-', 'op', ARGV[2], 'session', session)
+redis.call('EXPIRE', KEYS[1], 60)
 return {'status', 'ok', 'session', session}

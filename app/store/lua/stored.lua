@@ -4,6 +4,13 @@ local function mine(key, owner)
   return redis.call('EXISTS', key) == 1 and (redis.call('HGET', key, 'owner') or '') == owner
 end
 
+-- a retry of write `op` (a random id, never reused) that already ran: each write of a
+-- stored object keeps its op id in the hash ('op'), so the client's retry of a write whose
+-- answer was lost answers as the first run did
+local function done(key, op)
+  return op ~= '' and redis.call('HGET', key, 'op') == op
+end
+
 -- a response still running in the background (a worker may write it)
 local function active(key)
   local s = redis.call('HGET', key, 'status')
