@@ -1,9 +1,9 @@
 """Redis failure: SIGKILL a durable Redis (AOF, appendfsync always) under load, restart it
 on the same port and directory, and keep the same server process throughout.
 
-- in-flight and new requests fail fast: 503 redis_unavailable, or an `error` event once
-  a stream has begun; never a hang (every client wait is bounded, and each failure
-  returns well inside that bound);
+- in-flight and new requests fail fast: 503 redis_unavailable (outcome_unknown for a write
+  in flight), or an `error` event once a stream has begun; never a hang (every client
+  wait is bounded, and each failure returns well inside that bound);
 - /readyz goes 503, then back to 200 without restarting the server;
 - no acknowledged commit is lost: every 200/`done` a client saw is in Redis afterwards.
 
@@ -180,11 +180,14 @@ def test_redis_killed_under_load(durable_up, lm):
     finally:
         stop.set()
 
-    # nothing but successes, fast Redis failures, and a stale lock's brief 409
+    # nothing but successes, fast Redis failures, and a stale lock's brief 409; a commit in
+    # flight when Redis died may have reached its AOF first: its outcome is unknown
     allowed = {
         ("ok", 200, ""),
         ("http", 503, "redis_unavailable"),
         ("event", 200, "redis_unavailable"),
+        ("http", 503, "outcome_unknown"),
+        ("event", 200, "outcome_unknown"),
         ("http", 409, "session_busy"),
     }
     kinds = {(o.kind, o.status, o.error) for o in outcomes}
