@@ -114,11 +114,14 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "txl-memory-off-by-one-position",
-        "Transformer-XL counts one memory row more than a stream holds (a padded row attended)",
+        "Transformer-XL counts one memory row more than a batched stream holds (a padding row attended)",
         "model/transformer_xl.py",
         "mask = self._mask(T, M, state.n_tokens.clamp(max=cfg.mem_len))",
         "mask = self._mask(T, M, (state.n_tokens + 1).clamp(max=cfg.mem_len))",
-        ("tests/model/test_transformer_xl.py::test_chunk_invariance",),
+        (
+            "tests/model/test_transformer_xl.py::test_batching_streams_of_different_lengths",
+            "tests/model/test_fast_paths.py::test_txl_batched_decode_steps_equal_each_stream_alone",
+        ),
     ),
     Fault(
         "transcript-off-by-one-position",
@@ -178,11 +181,10 @@ FAULTS: tuple[Fault, ...] = (
         "batch-step-fails-every-row",
         "a batched step that raises fails every row, not only the row whose own step raises",
         "app/engine/runner.py",
-        "        if len(rows) == 1:\n",
-        "        if len(rows) >= 1:\n",
+        "                step([r])\n",
+        "                self._fail(r, exc)\n",
         (
-            "tests/hostile/test_bad_rows.py::test_a_row_whose_step_fails_fails_alone_in_a_shared_batch[txl]",
-            "tests/faults/test_engine_faults.py::test_a_forward_that_raises_fails_its_request_alone_and_commits_nothing",
+            "tests/faults/test_batch_faults.py::test_a_prefill_batch_that_raises_fails_only_the_row_whose_chunk_raises",
         ),
     ),
     Fault(
@@ -191,7 +193,9 @@ FAULTS: tuple[Fault, ...] = (
         "app/engine/runner.py",
         "            self._consume_alone(rows, d.ids, batch, exc)",
         "            [self._fail(r, exc) for r in rows]",
-        ("tests/hostile/test_bad_rows.py::test_a_row_whose_step_fails_fails_alone_in_a_shared_batch[txl]",),
+        (
+            "tests/faults/test_batch_faults.py::test_a_decode_forward_that_raises_once_consumes_each_row_alone",
+        ),
     ),
     Fault(
         "non-finite-row-fails-every-row",
@@ -199,7 +203,7 @@ FAULTS: tuple[Fault, ...] = (
         "app/engine/runner.py",
         "            if ok:\n",
         "            if all(s[3] for s in sampled):\n",
-        ("tests/app/test_engine.py::test_a_non_finite_row_fails_alone",),
+        ("tests/faults/test_batch_faults.py::test_a_row_with_non_finite_logits_fails_alone[1]",),
     ),
     # -- prefix reuse ------------------------------------------------------------------------
     Fault(
@@ -208,7 +212,9 @@ FAULTS: tuple[Fault, ...] = (
         "app/sessions/service.py",
         "tokens_hash = prefixes.extend(old.tokens_hash, segment.ids)",
         "tokens_hash = prefixes.extend(old.tokens_hash, segment.ids[:-1])",
-        ("tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",),
+        (
+            "tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",
+        ),
     ),
     Fault(
         "prefix-rest-off-by-one",
@@ -216,7 +222,9 @@ FAULTS: tuple[Fault, ...] = (
         "app/sessions/choices.py",
         "return meta.id, tokens[held:]",
         "return meta.id, tokens[held - 1 :]",
-        ("tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",),
+        (
+            "tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",
+        ),
     ),
     Fault(
         "find-prefix-claims-the-longest",
@@ -224,7 +232,9 @@ FAULTS: tuple[Fault, ...] = (
         "app/store/lua/find_prefix.lua",
         "if v then return {'index', i, 'entry', v} end",
         "if v then return {'index', 1, 'entry', v} end",
-        ("tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",),
+        (
+            "tests/app/test_prefix_reuse.py::test_a_resent_conversation_forks_its_prefix_and_matches_a_full_prefill",
+        ),
     ),
     # -- the Responses chain -----------------------------------------------------------------
     Fault(
@@ -248,7 +258,7 @@ FAULTS: tuple[Fault, ...] = (
         "byte-decoder-splits-characters",
         "the streaming byte decoder emits each byte alone, splitting multi-byte characters",
         "model/tokenizer.py",
-        'return self._utf8.decode(bytes([token_id]))',
+        "return self._utf8.decode(bytes([token_id]))",
         'return bytes([token_id]).decode("utf-8", errors="replace")',
         ("tests/model/test_tokenizer.py::test_multibyte_character_split_across_calls",),
     ),

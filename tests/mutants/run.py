@@ -1,6 +1,7 @@
 """Plant each fault of the catalogue in a copy of the tree and run the tests that must catch it.
 
     python tests/mutants/run.py [--list] [--only NAME ...] [-j N] [--timeout S] [--baseline]
+    python tests/mutants/run.py --write-doc   # the table in docs/TESTING.md, from the catalogue
 
 For each fault: a copy of the working tree (the files git tracks, and the untracked ones it
 does not ignore; hard links to one pristine copy made at the start, so a copy costs no disk),
@@ -40,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 from tests.mutants.catalogue import FAULTS, Fault  # noqa: E402
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
+DOC = ROOT / "docs" / "TESTING.md"
+BEGIN, END = "<!-- faults table: tests/mutants/run.py --write-doc -->", "<!-- end of the faults table -->"
 LEFT_OUT = (".venv",)  # the virtual environments (.venv, .venv-ref, .venv-ref-current) stay here
 
 
@@ -157,6 +160,24 @@ def baseline(pristine: Path, faults: list[Fault], timeout: float) -> bool:
     return code == 0
 
 
+def table() -> str:
+    """The catalogue as docs/TESTING.md shows it: a row per fault, with the tests that catch it."""
+    rows = ["| fault | what it plants | where | the tests that must catch it |", "|---|---|---|---|"]
+    for f in FAULTS:
+        tests = "<br>".join(f"`{t}`" for t in f.tests)
+        rows.append(f"| `{f.name}` | {f.what} | `{f.file}` | {tests} |")
+    return "\n".join(rows)
+
+
+def with_table(doc: str) -> str:
+    """`doc` with the text between its table markers replaced by `table()`."""
+    head, sep, rest = doc.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise SystemExit(f"{DOC} lacks the markers {BEGIN!r} ... {END!r}")
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list the faults and their tests, run nothing")
@@ -164,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", type=int, default=2, metavar="N", help="faults run at once (default 2)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per fault (default 300)")
     ap.add_argument("--baseline", action="store_true", help="first run the named tests unplanted")
+    ap.add_argument(
+        "--write-doc", action="store_true", help="rewrite the table in docs/TESTING.md, run nothing"
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output for every fault")
     args = ap.parse_args(argv)
 
@@ -171,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"no such fault: {', '.join(sorted(unknown))}")
     faults = [f for f in FAULTS if not args.only or f.name in args.only]
+    if args.write_doc:
+        DOC.write_text(with_table(DOC.read_text()))
+        return 0
     if args.list:
         for f in faults:
             print(f"{f.name}: {f.what}\n  {f.file}\n  " + "\n  ".join(f.tests))
