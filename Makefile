@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
+.PHONY: run test test-slow test-faults test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,11 @@ test-slow: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 	$(call timed,($(BIN)/python -m pytest -q -m slow $(XDIST) $(ARGS); slow=$$?; \
 	$(BIN)/python -m pytest -q -m "full_examples and not slow" --hypothesis-profile=full $(XDIST) $(ARGS) \
 	&& exit $$slow))
+
+# the planted faults (tests/mutants/catalogue.py): each one-line fault applied to a copy of the
+# tree, its tests run there; fails if any fault survives or no longer plants (docs/TESTING.md)
+test-faults: $(STAMP)
+	$(call timed,$(BIN)/python tests/mutants/run.py -j $(or $(filter-out 0,$(TEST_WORKERS)),1) $(ARGS))
 
 # build the Dockerfile (Docker, else buildah), run it against a real Redis, walk docs/API.md's
 # curl session through it; as root, minutes, not part of `make test` (docs/DEPLOY.md)
