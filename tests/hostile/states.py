@@ -19,9 +19,23 @@ NEAR_INT64_MAX = 2**63 - 8
 def full_state(model_dir: Path) -> tuple[model.LanguageModel, model.State]:
     """The model and a state whose time axes are full (more tokens than its memory holds)."""
     lm = model.load(model_dir, device="cpu")
+    return lm, state_after(lm, list(range(1, 41)))
+
+
+def state_after(lm: model.LanguageModel, tokens: list[int]) -> model.State:
+    """The model's state after consuming `tokens` from a fresh one."""
     with torch.no_grad():
-        _, state = lm.consume(list(range(1, 41)), lm.new_state(1))
-    return lm, state
+        return lm.consume(tokens, lm.new_state(1))[1]
+
+
+def past_its_bound(lm: model.LanguageModel, state: model.State, extra: int = 3) -> model.State:
+    """`state` with its first time axis (Transformer-XL's memory, RLT's encoder keys) `extra`
+    rows longer than the family's bound and than the axes beside it, its oldest rows
+    repeated: loading refuses such a state (`LanguageModel.check_state_tensors`), so only a
+    live one, as the hot cache holds them, can be it. A step over it raises, batched or
+    alone; splitting a batch trims each row's axes to the bound, which mends it."""
+    name = next(iter(lm.time_axes()))
+    return state.replace(**{name: torch.cat([state[name][:, :, :extra], state[name]], 2)})
 
 
 def blob_with(model_dir: Path, *, n_tokens: int | None = None, fill: float | None = None) -> bytes:
