@@ -10,8 +10,12 @@ Usage: python llama_reference.py OUT CASES_JSON, where CASES_JSON lists cases:
       a random LlamaForCausalLM / MistralForCausalLM (config["model_type"]) written to dir
       with save_pretrained (safetensors) beside the tokenizer files the test wrote there
 
+A case with "streaming": {"sinks": S, "window": W} reads `ids` as a stream with S attention
+sinks and a sliding window of W positions sees them (`streaming_logits`); any other, in one
+pass over the whole of `ids`.
+
 For each case it writes OUT/<name>.safetensors (`logprobs`: log_softmax of the logits over
-`ids` in one pass, [N, V], or with "targets_only" just the log-prob of each next id, [N-1];
+`ids`, [N, V], or with "targets_only" just the log-prob of each next id, [N-1];
 none with "tokenizer_only") and OUT/<name>.json ({"tokens": the ids of each text, no
 special tokens added; with "smollm_split" also "tokens_smollm": the same tokenizer with
 llama.cpp's "smollm" pre-tokenizer, each numeric character apart, which transformers' GGUF
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, MistralConfig
 
 
 def load(case: dict) -> tuple[torch.nn.Module | None, object]:
@@ -49,11 +53,52 @@ def load(case: dict) -> tuple[torch.nn.Module | None, object]:
     return lm, AutoTokenizer.from_pretrained(directory)
 
 
+def streaming_logits(lm: torch.nn.Module, ids: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """The logits over `ids` (1, N) -> (N, V) as StreamingLLM serves them (Xiao et al., 2024),
+    the semantics model/llama.py documents, with every number computed by transformers' own
+    model and cache; this function only chooses which keys a query meets, and the positions
+    transformers rotates them at:
+
+      * the first S + W + 1 positions see every position before them: one ordinary forward;
+      * after that, the query at p meets the S sinks and the W positions before it. The
+        window's keys and values are the ones transformers cached when it ran those
+        positions (each under its own sinks and window), rotated at their absolute
+        positions, and the query is rotated at p: a window key is seen at its true
+        distance. The sinks are recomputed for each query with their positions shifted by
+        p - (S + W), so that a sink j is seen at distance S + W - j, as if the query stood
+        right after the cache [sinks; window] (StreamingLLM's "positions within the
+        cache"; RoPE makes the sinks' own hidden states independent of the shift).
+
+    One query at a time past the window, so its cost is (N - S - W - 1) decode steps."""
+    S, W, N = sinks, window, ids.shape[1]
+    head = min(N, S + W + 1)
+    with torch.no_grad():
+        out = lm(ids[:, :head], use_cache=True)
+        logits = [out.logits[0]]
+        # each layer's window for the next query: the W positions before it
+        win = [(layer.keys[:, :, S + 1 :], layer.values[:, :, S + 1 :]) for layer in out.cache.layers]
+        for p in range(head, N):
+            kv = win
+            if S:
+                shifted = torch.arange(S)[None] + (p - S - W)
+                sink = lm.model(ids[:, :S], position_ids=shifted, use_cache=True).cache.layers
+                kv = [
+                    (torch.cat([s.keys, k], 2), torch.cat([s.values, v], 2)) for s, (k, v) in zip(sink, win)
+                ]
+            cache = DynamicCache(kv)
+            step = lm(ids[:, p : p + 1], position_ids=torch.tensor([[p]]), cache=cache, use_cache=True)
+            logits.append(step.logits[0])
+            win = [(layer.keys[:, :, S + 1 :], layer.values[:, :, S + 1 :]) for layer in cache.layers]
+    return torch.cat(logits)
+
+
 def logprobs(lm: torch.nn.Module, case: dict) -> torch.Tensor:
     lm.eval()
     ids = torch.tensor([case["ids"]])
+    stream = case.get("streaming")
     with torch.no_grad():
-        lp = torch.log_softmax(lm(ids).logits[0].float(), -1)  # (N, V)
+        logits = streaming_logits(lm, ids, stream["sinks"], stream["window"]) if stream else lm(ids).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)  # (N, V)
     if case.get("targets_only"):
         lp = lp[:-1].gather(1, ids[0, 1:, None])[:, 0]
     return lp.contiguous()
