@@ -6,8 +6,8 @@
 For each fault: a copy of the working tree (the files git tracks, and the untracked ones it
 does not ignore; hard links to one pristine copy made at the start, so a copy costs no disk),
 the fault's one line changed in it, then `pytest -x -q -n 0 -p no:randomly TESTS` run in the
-copy with the copy first on PYTHONPATH and this checkout's interpreter (its .venv: the copy
-has none). The copy's code is what runs, the servers the tests start included
+copy with the copy first on PYTHONPATH and the interpreter this runs under (the checkout's .venv:
+the copy has none). The copy's code is what runs, the servers the tests start included
 (tests/conftest.py puts its own root on their PYTHONPATH); the run checks it first (below).
 
 A fault is KILLED when pytest reports a failing test (exit 1) or cannot even collect one
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.mutants.catalogue import FAULTS, Fault  # noqa: E402
 
-PYTHON = ROOT / ".venv" / "bin" / "python"
+PYTHON = Path(sys.executable)  # the checkout's .venv, as `make test-faults` runs it: the copy has none
 DOC = ROOT / "docs" / "TESTING.md"
 BEGIN, END = "<!-- faults table: tests/mutants/run.py --write-doc -->", "<!-- end of the faults table -->"
 LEFT_OUT = (".venv",)  # the virtual environments (.venv, .venv-ref, .venv-ref-current) stay here
