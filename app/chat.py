@@ -100,11 +100,9 @@ class Chat:
 
     def generate(self, line: str) -> None:
         """One turn, streamed; Ctrl-C abandons it (nothing is committed)."""
-        body: dict = {
-            "max_tokens": self.args.max_tokens,
-            "temperature": self.args.temperature,
-            "stream": True,
-        }
+        body: dict = {"max_tokens": self.args.max_tokens, "stream": True}
+        if self.args.temperature is not None:  # (else the model's recommendation: GET /v1/models)
+            body["temperature"] = self.args.temperature
         if self.args.seed is not None:
             body["seed"] = self.args.seed
         if self.chat:
@@ -190,7 +188,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--api-key-file", type=Path, help="file whose first line is the API key, if the server needs one"
     )
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per turn (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
+    p.add_argument(
+        "--temperature", type=float, help="0 = greedy (default: the model's recommendation, else 1)"
+    )
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
     p.add_argument(
         "--no-newline",

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import hf, hf_ssm, llama_gguf, llama_hf, native
+from . import generation_config, hf, hf_ssm, llama_gguf, llama_hf, native
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
 from .native import build, families, fingerprint, save
@@ -156,6 +156,7 @@ def load(
     """
     path = resolve(name_or_dir)
     lm = READERS[layout(path)](path)
+    lm.generation_config = generation_config.read(path, str(name_or_dir))
     dev = resolve_device(device)
     if precision == "auto":
         precision = "bf16" if dev.type == "cuda" else "fp32"
@@ -192,6 +193,9 @@ def convert(src: str | Path, dst: str | Path) -> LanguageModel:
     template = chat_template(path)
     if template is not None:
         write_chat_template(dst, template)
+    recommended = generation_config.read(path, str(src))
+    if recommended.recommended():
+        generation_config.write(dst, recommended)
     return lm
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .generation_config import GenerationConfig
 from .state import Arena, Declared, State, StateError, merge
 from .tokenizer import Tokenizer
 
@@ -91,6 +92,7 @@ class LanguageModel(nn.Module):
         self.fingerprint = "unset"
         # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
+        self.generation_config = GenerationConfig()  # the checkpoint's recommended sampling (`load`)
         self.register_state_dict_post_hook(_contiguous_state)
 
     @classmethod

@@ -24,6 +24,7 @@ too.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from .openai_schemas import (
     CompletionUsage,
     ModelCard,
     ModelList,
+    SamplingDefaults,
 )
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -72,6 +74,7 @@ async def list_models(engine: EngineDep, request: Request) -> ModelList:
         context_window=lm.context_window,
         precision=lm.precision,
         chat_template=request.app.state.chat_template is not None,
+        sampling_defaults=SamplingDefaults(**dataclasses.asdict(lm.generation_config)),
     )
     return ModelList(data=[card])
 

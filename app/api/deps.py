@@ -74,8 +74,11 @@ def served_model(asked: str | None, engine: Engine) -> None:
 
 
 def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> SamplingParams:
-    """A body's sampling controls as the sampler takes them (null: the control's neutral
-    value), or 422 naming the field for a token id outside the vocabulary. A min_tokens
+    """A body's sampling controls as the sampler takes them, or 422 naming the field for a
+    token id outside the vocabulary. A control the body leaves out (or null) takes the
+    served checkpoint's recommendation (`model.generation_config`: SmolLM2's card says
+    temperature 0.2, top-p 0.9), else its neutral value: the clients' own defaults send no
+    temperature, and they must get what the model was tuned for. A min_tokens
     past `max_tokens` (the request's, as capped by the server) is `max_tokens`: the same
     generation, and no schema can say that one field bounds another."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
@@ -86,13 +89,14 @@ def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> Sa
                 ErrorType.invalid_request,
                 f"{field}: token id {bad} is outside the model's vocabulary [0, {engine.vocab_size})",
             )
+    rec = engine.lm.generation_config
     try:
         return SamplingParams(
-            temperature=_or(body.temperature, 1.0),
-            top_k=body.top_k or 0,
-            top_p=_or(body.top_p, 1.0),
-            min_p=_or(body.min_p, 0.0),
-            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            temperature=_or(body.temperature, _or(rec.temperature, 1.0)),
+            top_k=int(_or(body.top_k, _or(rec.top_k, 0))),
+            top_p=_or(body.top_p, _or(rec.top_p, 1.0)),
+            min_p=_or(body.min_p, _or(rec.min_p, 0.0)),
+            repetition_penalty=_or(body.repetition_penalty, _or(rec.repetition_penalty, 1.0)),
             presence_penalty=_or(body.presence_penalty, 0.0),
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             logit_bias=tuple(bias.items()),
@@ -104,8 +108,17 @@ def sampling_params(body: SamplingFields, engine: Engine, max_tokens: int) -> Sa
         raise ApiError(ErrorType.invalid_request, str(exc)) from None
 
 
-def _or(value: float | None, neutral: float) -> float:
-    return neutral if value is None else value
+def _or(value: float | None, otherwise: float) -> float:
+    return otherwise if value is None else value
+
+
+def reply_bound(asked: int | None, settings: Settings, engine: Engine) -> int:
+    """The most tokens a reply may have: what its request asks, else the served checkpoint's
+    recommendation (an assistant's answer fits it and ends in reasonable time), else the
+    server's max_tokens setting; never past that setting."""
+    recommended = engine.lm.generation_config.max_tokens
+    default = settings.max_tokens if recommended is None else recommended
+    return min(default if asked is None else asked, settings.max_tokens)
 
 
 def if_match(

@@ -29,7 +29,7 @@ from app.engine import Engine, FinishReason, Logprobs, TokenEvent
 from app.sessions import Generation, Run, SessionService
 from app.sessions import start as start_choices
 
-from .deps import sampling_params, served_model
+from .deps import reply_bound, sampling_params, served_model
 from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .openai_schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
@@ -79,8 +79,8 @@ def generation(
     logprobs: Logprobs,
     started: float,
 ) -> Generation:
-    """What a body asks each of its choices to sample (`max_tokens` capped by the server's)."""
-    capped = min(settings.max_tokens if max_tokens is None else max_tokens, settings.max_tokens)
+    """What a body asks each of its choices to sample (`max_tokens` as `reply_bound` bounds it)."""
+    capped = reply_bound(max_tokens, settings, engine)
     params = sampling_params(body, engine, capped)
     return Generation(params, capped, body.seed, stop, logprobs=logprobs, started=started)
 

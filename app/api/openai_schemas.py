@@ -89,7 +89,8 @@ class Completion(OpenAIBody):
         16,
         ge=0,
         le=MAX_TOKENS_CEILING,
-        description="null: the server's max_tokens setting; 0: none (with echo and logprobs: score the prompt)",
+        description="16 as OpenAI's; null: the model's recommended bound (GET /v1/models), else the server's "
+        "max_tokens setting; 0: none (with echo and logprobs: score the prompt)",
     )
     best_of: int | None = Field(None, description="only 1", json_schema_extra={"enum": [1, None]})
     logprobs: int | None = Field(
@@ -208,7 +209,7 @@ class ChatCompletion(OpenAIBody):
         min_length=1, description="the conversation; continuing a session, only the new messages"
     )
     max_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS_CEILING, description="null: the server's max_tokens setting"
+        None, ge=1, le=MAX_TOKENS_CEILING, description="null: the model's recommended bound, else the server's max_tokens"
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, le=MAX_TOKENS_CEILING, description="OpenAI's newer name for max_tokens; wins over it"
@@ -290,6 +291,22 @@ class ChatCompletionChunk(OpenAIResult):
     )
 
 
+class SamplingDefaults(ResponseBody):
+    """What a request gets for each control it leaves out: the checkpoint's recommendation
+    (its generation_config.json, its GGUF metadata, or a packaged model's card). null: the
+    control's neutral value (temperature 1, top_p 1, no top_k, min_p or penalty)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(
+        None, description="a reply's bound when its request names none (the server's max_tokens caps it)"
+    )
+    source: str = Field(description="where the values come from; `none` when the checkpoint recommends none")
+
+
 class ModelCard(ResponseBody):
     id: str
     object: Literal["model"] = "model"
@@ -309,6 +326,7 @@ class ModelCard(ResponseBody):
     chat_template: bool = Field(
         False, description="whether the model has a chat template, so that /v1/chat/completions serves it"
     )
+    sampling_defaults: SamplingDefaults
 
 
 class ModelList(ResponseBody):

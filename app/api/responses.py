@@ -27,7 +27,7 @@ from model.chat_template import ChatTemplate
 from . import openai_framing as oai
 from . import responses_framing as rf
 from .chat_completions import chat_template
-from .deps import OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params, served_model
+from .deps import OwnerDep, SessionsDep, SettingsDep, prompt_ids, reply_bound, sampling_params, served_model
 from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .responses_schemas import (
@@ -154,7 +154,7 @@ async def create_response(
         bool(body.background),
     )
     logprobs = LOGPROBS in (body.include or [])
-    capped = min(body.max_output_tokens or settings.max_tokens, settings.max_tokens)
+    capped = reply_bound(body.max_output_tokens, settings, engine)
     gen = Generation(
         sampling_params(body, engine, capped), capped, body.seed, list(template.stop),
         logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(), started=started,

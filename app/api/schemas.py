@@ -223,9 +223,15 @@ class SamplingFields(RequestBody):
     is a control's neutral value. Bounds that depend on the model or the request (token ids
     in the vocabulary, min_tokens within max_tokens) are checked there (422)."""
 
-    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy")
-    top_p: float | None = Field(None, gt=0, le=1, description="1 = off")
-    top_k: int | None = Field(None, ge=0, description="0 = off")
+    temperature: float | None = Field(
+        None, ge=0, description="0 = greedy; left out: the model's recommendation (GET /v1/models), else 1"
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="1 = off; left out: the model's recommendation, else off"
+    )
+    top_k: int | None = Field(
+        None, ge=0, description="0 = off; left out: the model's recommendation, else off"
+    )
     min_p: float | None = Field(
         None, ge=0, le=1, description="drop tokens less probable than min_p times the most probable; 0 = off"
     )
@@ -264,10 +270,6 @@ class Generate(SamplingFields):
     max_tokens: int = Field(
         64, ge=1, le=MAX_TOKENS_CEILING, description="capped by the server's max_tokens setting"
     )
-    # the session route's own defaults, as before the other controls came (null is refused)
-    temperature: float = Field(1.0, ge=0, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="0 = off")
-    top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="makes sampling reproducible")
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list,
@@ -297,9 +299,9 @@ class GenerateQuery(BaseModel):
 
     prompt: str = ""
     max_tokens: int = Field(64, ge=1, le=MAX_TOKENS_CEILING)
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0)  # (left out: as Generate's)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list, max_length=16

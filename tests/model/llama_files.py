@@ -133,10 +133,16 @@ def gguf_tensors(weights: dict[str, torch.Tensor], cfg: dict = CONFIG) -> dict[s
 
 
 def write_gguf(
-    path: Path, weights: dict[str, torch.Tensor], qtype: str, pre: str = "smollm", cfg: dict = CONFIG
+    path: Path,
+    weights: dict[str, torch.Tensor],
+    qtype: str,
+    pre: str = "smollm",
+    cfg: dict = CONFIG,
+    sampling: dict[str, float] | None = None,
 ) -> Path:
     """A LLaMA GGUF file with its matrices in `qtype` (norms stay F32, as llama.cpp keeps them),
-    the BPE tokenizer and ChatML template in its metadata."""
+    the BPE tokenizer and ChatML template in its metadata, and `sampling` as llama.cpp's
+    `general.sampling.*` keys ({"temp": 0.3, "top_k": 20}: top_k an int, the rest floats)."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -161,6 +167,9 @@ def write_gguf(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
+    for key, value in (sampling or {}).items():
+        add = w.add_int32 if key == "top_k" else w.add_float32
+        add(f"general.sampling.{key}", value)
     kind = GGMLQuantizationType[qtype]
     for name, a in gguf_tensors(weights, cfg).items():
         if a.ndim == 1 or kind == GGMLQuantizationType.F32:
