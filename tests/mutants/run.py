@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes.append(o)
     bad = [o for o in outcomes if o.verdict != "KILLED"]
     total = time.monotonic() - start
-    print(f"== {len(outcomes) - len(bad)} of {len(outcomes)} faults killed in {total / 60:.0f} min "
-          f"{total % 60:.0f} s; " + (f"NOT KILLED: {', '.join(o.fault.name for o in bad)}" if bad else "none survived"))  # fmt: skip
+    print(f"== {len(outcomes) - len(bad)} of {len(outcomes)} faults killed in {int(total // 60)} min "
+          f"{int(total % 60)} s; " + (f"NOT KILLED: {', '.join(o.fault.name for o in bad)}" if bad else "none survived"))  # fmt: skip
     return 1 if bad else 0
 
 
