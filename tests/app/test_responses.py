@@ -58,8 +58,18 @@ def resent(cold: openai.OpenAI, **request: object) -> openai.types.responses.Res
 
 
 def keys_of(server: ServerProcess) -> set[bytes]:
+    """The server's keys in Redis, less the tombstones that deletes leave: a deleted
+    session's lock holds the deleter's token for at most a minute, so that a retried delete
+    recognises its own first run (app/store/lua/delete.lua); its session is gone."""
     r = redis.Redis.from_url(server.redis_url)
-    return set(r.scan_iter(match=server.settings["key_prefix"] + "*"))
+    prefix = server.settings["key_prefix"].encode()
+    keys = set(r.scan_iter(match=prefix + b"*"))
+
+    def tombstone(key: bytes) -> bool:
+        session = key.replace(prefix + b"lock:", prefix + b"session:", 1)
+        return key.startswith(prefix + b"lock:") and 0 < r.pttl(key) <= 60_000 and session not in keys
+
+    return {k for k in keys if not tombstone(k)}
 
 
 def test_chain_equals_whole_conversation_and_reuses_state(oa, cold):
