@@ -1,0 +1,258 @@
+"""Attention over a stream's stored keys and values, as a bounded recurrent state: S
+attention sinks and a sliding window of W positions (StreamingLLM, Xiao et al., ICLR 2024),
+or, with S = 0 and W a configured bound, every position so far (exact attention, refused past
+the bound by its family). The LLaMA family (`model/llama.py`) and the hybrids' attention
+layers (`model/hybrid.py`) share it: positions and masks (`span`), the attention itself
+(`attend`), the sinks a chunk leaves (`next_sinks`) and the layout of the state's time axes
+(`kv_axes`).
+
+What a query sees. The query at absolute position p attends to
+  * the sinks: the positions j < S, whose keys and values a stream keeps for ever, and
+  * the window: the positions j with max(S, p - W) <= j <= p, itself and the W before it.
+Within the first S + W + 1 positions that is every j <= p: the original model, exactly.
+
+Positions, StreamingLLM's way: positions within the cache. A RoPE score depends only on the
+distance between the query and the key. A window key is seen at its true distance p - j (at
+most W); a sink at distance min(p, S + W) - j, as if the query stood right after the cache
+[sinks; window]. Keys are stored rotated at their absolute position j; the query is rotated
+twice, at p for the window and at min(p, S + W) for the sinks. Angles are computed in
+float64 from int64 positions (`model.rlt.rope_angles`). A rotation may cover only the first
+dimensions of each head (partial RoPE, Qwen3-Next's), or none (NoPE, Granite-4.0-H's).
+
+Rows shorter than the batch's longest are left-padded; a key's position (negative for
+padding) decides every mask. Nothing here knows a family's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .family import TimeAxis
+from .rlt import Rope, apply_rope, rope_angles
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # keys and values
+# appends a layer's new keys and values to its window, returns all of them (B, M+T, kvh*hd)
+KV = Callable[[torch.Tensor, torch.Tensor], Pair]
+
+
+def kv_axes(layers: int, width: int, sinks: int, window: int) -> dict[str, TimeAxis]:
+    """The state's time axes for `layers` attention layers of keys `width` wide: the window
+    `k`, `v` (sliding) and the sinks `sink_k`, `sink_v` (filling, then kept)."""
+    win = TimeAxis(layers, width, window)
+    sink = TimeAxis(layers, width, sinks, fills=True)
+    return {"k": win, "v": win, "sink_k": sink, "sink_v": sink}
+
+
+def rotate(x: torch.Tensor, cs: Rope | None, n_head: int) -> torch.Tensor:
+    """`apply_rope` on the first cs-width dimensions of each head of x (B, T, n_head*hd),
+    the others passed through (partial RoPE); x itself where there is no rotation (NoPE)."""
+    if cs is None:
+        return x
+    B, T, D = x.shape
+    hd, r = D // n_head, cs[0].shape[-1]
+    if r == hd:
+        return apply_rope(x, cs, n_head)
+    xh = x.view(B, T, n_head, hd)
+    turned = apply_rope(xh[..., :r].reshape(B, T, n_head * r), cs, n_head).view(B, T, n_head, r)
+    return torch.cat([turned, xh[..., r:]], -1).view(B, T, D)
+
+
+# -- positions and masks ------------------------------------------------------------------
+@dataclass
+class Span:
+    """What every layer of one forward shares: the rotations and which keys each query sees.
+
+    cs       rotations at the chunk's absolute positions (B, T, 1, hd): its keys, and its
+             queries as the window sees them
+    cs_sink  the queries' rotations as the sinks see them (at min(p, S + W)), or None
+    window   (B, 1, 1, T, M+T) 0 where the query sees the window key, -inf where not; None: all
+    sink     (B, 1, 1, T, Ms+n_new) the same over the stored sinks then the chunk's first
+             n_new rows (those that may be sinks), or None: all
+    n_new    how many of the chunk's first rows may be sinks (0 once every row has S)
+    """
+
+    cs: Rope | None
+    cs_sink: Rope | None
+    window: torch.Tensor | None
+    sink: torch.Tensor | None
+    n_new: int
+
+
+def bias(ok: torch.Tensor) -> torch.Tensor:
+    """(B, T, K) True where a query sees a key -> the additive mask (B, 1, 1, T, K)."""
+    zero = torch.zeros((), device=ok.device)
+    return torch.where(ok, zero, float("-inf"))[:, None, None]
+
+
+def sink_positions(n: torch.Tensor, Ms: int, pos: torch.Tensor, n_new: int, S: int) -> torch.Tensor:
+    """(B, Ms+n_new) the position of each sink candidate: row b's stored sinks are the
+    positions 0 .. min(n_b, S)-1 in its last slots (the slots before them: padding, negative),
+    then the chunk's first n_new positions."""
+    stored = n.clamp(max=S)[:, None] - Ms + torch.arange(Ms, device=n.device)
+    return torch.cat([stored, pos[:, :n_new]], 1)
+
+
+# -- attention ------------------------------------------------------------------------------
+def _heads(x: torch.Tensor, kvh: int) -> torch.Tensor:
+    """Keys or values (B, K, kvh*hd) -> a view (B, kvh, K, hd)."""
+    B, K, D = x.shape
+    return x.view(B, K, kvh, D // kvh).transpose(1, 2)
+
+
+def _grouped(q: torch.Tensor, kvh: int, hd: int) -> torch.Tensor:
+    """Queries (B, T, H*hd) -> (B, kvh, g*T, hd), the g query heads of each key/value head
+    (HF's repeat_kv order: query head h reads key/value head h // g) in one matrix."""
+    B, T, D = q.shape
+    g = D // (kvh * hd)
+    return q.view(B, T, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
+
+
+def attend(
+    q: torch.Tensor,  # (B, T, H*hd) rotated for the window, scaled by hd^-1/2
+    q_sink: torch.Tensor | None,  # the same rotated for the sinks (None: no sink part)
+    window: Pair,  # (B, M+T, kvh*hd) the window's keys and values
+    sinks: Pair,  # (B, Ms+n_new, kvh*hd) the sink candidates'
+    span: Span,
+    kvh: int,
+) -> torch.Tensor:
+    """softmax over [sinks; window] of the scores plus the masks, times the values ->
+    (B, T, H*hd). The two parts' queries differ (their rotations), and two layouts serve:
+    a chunk (T > 1) scores both parts in one product (`_joined`); one query per stream (a
+    decode step) scores them apart, reading the cached keys and values where they lie
+    (`_apart`), since joining them would copy the whole window every step."""
+    B, T, D = q.shape
+    hd = window[0].shape[-1] // kvh
+    Ks = sinks[0].shape[1] if q_sink is not None else 0
+    qg = _grouped(q, kvh, hd)  # (B, kvh, g*T, hd)
+    if Ks and q_sink is not None:
+        qs, sk = _grouped(q_sink, kvh, hd), (_heads(sinks[0], kvh), _heads(sinks[1], kvh))
+        join = _joined if T > 1 else _apart
+        out = join(qg, qs, (_heads(window[0], kvh), _heads(window[1], kvh)), sk, (span.sink, span.window), T)
+    else:
+        out = _apart(qg, None, (_heads(window[0], kvh), _heads(window[1], kvh)), None, (None, span.window), T)
+    g = D // (kvh * hd)
+    return out.view(B, kvh, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, D)
+
+
+Masks = tuple[torch.Tensor | None, torch.Tensor | None]  # the sinks', the window's (B, 1, 1, T, K)
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None, T: int) -> torch.Tensor:
+    """scores (B, kvh, g*T, K) plus an additive mask (B, 1, 1, T, K), in place."""
+    if mask is None:
+        return scores
+    B, kvh, gT, K = scores.shape
+    return scores.view(B, kvh, gT // T, T, K).add_(mask).view(B, kvh, gT, K)
+
+
+def _in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (B, kvh, X, Y) @ (B, kvh, Y, Z) -> (B, kvh, X, Z), reading b where it lies.
+    `torch.matmul` folds (B, kvh) into one batch axis, and where b's streams are not kvh
+    heads apart in memory (a window in its arena: [B, L, capacity, kvh*hd], so one stream's
+    layer is L*capacity rows from the next's) that fold copies the whole of b: a decode step
+    of a batch would copy every layer's window twice. One product per key/value head takes
+    the streams as its batch axis at any stride, and copies nothing."""
+    B, H = b.shape[:2]
+    if B == 1 or H == 1 or b.stride(0) == H * b.stride(1):
+        return a @ b
+    return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(H)], 1)
+
+
+def _apart(
+    qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
+) -> torch.Tensor:
+    """Each part scored by its own product, one softmax over both -> (B, kvh, g*T, hd)."""
+    scores = _masked(_in_place(qg, win[0].transpose(-1, -2)), masks[1], T)  # (B, kvh, g*T, Kw)
+    Ks = 0
+    if qs is not None and sk is not None:
+        Ks = sk[0].shape[2]
+        scores = torch.cat([_masked(qs @ sk[0].transpose(-1, -2), masks[0], T), scores], -1)
+    p = scores.float().softmax(-1).to(win[1].dtype)
+    out = _in_place(p[..., Ks:], win[1])
+    if sk is not None and Ks:
+        B, kvh, gT, hd = out.shape
+        out = torch.baddbmm(
+            out.view(B * kvh, gT, hd), p[..., :Ks].reshape(B * kvh, gT, Ks), sk[1].reshape(B * kvh, Ks, hd)
+        )
+    return out.view(p.shape[0], p.shape[1], -1, win[1].shape[-1])
+
+
+def _joined(qg: torch.Tensor, qs: torch.Tensor, win: Pair, sk: Pair, masks: Masks, T: int) -> torch.Tensor:
+    """Both parts in one product: the head dimension doubled, a query [q; q_sink], a sink's
+    key [0; k], a window key [k; 0], so each part meets its own rotation of the query and
+    the scores come out joined (no copy of them); the keys are copied instead, which a
+    chunk's many queries repay -> (B, kvh, g*T, hd)."""
+    ks, kw = sk[0], win[0]
+    keys = torch.cat(
+        [torch.cat([torch.zeros_like(ks), ks], -1), torch.cat([kw, torch.zeros_like(kw)], -1)], 2
+    )
+    scores = torch.cat([qg, qs], -1) @ keys.transpose(-1, -2)  # (B, kvh, g*T, Ks+Kw)
+    if masks[0] is not None or masks[1] is not None:
+        B, Ks, Kw = kw.shape[0], ks.shape[2], kw.shape[2]
+        sink = masks[0] if masks[0] is not None else scores.new_zeros(B, 1, 1, T, Ks)
+        wind = masks[1] if masks[1] is not None else scores.new_zeros(B, 1, 1, T, Kw)
+        scores = _masked(scores, torch.cat([sink, wind], -1), T)
+    p = scores.float().softmax(-1).to(win[1].dtype)
+    return p @ torch.cat([sk[1], win[1]], 2)
+
+
+
+def span(
+    n: torch.Tensor, T: int, M: int, Ms: int, sinks: int, window: int, rope: tuple[int, float] | None,
+    dtype: torch.dtype,
+) -> Span:
+    """The rotations and masks of a chunk of T tokens after `n` (B,) consumed, over M
+    window rows and Ms stored sinks (left-padded rows included), for S = `sinks` and W =
+    `window`; `rope` is (rotated dimensions per head, base), or None (no positions)."""
+    S, W, dev = sinks, window, n.device
+    # one host read (eager only): how many chunk rows may be sinks, and which masks can
+    # be left out; a graph being compiled reads nothing from the host and masks always
+    n_min = 0 if torch.compiler.is_compiling() else int(n.min())
+    n_new = min(T, max(0, S - n_min))
+    pos = n[:, None] + torch.arange(T, device=dev)  # (B, T) absolute positions
+
+    def angles(p: torch.Tensor) -> Rope | None:
+        return None if rope is None else rope_angles(p, rope[0], rope[1], dtype)
+
+    mask = None
+    if T > 1 or n_min < S + M:  # else every row's window keys are all in reach, no sink among them
+        kpos = n[:, None] - M + torch.arange(M + T, device=dev)  # (B, M+T); padding: < 0
+        dist = pos[:, :, None] - kpos[:, None]  # (B, T, M+T)
+        mask = bias((kpos[:, None] >= S) & (dist >= 0) & (dist <= W))
+    if S == 0 or Ms + n_new == 0:
+        return Span(angles(pos), None, mask, None, 0)
+    sink = None
+    if n_new or n_min < Ms:
+        spos = sink_positions(n, Ms, pos, n_new, S)[:, None]  # (B, 1, Ms+n_new)
+        sink = bias((spos >= 0) & (spos < S) & (spos <= pos[:, :, None]))
+    return Span(angles(pos), angles(pos.clamp(max=S + W)), mask, sink, n_new)
+
+
+def next_sinks(old: Pair, fresh: list[Pair], n: torch.Tensor, S: int, T: int) -> Pair:
+    """The sinks (B, L, Ms', D) after a chunk of T tokens: each row's first min(n_b + T, S)
+    positions, left-padded (with zeros) to the longest, from its stored sinks `old` and the
+    chunk's first rows (`fresh`, per layer)."""
+    old_k, old_v = old
+    n_new = fresh[0][0].shape[1] if fresh else 0
+    if n_new == 0:  # every row holds its S sinks already
+        return old_k, old_v
+    B, L, Ms, D = old_k.shape
+    Ms_after = min(Ms + T, S)  # a row still filling had the most sinks, or one has them all
+    # slot r of row b holds position q = r - (Ms_after - k_b), k_b = min(n_b + T, S)
+    q = (
+        torch.arange(Ms_after, device=n.device) - (Ms_after - (n + T).clamp(max=S))[:, None]
+    )  # (B, Ms_after)
+    stored = n.clamp(max=S)[:, None]
+    idx = torch.where(q < stored, Ms - stored + q, Ms + q - n[:, None]).clamp(min=0)
+    idx = idx[:, None, :, None].expand(B, L, Ms_after, D)
+    real = (q >= 0)[:, None, :, None]
+    out = []
+    for prev, part in ((old_k, 0), (old_v, 1)):
+        cand = torch.cat(
+            [prev, torch.stack([f[part] for f in fresh], 1).to(prev.dtype)], 2
+        )  # (B, L, Ms+n_new, D)
+        out.append(torch.where(real, cand.gather(2, idx), torch.zeros((), dtype=prev.dtype)))
+    return out[0], out[1]
