@@ -72,6 +72,7 @@ class Span:
     sink     (B, 1, 1, T, Ms+n_new) the same over the stored sinks then the chunk's first
              n_new rows (those that may be sinks), or None: all
     n_new    how many of the chunk's first rows may be sinks (0 once every row has S)
+    sinks    whether the queries attend to sinks at all (S > 0 and some row holds or makes one)
     """
 
     cs: Rope | None
@@ -79,6 +80,7 @@ class Span:
     window: torch.Tensor | None
     sink: torch.Tensor | None
     n_new: int
+    sinks: bool
 
 
 def bias(ok: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,7 @@ def _grouped(q: torch.Tensor, kvh: int, hd: int) -> torch.Tensor:
 
 def attend(
     q: torch.Tensor,  # (B, T, H*hd) rotated for the window, scaled by hd^-1/2
-    q_sink: torch.Tensor | None,  # the same rotated for the sinks (None: no sink part)
+    q_sink: torch.Tensor | None,  # the same rotated for the sinks (None: as q, unrotated)
     window: Pair,  # (B, M+T, kvh*hd) the window's keys and values
     sinks: Pair,  # (B, Ms+n_new, kvh*hd) the sink candidates'
     span: Span,
@@ -125,10 +127,10 @@ def attend(
     (`_apart`), since joining them would copy the whole window every step."""
     B, T, D = q.shape
     hd = window[0].shape[-1] // kvh
-    Ks = sinks[0].shape[1] if q_sink is not None else 0
+    Ks = sinks[0].shape[1] if span.sinks else 0
     qg = _grouped(q, kvh, hd)  # (B, kvh, g*T, hd)
-    if Ks and q_sink is not None:
-        qs, sk = _grouped(q_sink, kvh, hd), (_heads(sinks[0], kvh), _heads(sinks[1], kvh))
+    if Ks:
+        qs, sk = _grouped(q if q_sink is None else q_sink, kvh, hd), (_heads(sinks[0], kvh), _heads(sinks[1], kvh))
         join = _joined if T > 1 else _apart
         out = join(qg, qs, (_heads(window[0], kvh), _heads(window[1], kvh)), sk, (span.sink, span.window), T)
     else:
@@ -223,12 +225,12 @@ def span(
         dist = pos[:, :, None] - kpos[:, None]  # (B, T, M+T)
         mask = bias((kpos[:, None] >= S) & (dist >= 0) & (dist <= W))
     if S == 0 or Ms + n_new == 0:
-        return Span(angles(pos), None, mask, None, 0)
+        return Span(angles(pos), None, mask, None, 0, False)
     sink = None
     if n_new or n_min < Ms:
         spos = sink_positions(n, Ms, pos, n_new, S)[:, None]  # (B, 1, Ms+n_new)
         sink = bias((spos >= 0) & (spos < S) & (spos <= pos[:, :, None]))
-    return Span(angles(pos), angles(pos.clamp(max=S + W)), mask, sink, n_new)
+    return Span(angles(pos), angles(pos.clamp(max=S + W)), mask, sink, n_new, True)
 
 
 def next_sinks(old: Pair, fresh: list[Pair], n: torch.Tensor, S: int, T: int) -> Pair:
@@ -256,3 +258,26 @@ def next_sinks(old: Pair, fresh: list[Pair], n: torch.Tensor, S: int, T: int) ->
         )  # (B, L, Ms+n_new, D)
         out.append(torch.where(real, cand.gather(2, idx), torch.zeros((), dtype=prev.dtype)))
     return out[0], out[1]
+
+
+def attend_stream(
+    q: torch.Tensor,  # (B, T, H*hd) scaled, not yet rotated
+    k: torch.Tensor,  # (B, T, kvh*hd) not yet rotated
+    v: torch.Tensor,  # (B, T, kvh*hd)
+    span: Span,
+    kv: KV,
+    sinks: Pair,  # this layer's stored sinks (B, Ms, kvh*hd)
+    heads: tuple[int, int],  # (H, kvh)
+) -> tuple[torch.Tensor, Pair]:
+    """One attention layer's chunk over its stream: the keys rotated at their absolute
+    positions and appended to the window (`kv`), the queries rotated for the window and for
+    the sinks -> the attention's output (B, T, H*hd), and the chunk's first `span.n_new` keys
+    and values (the rows that may become sinks, `next_sinks`)."""
+    H, kvh = heads
+    k = rotate(k, span.cs, kvh)  # at absolute positions, as the cache keeps them
+    fresh = (k[:, : span.n_new], v[:, : span.n_new])
+    q_sink = None
+    if span.sinks:
+        q_sink = rotate(q, span.cs_sink, H)
+        sinks = (torch.cat([sinks[0], fresh[0]], 1), torch.cat([sinks[1], fresh[1]], 1))
+    return attend(rotate(q, span.cs, H), q_sink, kv(k, v), sinks, span, kvh), fresh

@@ -53,12 +53,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import KV, Pair, Span, attend, kv_axes, next_sinks, rotate, span
+from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .int8 import int8_linear
+from .mlp import SwiGLU
 from .rlt import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
 
@@ -130,28 +130,8 @@ class Attention(nn.Module):
         values (the rows that may become sinks)."""
         H, kvh, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).split([H * hd, kvh * hd, kvh * hd], -1)
-        q = q * hd**-0.5
-        k = rotate(k, span.cs, kvh)  # at absolute positions, as the cache keeps them
-        fresh = (k[:, : span.n_new], v[:, : span.n_new])
-        q_sink = None
-        if span.cs_sink is not None:
-            q_sink = rotate(q, span.cs_sink, H)
-            sinks = (torch.cat([sinks[0], fresh[0]], 1), torch.cat([sinks[1], fresh[1]], 1))
-        out = attend(rotate(q, span.cs, H), q_sink, kv(k, v), sinks, span, kvh)
+        out, fresh = attend_stream(q * hd**-0.5, k, v, span, kv, sinks, (H, kvh))
         return self.proj(out), fresh
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), gate and up as one matrix."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.gate_up: nn.Module = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down: nn.Module = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, -1)
-        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -160,7 +140,7 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, span: Span, kv: KV, sinks: Pair) -> tuple[torch.Tensor, Pair]:
         a, fresh = self.attn(rms_norm(x, self.norm1), span, kv, sinks)
