@@ -83,7 +83,8 @@ def streaming_logits(lm: torch.nn.Module, ids: torch.Tensor, sinks: int, window:
                 shifted = torch.arange(S)[None] + (p - S - W)
                 sink = lm.model(ids[:, :S], position_ids=shifted, use_cache=True).cache.layers
                 kv = [
-                    (torch.cat([s.keys, k], 2), torch.cat([s.values, v], 2)) for s, (k, v) in zip(sink, win)
+                    (torch.cat([s.keys, k], 2), torch.cat([s.values, v], 2))
+                    for s, (k, v) in zip(sink, win, strict=True)
                 ]
             cache = DynamicCache(kv)
             step = lm(ids[:, p : p + 1], position_ids=torch.tensor([[p]]), cache=cache, use_cache=True)

