@@ -25,16 +25,18 @@ from safetensors.torch import load_model, save_model
 
 from . import tokenizer as tokenizers
 from .family import LanguageModel
+from .gdn_hybrid import GDNHybrid
 from .llama import Llama
 from .mamba import Mamba
 from .mamba2 import Mamba2
+from .mamba2_hybrid import Mamba2Hybrid
 from .rlt import RLT
 from .transformer_xl import TransformerXL
 
 
 def families() -> dict[str, type[LanguageModel]]:
     """Every model family, by name. The one registry."""
-    return {cls.family: cls for cls in (TransformerXL, RLT, Llama, Mamba, Mamba2)}
+    return {cls.family: cls for cls in (TransformerXL, RLT, Llama, Mamba, Mamba2, GDNHybrid, Mamba2Hybrid)}
 
 
 def build(
