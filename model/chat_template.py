@@ -128,6 +128,23 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:  # the sandbox's SecurityError included
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
 
+    def render_continuation(
+        self, messages: Sequence[Mapping[str, Any]], variables: Mapping[str, Any] | None = None
+    ) -> str:
+        """The text that continues a conversation whose state has consumed its last reply
+        up to the turn stop: `messages` rendered after a stand-in earlier exchange, less that
+        exchange's text through its turn stop. A template that opens a conversation with a
+        default system block (SmolLM2's does when the first message is not a system one)
+        renders it once, in the first turn, not again before every user turn. A template
+        whose stand-in exchange is no prefix of the whole renders `messages` alone."""
+        earlier = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        head = self.render(earlier, variables, add_generation_prompt=False)
+        whole = self.render([*earlier, *messages], variables)
+        ends = [head.rfind(s) + len(s) for s in self.stop if s in head]
+        if not whole.startswith(head) or not ends:
+            return self.render(messages, variables)
+        return whole[max(ends) :]
+
 
 def play_script() -> ChatTemplate:
     """The template of the shipped byte-level models (`PLAY_SCRIPT`, turn stop `TURN_END`)."""

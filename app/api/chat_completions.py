@@ -79,7 +79,9 @@ async def create_chat_completion(
     started = time.perf_counter()
     engine = sessions.engine
     sid = oai.continued(body, engine, x_session_id)
-    text = template.render([_message(m) for m in body.messages], body.chat_template_kwargs)
+    messages, kwargs = [_message(m) for m in body.messages], body.chat_template_kwargs
+    # a continued session's state holds the conversation so far: render only what follows it
+    text = template.render_continuation(messages, kwargs) if sid else template.render(messages, kwargs)
     ids = prompt_ids(engine, settings.max_prompt_tokens, text)
     logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own
     # the turn stop always ends the assistant's turn, as an end-of-turn token would

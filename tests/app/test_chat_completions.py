@@ -200,6 +200,16 @@ def test_text_parts_names_and_template_variables(oa, server):
 
 
 # -- checkpoints without the shipped template ---------------------------------------------------
+# ChatML with a default system block when the conversation opens without one, as SmolLM2's
+DEFAULT_SYSTEM = ChatTemplate(
+    "{% for m in messages %}{% if loop.first and m.role != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ("<|im_end|>",),
+)
+
+
 def _tiny(directory: Path, template: ChatTemplate | None) -> Path:
     write_sensitive(directory, seed=0, chat_template=template, **TINY)
     return directory
@@ -216,7 +226,7 @@ def custom(redis_url, tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerP
         ServerProcess(
             _tiny(tmp_path_factory.mktemp(name) / "tiny", t), tmp_path_factory.mktemp(name), redis_url
         )
-        for name, t in (("none", None), ("strict", strict))
+        for name, t in (("none", None), ("strict", strict), ("system", DEFAULT_SYSTEM))
     )
     for s in servers:
         s.start()
@@ -226,7 +236,7 @@ def custom(redis_url, tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerP
 
 
 def test_a_checkpoint_without_a_template_cannot_chat_but_completes(custom):
-    none, _ = custom
+    none, _, _ = custom
     with none.client() as http:
         r = http.post("/v1/chat/completions", json={"messages": SCENE})
         assert r.status_code == 400 and r.json()["error"]["type"] == "no_chat_template"
@@ -236,7 +246,7 @@ def test_a_checkpoint_without_a_template_cannot_chat_but_completes(custom):
 
 
 def test_a_template_of_its_own_refuses_and_stops_its_way(custom):
-    _, strict = custom
+    _, strict, _ = custom
     with strict.client() as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "x"}]})
         assert r.status_code == 422 and "the last message must be the user's" in r.json()["error"]["message"]
@@ -247,3 +257,30 @@ def test_a_template_of_its_own_refuses_and_stops_its_way(custom):
         c = r.json()
         assert c["usage"]["prompt_tokens"] == len("user: hi\n")
         assert "\n" not in c["choices"][0]["message"]["content"]
+
+
+def test_a_continued_chat_opens_with_the_default_system_block_once(custom):
+    """Issue 44: a template that opens a conversation with a default system block rendered it
+    again before every continued turn. A continuation now renders only what follows the
+    state's last turn stop: the block appears once in the session's transcript."""
+    _, _, system = custom
+    oa = system.openai()
+    block = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>"
+    first = oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hail."}], temperature=0, max_tokens=8,
+        extra_body={"min_tokens": 8},
+    )  # fmt: skip
+    sid = first.session_id  # type: ignore[attr-defined]
+    new = [{"role": "user", "content": "Again."}]
+    second = oa.chat.completions.create(
+        model="tiny", messages=new, temperature=0, max_tokens=8, extra_body={"session_id": sid}
+    )
+    with system.client() as http:
+        text = "".join(seg["text"] for seg in http.get(f"/v1/sessions/{sid}/transcript").json()["segments"])
+    assert text.count(block) == 1, text
+    # the second turn's prompt is what follows the first reply's turn stop in the whole
+    # conversation, as ChatML writes it
+    assert second.usage.prompt_tokens == len("\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n" + second.choices[0].message.content
+    )
