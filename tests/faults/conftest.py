@@ -14,11 +14,7 @@ import pytest
 import model
 from tests.conftest import ServerProcess
 
-from .harness import FAMILIES, DurableRedis, make_models
-
-# the server the crash and Redis-failure tests share (they kill it, and its Redis, and
-# restart both in place): fast Redis timeouts, short leases, room for long generations
-DURABLE_SETTINGS = dict(cpu_threads=1, redis_timeout=3, lock_lease_seconds=1, max_tokens=1000)
+from .harness import FAMILIES, DurableRedis, durable_server, make_models
 
 
 @pytest.fixture(scope="session")
@@ -46,16 +42,10 @@ def lm(model_dir: Path) -> model.LanguageModel:
 def durable(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[DurableRedis, ServerProcess]]:
-    """A redis-server with an fsync-always AOF, and one server on it."""
-    tmp = tmp_path_factory.mktemp("durable")
-    red = DurableRedis(tmp / "redis")
-    srv = ServerProcess(model_dir, tmp / "srv", red.url, **DURABLE_SETTINGS)
-    try:
-        srv.start()
-        yield red, srv
-    finally:
-        srv.stop()
-        red.stop()
+    """A redis-server with an fsync-always AOF, and one server on it (the crash and
+    Redis-failure tests share it)."""
+    with durable_server(model_dir, tmp_path_factory.mktemp("durable")) as both:
+        yield both
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""The fault tests' harness: tiny models of both families, a durable redis-server that can
-be killed and restarted in place, servers started side by side, and a check of a
-session's stored state read straight from Redis.
+"""The fault tests' harness: tiny models of Transformer-XL and RLT (and, for the crash test,
+of every family), a durable redis-server that can be killed and restarted in place with a
+server on it, servers started side by side, and a check of a session's stored state read
+straight from Redis.
 
 Everything here drives real processes; signals go to a process by its PID, never by name.
 """
@@ -17,19 +18,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 import model
 from app.store import Keys
 from model.state import merge
 from tests.app.sse_client import events
-from tests.conftest import ServerProcess, _wait_redis, free_port
+from tests.conftest import ServerProcess, _wait_redis, free_port, tiny_model_of
+from tests.model.llama_files import random_weights, write_gguf
 
-# both families, as small as they come: the faults are in the plumbing, not the maths
+# Transformer-XL and RLT, as small as they come: every fault test runs on each (the faults
+# are in the plumbing, not the maths)
 FAMILIES: dict[str, dict] = {
     "txl": dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=16),
     "rlt": dict(
@@ -45,6 +49,12 @@ FAMILIES: dict[str, dict] = {
         tgt_len=8,
     ),  # fmt: skip
 }
+# the families the crash test also covers, beyond FAMILIES: their faults are in the same
+# plumbing, but each has a state of its own to commit (a window and sinks; an SSM state)
+MORE_FAMILIES = ("llama", "mamba", "mamba2")
+# the server the crash and Redis-failure tests run on (they kill it, and its Redis, and
+# restart both in place): fast Redis timeouts, short leases, room for long generations
+DURABLE_SETTINGS = dict(cpu_threads=1, redis_timeout=3, lock_lease_seconds=1, max_tokens=1000)
 
 
 def make_models(root: Path) -> dict[str, Path]:
@@ -53,6 +63,14 @@ def make_models(root: Path) -> dict[str, Path]:
         out[name] = root / name
         model.init(out[name], seed=0, **cfg)
     return out
+
+
+def make_model(family: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model of one of MORE_FAMILIES: a LLaMA GGUF file (Q8_0, as the app tests serve
+    one), or the tests' tiny Mamba or Mamba-2 (`tiny_model_of`)."""
+    if family == "llama":
+        return write_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", random_weights(seed=3), "Q8_0")
+    return tiny_model_of(family, tiny_model_dir, tmp_path_factory)
 
 
 class DurableRedis:
@@ -87,6 +105,19 @@ class DurableRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def durable_server(model_dir: Path, tmp: Path) -> Iterator[tuple[DurableRedis, ServerProcess]]:
+    """A redis-server with an fsync-always AOF, and one server of `model_dir` on it."""
+    red = DurableRedis(tmp / "redis")
+    srv = ServerProcess(model_dir, tmp / "srv", red.url, **DURABLE_SETTINGS)
+    try:
+        srv.start()
+        yield red, srv
+    finally:
+        srv.stop()
+        red.stop()
 
 
 def start_all(*servers: ServerProcess) -> None:
@@ -251,6 +282,7 @@ class StreamOutcome:
     n_tokens: int = -1
     tokens: int = 0
     seconds: float = 0.0
+    ids: list[int] = field(default_factory=list)  # the token ids streamed
 
 
 def stream_generate(
@@ -264,18 +296,18 @@ def stream_generate(
                 r.read()
                 out = StreamOutcome("http", r.status_code, error_type(r))
             else:
-                n = 0
+                ids: list[int] = []
                 for name, data in events(r):
                     if name == "token":
-                        n += 1
+                        ids.append(data["id"])
                         if on_token is not None:
                             on_token.set()
                     elif name == "done":
                         s = data["session"]
-                        out = StreamOutcome("done", 200, "", s["version"], s["n_tokens"], n)
+                        out = StreamOutcome("done", 200, "", s["version"], s["n_tokens"], len(ids), ids=ids)
                         break
                     else:
-                        out = StreamOutcome("error", 200, data["error"]["type"], tokens=n)
+                        out = StreamOutcome("error", 200, data["error"]["type"], tokens=len(ids), ids=ids)
                         break
     except httpx.TransportError as exc:
         out = StreamOutcome("transport", 0, type(exc).__name__)

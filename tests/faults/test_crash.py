@@ -2,35 +2,78 @@
 
 Every session must sit at its last committed version (the last `done` its client saw),
 hold an intact state blob (container, shapes, checksum, fingerprint), and continue from
-exactly that state after the restart.
+exactly that state after the restart. For every family: Transformer-XL and RLT on the
+server the fault tests share (`durable_up`), a tiny LLaMA GGUF file, Mamba and Mamba-2 on
+one of their own (`durable_of`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from .harness import StreamOutcome, honour_retry_after, local_logprobs, store_for, stored, stream_generate
+import model
+from tests.conftest import ServerProcess
+
+from .harness import (
+    MORE_FAMILIES,
+    DurableRedis,
+    StreamOutcome,
+    durable_server,
+    honour_retry_after,
+    local_logprobs,
+    make_model,
+    store_for,
+    stored,
+    stream_generate,
+)
 
 N_SESSIONS = 20
 PROBE = list(b" probe!")
 
 
+@pytest.fixture(scope="module", params=MORE_FAMILIES)
+def durable_of(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[DurableRedis, ServerProcess, model.LanguageModel]]:
+    """A tiny model of each family beyond Transformer-XL and RLT in turn, served on a durable
+    Redis of its own, and the model loaded here to check stored states against."""
+    path = make_model(str(request.param), tiny_model_dir, tmp_path_factory)
+    with durable_server(path, tmp_path_factory.mktemp("durable")) as (red, srv):
+        yield red, srv, model.load(path, device="cpu")
+
+
 def test_sigkill_during_streaming_generations(durable_up, lm):
-    red, srv = durable_up
+    sigkill_mid_traffic(*durable_up, lm)
+
+
+def test_sigkill_during_streaming_generations_llm_and_ssm(durable_of):
+    sigkill_mid_traffic(*durable_of)
+
+
+def sigkill_mid_traffic(red: DurableRedis, srv: ServerProcess, lm: model.LanguageModel) -> None:
+    """20 sessions each commit two short generations, then stream long ones until the kill;
+    after it, each must be at its last acknowledged commit, hold exactly the state of the
+    tokens acknowledged (replayed here from the streamed ids), and continue from it."""
     keys = store_for(srv)
     r = redis.Redis.from_url(red.url)
     try:
         with srv.client() as c:
-            sids = []
+            sids, consumed = [], {}  # consumed: the tokens of each session's acknowledged commits
             for i in range(N_SESSIONS):
-                resp = c.post("/v1/sessions", json={"prompt": f"session {i}:"})
+                prompt = f"session {i}:"
+                resp = c.post("/v1/sessions", json={"prompt": prompt})
                 assert resp.status_code == 201, resp.text
                 sids.append(resp.json()["id"])
+                bos = [] if lm.tokenizer.bos_id is None else [lm.tokenizer.bos_id]
+                consumed[sids[-1]] = bos + lm.tokenizer.encode(prompt)
+                assert resp.json()["n_tokens"] == len(consumed[sids[-1]])
         acked: dict[str, tuple[int, int]] = {sid: (0, 0) for sid in sids}
         outcomes: list[StreamOutcome] = []
         in_long = [threading.Event() for _ in sids]
@@ -41,9 +84,11 @@ def test_sigkill_during_streaming_generations(durable_up, lm):
             with httpx.Client(base_url=srv.url, timeout=60) as c:
                 for k in range(10):
                     long = k >= 2
-                    # greedy decoding of these random tiny models never samples EOS: long stays long
+                    # a long one runs until the kill, whatever the model samples
                     body = (
-                        {"max_tokens": 1000, "temperature": 0} if long else {"max_tokens": 3 + k, "seed": k}
+                        {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+                        if long
+                        else {"max_tokens": 3 + k, "seed": k}
                     )
                     out = stream_generate(c, sid, body, on_token=in_long[i] if long else None)
                     in_long[i].clear()  # (a long one may end early, at EOS)
@@ -51,6 +96,7 @@ def test_sigkill_during_streaming_generations(durable_up, lm):
                         outcomes.append(out)
                         if out.kind == "done":
                             acked[sid] = (out.version, out.n_tokens)
+                            consumed[sid] = consumed[sid] + out.ids
                     if out.kind == "transport":
                         return
 
@@ -79,7 +125,12 @@ def test_sigkill_during_streaming_generations(durable_up, lm):
             # a commit whose `done` was lost with the server may be one ahead, never more
             assert s.version in (v, v + 1), (sid, s.version, v)
             if s.version == v:
-                assert s.n_tokens == n
+                # and its state is the acknowledged tokens', not merely their number
+                assert s.n_tokens == n == len(consumed[sid])
+                _, replayed = lm.consume(consumed[sid], lm.new_state(1))
+                assert local_logprobs(lm, s.state, PROBE) == pytest.approx(
+                    local_logprobs(lm, replayed, PROBE), abs=1e-4
+                ), sid
             before[sid] = s
 
         srv.start()
