@@ -276,7 +276,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "llama-window-one-too-short",
         "a LLaMA query sees W - 1 window positions before it, not W",
-        "model/llama.py",
+        "model/attention.py",
         "(dist >= 0) & (dist <= W))",
         "(dist >= 0) & (dist < W))",
         ("tests/model/test_llama.py::test_the_model_is_its_definition_within_and_beyond_the_window",),
@@ -284,9 +284,36 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "llama-sinks-one-short",
         "a LLaMA stream attends to S - 1 sinks, not S",
-        "model/llama.py",
+        "model/attention.py",
         "(spos >= 0) & (spos < S) & (spos <= pos[:, :, None])",
         "(spos >= 0) & (spos < S - 1) & (spos <= pos[:, :, None])",
         ("tests/model/test_llama.py::test_the_model_is_its_definition_within_and_beyond_the_window",),
+    ),
+    Fault(
+        "llama-sinks-at-their-absolute-distance",
+        "past the window, a LLaMA query sees its sinks at their absolute distance, not from the cache end",
+        "model/attention.py",
+        "angles(pos.clamp(max=S + W))",
+        "angles(pos)",
+        ("tests/model/test_llama_window_parity.py::test_forward_past_the_window_equals_transformers",),
+    ),
+    Fault(
+        "llama-decode-step-unmasks-the-sinks",
+        "a LLaMA decode step scores every stored sink slot, a batch's padding and unfilled ones too",
+        "model/attention.py",
+        "_masked(qs @ sk[0].transpose(-1, -2), masks[0], T)",
+        "qs @ sk[0].transpose(-1, -2)",
+        (
+            "tests/model/test_llama_window_parity.py"
+            "::test_the_engines_decode_step_past_the_window_equals_transformers",
+        ),
+    ),
+    Fault(
+        "delta-keeps-the-snapshots-fixed-tensors",
+        "a state rebuilt from deltas keeps its snapshot's fixed-size tensors (LLaMA's last_hidden)",
+        "model/state/blob.py",
+        "tensors[name] = rows.to(base.dtype) if rows.is_floating_point() else rows",
+        'tensors[name] = rows if name == "n_tokens" else base',
+        ("tests/faults/test_crash.py::test_sigkill_during_streaming_generations_llm_and_ssm[llama]",),
     ),
 )
