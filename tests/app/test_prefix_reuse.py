@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from tests.conftest import SSM_TINY, TINY, ServerProcess
 from tests.sensitive import write_sensitive
@@ -58,7 +59,9 @@ def consumed(c: httpx.Client, sid: str) -> list[int]:
 
 
 def counters(server: ServerProcess) -> dict[str, float]:
-    return {name: server.metric(f"recur_prefix_reuse_{name}_total") for name in ("hits", "misses", "tokens_saved")}
+    return {
+        name: server.metric(f"recur_prefix_reuse_{name}_total") for name in ("hits", "misses", "tokens_saved")
+    }
 
 
 def same(got: dict, want: dict) -> None:
@@ -106,6 +109,34 @@ def test_a_stale_entry_falls_back_to_a_full_prefill(server):
         prompt2 = history[len(history) - len(text) - 8 :] + list(b" Where?")
         again = complete(a, prompt2)
         after = counters(server)
+        assert after["hits"] == before["hits"] and after["misses"] == before["misses"] + 1
+        same(again, complete(b, prompt2))
+
+
+def test_an_index_entry_that_names_other_tokens_is_never_forked(server):
+    """An index entry is only a hint: the fork checks that the named state's tokens hash to
+    what the request looked up (the state's own `tokens_hash`). Planted here, an entry for one
+    text names another session's state: the request falls back to a full prefill, the same
+    answer as a key with no prefixes, and counts a miss."""
+    with client(server, A) as a, client(server, B) as b:
+        other = complete(a, list(b"Second Citizen: One word, good citizens."))["session_id"]
+        turn1 = complete(a, list(b"First Citizen: You are all resolved rather to die than to famish?"))
+        sid = turn1["session_id"]
+        history = consumed(a, sid)
+        r = redis.Redis.from_url(server.redis_url)
+        entries = [
+            k
+            for k in r.scan_iter(f"{server.settings['key_prefix']}prefix:*")
+            if r.get(k) == f"{sid}:1".encode()
+        ]
+        assert entries, "the commit indexed no prefix"
+        for key in entries:  # every prefix of this session's tokens now names the other session
+            r.set(key, f"{other}:1", keepttl=True)
+        before = counters(server)
+        prompt2 = history[1:] + list(b" Resolved.")
+        again = complete(a, prompt2)
+        after = counters(server)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert after["hits"] == before["hits"] and after["misses"] == before["misses"] + 1
         same(again, complete(b, prompt2))
 
