@@ -39,6 +39,29 @@ class Settings(BaseSettings):
         "server behind a proxy or a load balancer that checks the name itself",
     )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="HTTP connections this replica holds open at once (kept 256 below the process's "
+        "open-file limit); past it a new connection is answered 429 queue_full and closed at once",
+    )
+    max_connections_per_address: int = Field(
+        512,
+        ge=0,
+        description="HTTP connections one client address may hold open at once; past it a new one is "
+        "answered 429 queue_full and closed at once (0 = no limit: behind a proxy every client has the "
+        "proxy's address, so there set 0 and limit each client at the proxy)",
+    )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a connection has, from its opening or its last response, to send a whole "
+        "request head (request line and headers); past it the connection is closed, however the head "
+        "trickles in (slowloris)",
+    )
+    keep_alive_timeout: int = Field(
+        5, ge=1, description="seconds an idle keep-alive connection stays open after a response"
+    )
     redis_url: str | None = Field(
         None,
         description="Redis to keep sessions in: redis://host:port/db (one server), "

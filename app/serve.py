@@ -55,7 +55,7 @@ def run(settings: Settings) -> int:
     import uvicorn
 
     import model
-    from app import logs
+    from app import connections, logs
     from app.api import create_app
     from app.embedded_redis import EmbeddedRedis
 
@@ -100,6 +100,10 @@ def run(settings: Settings) -> int:
             create_app(settings, lm),
             host=settings.host,
             port=settings.port,
+            http=connections.protocol(
+                settings.max_connections, settings.max_connections_per_address, settings.header_timeout
+            ),
+            timeout_keep_alive=settings.keep_alive_timeout,
             log_level=settings.log_level,
             log_config=None,  # keep the handlers of app.logs
             access_log=False,  # app.api.middleware logs each request, with its ids
