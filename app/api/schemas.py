@@ -8,6 +8,7 @@ max_tokens cap) are checked by the routers, which know them.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -42,19 +43,31 @@ Prompt = Annotated[
 # JSON nested deeper than this is refused (422) before anything walks it: no body of this API
 # nests more than a few levels, and a walk of deeper JSON could exhaust Python's stack
 MAX_JSON_DEPTH = 32
+# JSON may escape half of a UTF-16 surrogate pair alone ("\ud800"); Python reads it as a
+# string no UTF-8 encoder, and so no tokenizer, can take: it is not text, and is refused
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _nesting(value: Any) -> int:
-    """How deep dicts and lists nest in `value` (walked without recursion)."""
-    deepest, todo = 0, [(value, 0)]
+def _check_json(value: Any) -> None:
+    """Raise ValueError if `value` nests deeper than MAX_JSON_DEPTH or holds a string (a
+    value or a key) that is not valid Unicode text. One walk, without recursion."""
+    todo = [(value, 0)]
     while todo:
         v, depth = todo.pop()
-        if isinstance(v, (dict, list)):
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise ValueError(
+                    "a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): "
+                    "text must be valid Unicode"
+                )
+        elif isinstance(v, (dict, list)):
             if depth + 1 > MAX_JSON_DEPTH:
-                return depth + 1
-            deepest = max(deepest, depth + 1)
-            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
+                raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(v, dict):
+                todo.extend((k, depth) for k in v)
+                todo.extend((x, depth + 1) for x in v.values())
+            else:
+                todo.extend((x, depth + 1) for x in v if isinstance(x, (str, dict, list)))
 
 
 def _integral_floats(value: Any) -> Any:
@@ -77,8 +90,7 @@ class RequestBody(BaseModel):
     def _json_integers(cls, data: Any) -> Any:
         # JSON has one number type, and JSON Schema's `integer` is any number without a
         # fractional part, 1938.0 too; strict mode would refuse it where an int is expected
-        if _nesting(data) > MAX_JSON_DEPTH:
-            raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        _check_json(data)
         return _integral_floats(data)
 
 
