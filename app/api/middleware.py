@@ -15,8 +15,9 @@ limit. The 413 carries `Connection: close`, so the server stops reading the rest
 its own (the server on a laptop, open without keys, is the target). The `Host` a request
 names must be one of `Settings.allowed_hosts` (DNS rebinding makes a page's own name
 resolve to 127.0.0.1: its requests then name that page's host). A request that changes
-state (POST, PUT, PATCH, DELETE) must not come from another site: its `Origin`, when a
-browser sends one, must name the request's own host; and a body of a type a page may send
+state (POST, PUT, PATCH, DELETE, and the GET form of a session's generate, which commits)
+must not come from another site: its `Origin`, when a browser sends one, must name the
+request's own host, and its `Sec-Fetch-Site` must not say `cross-site`; and a body of a type a page may send
 cross-site without asking (text/plain, a form) is refused, since every such route takes
 JSON (or, an import, application/octet-stream).
 
@@ -129,13 +130,18 @@ class BrowserGuard:
                 f"this server does not answer to the host {logs.clip(host, 80)!r}: add it to allowed_hosts "
                 "(RECUR_ALLOWED_HOSTS) if it is this server's name"
             )
-        if scope["method"] not in _CHANGES_STATE:
+        committing_get = scope["method"] == "GET" and _COMMITTING_GET.fullmatch(scope["path"]) is not None
+        if scope["method"] not in _CHANGES_STATE and not committing_get:
             return None
         origin = headers.get(b"origin")
         if origin is not None and _hostname(urlsplit(origin.decode("latin-1")).netloc) != name:
             return ErrorType.forbidden, (
                 f"a request from another site ({logs.clip(origin.decode('latin-1'), 80)}) may not change state here"
             )
+        if headers.get(b"sec-fetch-site") == b"cross-site":  # (a browser that sent no Origin)
+            return ErrorType.forbidden, "a request from another site may not change state here"
+        if committing_get:
+            return None
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if ctype in _SIMPLE_TYPES:
             wanted = (
@@ -148,6 +154,8 @@ class BrowserGuard:
 
 
 _CHANGES_STATE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# the GET form of a session's generate (for EventSource, which can only GET) commits too
+_COMMITTING_GET = re.compile(r"/v1/sessions/[^/]+/generate")
 # the bodies a browser sends cross-site without a CORS preflight (the "simple" types)
 _SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 

@@ -67,6 +67,26 @@ def test_simple_cross_site_requests_change_nothing(http, server, hostile_models)
     assert http.get(f"/v1/sessions/{made}", headers={"Origin": "http://evil.example"}).status_code == 200
 
 
+def test_the_get_form_of_generate_commits_nothing_from_another_site(http, server):
+    """EventSource can only GET, so `GET .../generate` streams and commits: a page on another
+    site could make a visitor's browser run it (issue 39). Refused when the browser says the
+    request is cross-site (its Origin, or Sec-Fetch-Site); the server's own page is served."""
+    sid = http.post("/v1/sessions", json={"prompt": "Hello"}).json()["id"]
+    path = f"/v1/sessions/{sid}/generate?prompt=x&max_tokens=2"
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"},
+    ):
+        assert_error(http.get(path, headers=headers), 403, "forbidden")
+    assert http.get(f"/v1/sessions/{sid}").json()["version"] == 0
+    own = {"Origin": f"http://127.0.0.1:{server.port}", "Sec-Fetch-Site": "same-origin"}
+    for headers in (own, {}):  # its own page, and a client that is not a browser
+        r = http.get(path, headers=headers)
+        assert r.status_code == 200 and "event: done" in r.text, r.text[:300]
+    assert http.get(f"/v1/sessions/{sid}").json()["version"] == 2
+
+
 def test_a_server_without_keys_says_so(server):
     assert "no API keys are set" in server.log.read_text()
     assert "WITHOUT API KEYS THIS IMAGE SERVES /v1 TO ANYONE" in (ROOT / "Dockerfile").read_text()
