@@ -37,15 +37,24 @@ RETRY_AFTER = 0.05  # seconds a refused client waits (the server's Retry-After, 
 @dataclass(frozen=True)
 class Job:
     """A session made with `prompt`, then `kind` asked of it: a greedy generate (streamed or
-    not), a seeded sampled one (streamed), or a score that commits."""
+    not), a seeded sampled one (streamed), or a score of `then` that commits; or, with no
+    session, a greedy chat completion of `prompt` (prefix reuse serves it)."""
 
     prompt: str
     kind: str
     seed: int = 0
+    then: str = " and the rest"
+
+    @property
+    def route(self) -> str:
+        return "score" if self.kind == "score" else "chat" if self.kind == "chat" else "generate"
 
     def body(self) -> dict:
         if self.kind == "score":
-            return {"prompt": " and the rest", "commit": True}
+            return {"prompt": self.then, "commit": True}
+        if self.kind == "chat":
+            messages = [{"role": "user", "content": self.prompt}]
+            return {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}  # (the served model)
         sampled = self.kind == "seeded-stream"
         return {
             "prompt": " then",
@@ -59,8 +68,12 @@ class Job:
     def ask(self, c: httpx.Client, sid: str) -> tuple[int, str, object, dict]:
         """(HTTP status, error type or "", the answer: token ids and text, or log-probs; the
         session as the answer says it committed it)."""
-        route = "score" if self.kind == "score" else "generate"
-        body = self.body()
+        route, body = self.route, self.body()
+        if route == "chat":
+            r = c.post("/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                return r.status_code, _error_type(r), None, {}
+            return 200, "", r.json()["choices"][0]["message"]["content"], {}
         if not body.get("stream"):
             r = c.post(f"/v1/sessions/{sid}/{route}", json=body)
             if r.status_code != 200:
@@ -93,10 +106,12 @@ class Job:
         )
 
 
-def jobs(prompts: list[str]) -> list[Job]:
+KINDS = ("greedy", "greedy-stream", "seeded-stream", "score")
+
+
+def jobs(prompts: list[str], kinds: tuple[str, ...] = KINDS, then: str = " and the rest") -> list[Job]:
     """Every kind of job on every prompt, each sampled one with a seed of its own."""
-    kinds = ("greedy", "greedy-stream", "seeded-stream", "score")
-    return [Job(p, kind, seed) for seed, (p, kind) in enumerate(itertools.product(prompts, kinds))]
+    return [Job(p, kind, seed, then) for seed, (p, kind) in enumerate(itertools.product(prompts, kinds))]
 
 
 def _error_type(r: httpx.Response) -> str:
@@ -137,6 +152,10 @@ class Tally:
 
 def alone(c: httpx.Client, job: Job) -> object:
     """The job's answer on the quiet server."""
+    if job.kind == "chat":
+        status, etype, answer, _ = job.ask(c, "")
+        assert (status, etype) == (200, ""), (job, status, etype)
+        return answer
     r = c.post("/v1/sessions", json={"prompt": job.prompt})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
@@ -174,14 +193,20 @@ def client(
 
 
 def _one(here: httpx.Client, there: httpx.Client, job: Job, expected: object, tally: Tally) -> None:
+    if job.kind == "chat":
+        status, etype, answer, _ = job.ask(there, "")
+        if not tally.count("chat", status, etype):
+            time.sleep(RETRY_AFTER)
+        elif answer != expected:
+            tally.error(f"{job}: {answer!r} under load, {expected!r} alone")
+        return
     r = here.post("/v1/sessions", json={"prompt": job.prompt})
     if not tally.count("create", r.status_code, "" if r.status_code == 201 else _error_type(r)):
         time.sleep(RETRY_AFTER)
         return
     sid = r.json()["id"]
-    route = "score" if job.kind == "score" else "generate"
     status, etype, answer, committed = job.ask(there, sid)
-    if not tally.count(route, status, etype):
+    if not tally.count(job.route, status, etype):
         time.sleep(RETRY_AFTER)
     elif not job.same(answer, expected):
         tally.error(f"{job}: {answer!r} under load, {expected!r} alone")
@@ -214,8 +239,9 @@ def as_key(server: ServerProcess, key: str) -> httpx.Client:
 
 
 def answers_alone(server: ServerProcess, todo: list[Job]) -> dict[Job, object]:
-    """Every job's answer alone, one after another on the quiet `server`."""
-    with as_key(server, next(iter(KEYS))) as c:
+    """Every job's answer alone, one after another on the quiet `server` (from the key
+    without a session quota: a chat completion's session outlives it)."""
+    with as_key(server, next(k for k, n in KEYS.items() if n is None)) as c:
         return {job: alone(c, job) for job in todo}
 
 
@@ -242,24 +268,17 @@ def drive(
 ) -> Tally:
     """CLIENTS_PER_KEY clients per key, each doing the jobs from its own place in `todo`,
     until `done(tally)` (or `guard` seconds: a load that never gets there fails its
-    test's assertions, not CI's timeout); the tally of every outcome."""
+    test's assertions, not CI's timeout); the tally of every outcome. A key with a session
+    quota does no chat: a chat's own session counts in the quota until it expires (15
+    minutes by default), which would shut the key out of the load after its first chats."""
     tally, until = Tally(), threading.Event()
-    threads = [
-        threading.Thread(
-            target=client,
-            args=(
-                [functools.partial(as_key, s, key) for s in servers],
-                todo,
-                i * len(todo) // CLIENTS_PER_KEY,
-                answers,
-                until,
-                tally,
-            ),
-            daemon=True,
-        )
-        for key in KEYS
-        for i in range(CLIENTS_PER_KEY)
-    ]
+    threads = []
+    for key, quota in KEYS.items():
+        mine = [job for job in todo if quota is None or job.kind != "chat"]
+        for i in range(CLIENTS_PER_KEY):
+            makers = [functools.partial(as_key, s, key) for s in servers]
+            args = (makers, mine, i * len(mine) // CLIENTS_PER_KEY, answers, until, tally)
+            threads.append(threading.Thread(target=client, args=args, daemon=True))
     for t in threads:
         t.start()
     began = time.monotonic()

@@ -1,19 +1,25 @@
 """The shipped defaults under load: what `make run` serves, on two replicas started together.
 
 Replica A is `recur serve` as `make run` runs it: the shipped model, the embedded Redis,
-every setting at its default (the hot cache, prefix reuse, delta persistence among them).
-Replica B is the same, on A's Redis, started as soon as that Redis is up. Four clients
-start the moment both answer, each with its own session, sending requests to the two
-replicas in turn: 5,000-character scores that commit, streamed generates, and chat
-completions through the official `openai` SDK (streamed and not, without a session: prefix
-reuse serves them). The second case turns the background compile on (it is opt-in) and
-keeps the load going until both replicas' compiles have finished, so that the compile
-runs during the load, not before it.
+every setting at its default (the hot cache, prefix reuse, delta persistence among them)
+but the limits, lowered so that twelve clients reach each of them (`clients.LIMITS`: a
+4-row batch, a queue of 4, 3 streams per key; two API keys, one holding at most 3
+sessions). Replica B is the same, on A's Redis, started as soon as that Redis is up. The
+clients (`tests/load/clients.py`, six per key) do job after job, each on a session made on
+one replica and asked and deleted on the other: greedy generates (streamed or not), seeded
+streamed ones, 2,000-character scores that commit, and greedy chat completions without a
+session (prefix reuse serves them; only from the key without a session quota). The second
+case turns the background compile on (it is opt-in) and keeps the load going until both
+replicas' compiles have finished, so that the compile runs during the load, not before it.
 
-Asserted: no 5xx, no transport error, no other refusal; every acknowledged commit present
-in Redis, read through the other replica; no engine error in either server's log; and,
-with the compile, both compiles `ready` (replicas on one host never spoil each other's).
-Slow (minutes): `make test-slow`, which `.ci/run` runs after `make test`.
+Asserted: every outcome of every request counted, session creation included; no error (a
+refusal is a 429 or 503, counted apart); every answer exactly the same request's answer
+alone on the quiet replica A (scored log-probs within 1e-4), every acknowledged commit what
+the session holds, read through the replica that made it; every limit reached, on both
+replicas a full batch; no engine error in either server's log; and, with the compile, both
+compiles `ready` (replicas on one host never spoil each other's). Slow (minutes): `make
+test-slow`, which `.ci/run` runs after `make test`. The same load on the tiny model, in
+`make test`: `test_limits_under_load.py`.
 """
 
 from __future__ import annotations
@@ -22,97 +28,30 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from app.config import Settings
-from tests.app.sse_client import events
 from tests.conftest import ServerProcess
+
+from .clients import KINDS, LIMITS, PROMPTS, answers_alone, drive, jobs, keys_file, reached
 
 pytestmark = pytest.mark.slow
 
-CLIENTS, SCORE_CHARS, LOAD_SECONDS, COMPILE_LIMIT = 4, 5000, 60.0, 1200.0
+LOAD_SECONDS, COMPILE_LIMIT = 60.0, 1200.0
+MIN_ANSWERS = {"generate": 48, "score": 12, "chat": 12}
+LINE = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. "
+SCORED = (" " + LINE * 24)[:2000]
 DEFAULTS = {"key_prefix": Settings().key_prefix}  # (ServerProcess would give each server its own)
 ENGINE_ERRORS = re.compile(r"Traceback|engine step failed|prefill failed|\"level\": \"error\"|ERROR")
-
-
-@dataclass
-class Tally:
-    acked: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> (version, n_tokens)
-    requests: int = 0
-    failures: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail(self, what: str) -> None:
-        with self.lock:
-            self.failures.append(what)
-
-
-def _text(i: int) -> str:
-    line = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. "
-    return (f"[{i}] " + line * (SCORE_CHARS // len(line) + 1))[:SCORE_CHARS]
-
-
-def _stream(c: httpx.Client, sid: str, seed: int) -> dict:
-    body = {"max_tokens": 32, "stream": True, "seed": seed, "temperature": 0.8}
-    with c.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as r:
-        if r.status_code != 200:
-            raise AssertionError(f"generate {r.status_code} {r.read()[:300]!r}")
-        last = list(events(r))[-1]
-    assert last[0] == "done", last
-    return last[1]["session"]
-
-
-def _one(k: int, c: httpx.Client, oa: openai.OpenAI, sid: str, text: str) -> dict | None:
-    """Request k of a client: the session it committed, or None (a chat without a session)."""
-    if k % 3 == 0:
-        r = c.post(f"/v1/sessions/{sid}/score", json={"prompt": text, "commit": True})
-        assert r.status_code == 200, f"score {r.status_code} {r.text[:300]}"
-        return dict(r.json()["session"])
-    if k % 3 == 1:
-        return _stream(c, sid, k)
-    messages = [{"role": "user", "content": f"Speak, friend {k}."}]
-    if k % 2:
-        assert oa.chat.completions.create(model="shakespeare", messages=messages, max_tokens=16).choices
-    else:
-        chunks = oa.chat.completions.create(
-            model="shakespeare", messages=messages, max_tokens=16, stream=True
-        )
-        assert any(ch.choices for ch in chunks)
-    return None
-
-
-def _client(i: int, replicas: list[ServerProcess], until: threading.Event, tally: Tally) -> None:
-    clients = [srv.client() for srv in replicas]
-    sdks = [srv.openai() for srv in replicas]
-    sid = clients[0].post("/v1/sessions", json={"prompt": "ROMEO:"}).json()["id"]
-    k = 0
-    while not until.is_set():
-        n = (i + k) % len(replicas)
-        try:
-            meta = _one(k, clients[n], sdks[n], sid, _text(i))
-        except (httpx.TransportError, openai.APIConnectionError) as exc:
-            tally.fail(f"transport error from replica {n}: {exc!r}")
-        except (AssertionError, openai.APIStatusError) as exc:
-            tally.fail(f"replica {n}: {exc}")
-        else:
-            with tally.lock:
-                tally.requests += 1
-                if meta is not None:
-                    tally.acked[sid] = (meta["version"], meta["n_tokens"])
-        k += 1
-    for c in clients:
-        c.close()
 
 
 @pytest.fixture
 def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[ServerProcess]]:
     """A and B, started together: B as soon as A's embedded Redis is up."""
-    settings = {**DEFAULTS, **request.param}
+    settings = {**DEFAULTS, **LIMITS, "api_keys_file": keys_file(tmp_path), **request.param}
     a = ServerProcess("shakespeare", tmp_path / "a", None, **settings)  # type: ignore[arg-type]
     b = None
     try:
@@ -141,30 +80,19 @@ def _compile_state(srv: ServerProcess) -> str:
 @pytest.mark.parametrize("replicas", [{}, {"compile": True}], ids=["defaults", "with-compile"], indirect=True)
 def test_the_defaults_serve_a_mixed_load_on_two_replicas_without_a_failure(replicas):
     compiling = _compile_state(replicas[0]) != "off"
-    tally, until = Tally(), threading.Event()
-    threads = [
-        threading.Thread(target=_client, args=(i, replicas, until, tally), daemon=True)
-        for i in range(CLIENTS)
-    ]
-    for t in threads:
-        t.start()
+    todo = jobs(PROMPTS, (*KINDS, "chat"), then=SCORED)
+    answers = answers_alone(replicas[0], todo)
     began = time.monotonic()
-    try:
-        while time.monotonic() - began < LOAD_SECONDS or (
-            compiling and any(_compile_state(s) == "compiling" for s in replicas)
-        ):
-            assert time.monotonic() - began < COMPILE_LIMIT, "the compiles did not finish"
-            time.sleep(1)
-    finally:
-        until.set()
-        for t in threads:
-            t.join(600)
-    assert not tally.failures, tally.failures[:10]
-    assert tally.requests >= 3 * CLIENTS
-    with replicas[1].client() as c:  # every acknowledged commit is in Redis, read through B
-        for sid, (version, n_tokens) in tally.acked.items():
-            meta = c.get(f"/v1/sessions/{sid}").json()
-            assert (meta["version"], meta["n_tokens"]) == (version, n_tokens), sid
+
+    def done(tally) -> bool:
+        if time.monotonic() - began < LOAD_SECONDS or not all(reached(replicas, tally, MIN_ANSWERS).values()):
+            return False
+        return not (compiling and any(_compile_state(s) == "compiling" for s in replicas))
+
+    tally = drive(replicas, todo, answers, done, COMPILE_LIMIT)
+    assert not tally.errors, tally.errors[:10]
+    status = reached(replicas, tally, MIN_ANSWERS)
+    assert all(status.values()), (status, dict(tally.answers), dict(tally.refusals))
     for srv in replicas:
         log = srv.log_tail(10_000_000)
         assert not ENGINE_ERRORS.findall(log), ENGINE_ERRORS.findall(log)[:5]
