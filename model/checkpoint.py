@@ -1,9 +1,10 @@
 """Finding and loading checkpoints: by shipped name, by directory or by file, in any layout.
 
-Five layouts, each with its reader: recur's native one (`model/native.py`: config.json names
+Six layouts, each with its reader: recur's native one (`model/native.py`: config.json names
 the family), the original / HF Transformer-XL one (`model/hf.py`: config.json without
-"family"), HF Mamba / Mamba-2 directories (`model/hf_ssm.py`) and HF LLaMA and Mistral ones
-(`model/llama_hf.py`), both by config.json's model_type, and GGUF files
+"family"), HF Mamba / Mamba-2 directories (`model/hf_ssm.py`), HF hybrids: Qwen3.5,
+Qwen3-Next and Granite-4.0-H (`model/hf_hybrid.py`) and HF LLaMA and Mistral ones
+(`model/llama_hf.py`), each by config.json's model_type, and GGUF files
 (`model/llama_gguf.py`: a `.gguf` file, or a directory holding one). `load` tells them apart
 (`layout`) and hands the path to that layout's reader. Shipped checkpoints live in
 `model/weights/<name>/` and load by name; so do the packaged ones (`PACKAGED`), files that an
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import generation_config, hf, hf_ssm, llama_gguf, llama_hf, native
+from . import generation_config, hf, hf_hybrid, hf_ssm, llama_gguf, llama_hf, native
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
 from .native import build, families, fingerprint, save
@@ -67,6 +68,7 @@ READERS: dict[str, Callable[[Path], LanguageModel]] = {
     "native": native.read,
     "hf": hf.read,
     "hf-ssm": hf_ssm.read,
+    "hf-hybrid": hf_hybrid.read,
     "hf-llama": llama_hf.read,
     "gguf": llama_gguf.read,
 }
@@ -127,7 +129,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def layout(path: Path) -> str:
     """ "gguf" for a GGUF file; for a directory, "native" where config.json names a model
-    family, "hf-ssm" where it is a HF Mamba or Mamba-2 one, "hf-llama" where it is a HF
+    family, "hf-ssm" where it is a HF Mamba or Mamba-2 one, "hf-hybrid" where it is a HF
+    Qwen3.5, Qwen3-Next or Granite-4.0-H one, "hf-llama" where it is a HF
     LLaMA or Mistral one, else "hf" (Transformer-XL)."""
     if llama_gguf.is_gguf(path):
         return "gguf"
@@ -135,6 +138,8 @@ def layout(path: Path) -> str:
         return "native"
     if hf_ssm.claims(path):
         return "hf-ssm"
+    if hf_hybrid.claims(path):
+        return "hf-hybrid"
     return "hf-llama" if llama_hf.claims(path) else "hf"
 
 
@@ -203,7 +208,7 @@ def converts(src: str | Path) -> bool:
     """Whether `convert` is the reader for `src` (a GGUF file, or a HF LLaMA / Mistral
     directory); `recur convert` hands it the other sources' work otherwise."""
     try:
-        return layout(resolve(src)) in ("gguf", "hf-llama")
+        return layout(resolve(src)) in ("gguf", "hf-llama", "hf-hybrid")
     except (FileNotFoundError, ValueError):
         return False
 
@@ -242,7 +247,7 @@ def chat_template(name_or_dir: str | Path) -> ChatTemplate | None:
     if source is None:
         return None
     stop = _json(path / GENERATION_CONFIG).get("stop_strings") or (
-        llama_hf.stop_strings(path) if kind == "hf-llama" else []
+        llama_hf.stop_strings(path) if kind in ("hf-llama", "hf-hybrid") else []
     )
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
