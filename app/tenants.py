@@ -190,6 +190,15 @@ class Tenants:
         except StoreUnavailable:
             log.warning("could not record a use of session %s in its tenant's ledger", meta.id)
 
+    async def recorded(self, owner: str, object_id: str, nbytes: int, ttl: float) -> None:
+        """Enter what was written without a reservation (a stopped background response's
+        record and events: written as it ran, and kept for `ttl`): unchecked, since it is
+        there either way, and best effort, as `settled`."""
+        try:
+            self._seen(owner, await self.store.record(owner, object_id, nbytes, time.time() + ttl, None))
+        except StoreUnavailable:
+            log.warning("could not record %s in its tenant's ledger", object_id)
+
     async def forget(self, owner: str, session_id: str) -> None:
         """A deleted session, or one a failed write never made, leaves the ledger."""
         self._seen(owner, await self.store.forget(owner, session_id))

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette import ServerSentEvent
 
 from app.engine import Logprobs
-from app.sessions import Background, Begun, Generation, Render, Responses, Turn
+from app.sessions import Background, Begun, Generation, Render, Replay, Responses, Turn
 from app.store import new_object_id
 from model.chat_template import ChatTemplate
 
@@ -29,7 +29,7 @@ from . import responses_framing as rf
 from .chat_completions import chat_template
 from .deps import OwnerDep, SessionsDep, SettingsDep, prompt_ids, reply_bound, sampling_params, served_model
 from .disconnect import until_disconnect
-from .errors import ApiError, ErrorType, responses
+from .errors import ApiError, ErrorType, classify, responses
 from .responses_schemas import (
     LOGPROBS,
     Deleted,
@@ -176,8 +176,9 @@ async def create_response(
     if turn.background:
         events = rf.events(begun, framer, stop, catch=True)
         background.detach(
-            framer.id, owner, events, lambda b: _ended(room, begun, b), lambda: _stopped(room, begun)
-        )
+            framer.id, owner, begun.own_session, events,
+            lambda last, nbytes: _ended(room, begun, last, nbytes), lambda: room.close(begun),
+        )  # fmt: skip
         return framer.response("queued")
     if body.stream:
         frames = _sse(rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b)))
@@ -185,21 +186,17 @@ async def create_response(
     return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
 
 
-async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False) -> None:
-    await room.finish(begun, body, rf.reply(body), body["output"], worker=worker)
+async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0) -> None:
+    await room.finish(begun, body, rf.reply(body), body["output"], worker=worker, events=events)
 
 
-async def _ended(room: Responses, begun: Begun, last: dict) -> None:
-    """A background response's last event is out: keep the body it carries."""
+async def _ended(room: Responses, begun: Begun, last: dict, events: int) -> None:
+    """A background response's last event is out: keep the body it carries (and count its
+    `events` bytes)."""
     try:
-        await _keep(room, begun, last["response"], worker=True)
+        await _keep(room, begun, last["response"], worker=True, events=events)
     finally:
         await room.close(begun)
-
-
-async def _stopped(room: Responses, begun: Begun) -> None:
-    await room.discard(begun)
-    await room.close(begun)
 
 
 class _Closing:
@@ -256,6 +253,7 @@ async def get_response(
     owner: OwnerDep,
     room: ResponsesDep,
     background: BackgroundDep,
+    settings: SettingsDep,
     stream: bool = False,
     starting_after: Annotated[int, Query(ge=-1)] = -1,
     include: Annotated[list[str] | None, Query(max_length=16)] = None,
@@ -267,12 +265,23 @@ async def get_response(
         raise ApiError(
             ErrorType.unsupported, "stream: only a background response's events are kept for replay"
         )
+    replay = background.replay(response_id, owner, starting_after)  # (429 past the client's limit)
+    return respond(replay, _replayed(replay), send_timeout=settings.stream_send_timeout)
 
-    class _Nothing:
-        async def close(self) -> None:
-            return None
 
-    return respond(_Nothing(), _sse(background.replay(response_id, owner, starting_after)))
+async def _replayed(replay: Replay) -> AsyncIterator[ServerSentEvent]:
+    """A replay's events as they were kept. If reading them fails once begun, OpenAI's
+    `error` event (its code the error's type) ends the stream; the replay's place among its
+    client's is given back however it ends."""
+    try:
+        async for kind, raw in replay.events():
+            yield ServerSentEvent(data=raw, event=kind)
+    except Exception as exc:
+        etype, message = classify(exc)
+        ev = {"type": "error", "code": etype.value, "message": message, "sequence_number": replay.next}
+        yield ServerSentEvent(data=sse_json(ev), event="error")
+    finally:
+        await replay.close()
 
 
 @router.delete(

@@ -259,7 +259,7 @@ class StreamEvent(ResponseBody):
         "response.created", "response.queued", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.completed",
-        "response.incomplete", "response.failed",
+        "response.incomplete", "response.failed", "error",
     ]  # fmt: skip
     sequence_number: int
     response: ResponseObject | None = None
@@ -271,6 +271,11 @@ class StreamEvent(ResponseBody):
     delta: str | None = None
     text: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    # `error`, the last event of a cancelled response (code `cancelled`) or of a replay that
+    # failed once begun (code: the error's type)
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
 
 
 class Deleted(ResponseBody):

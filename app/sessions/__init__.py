@@ -26,7 +26,7 @@ from app.store import Store, owner_of
 from app.tenants import Tenants
 from model import LanguageModel
 
-from .background import Background
+from .background import Background, Replay
 from .cache import Held, HotCache
 from .choices import Started, needs_whole_prompt, start, stateless
 from .conversations import Conversations
@@ -37,6 +37,7 @@ from .service import Generation, SessionService, StateRejected
 
 __all__ = [
     "Background",
+    "Replay",
     "Begun",
     "ClientDisconnected",
     "Conversations",
@@ -115,8 +116,12 @@ def build_stateful(
 ) -> tuple[Responses, Conversations, Background]:
     """The Responses and Conversations APIs' rooms over the sessions service."""
     retention = settings.response_retention
+    responses = Responses(service, store.responses, retention)
     return (
-        Responses(service, store.responses, retention),
+        responses,
         Conversations(service, store.responses, retention),
-        Background(store.responses, settings.response_lease_seconds, retention),
+        Background(
+            store.responses, responses, service.tenants, lease=settings.response_lease_seconds,
+            retention=retention, max_replays=settings.max_replays_per_key,
+        ),  # fmt: skip
     )

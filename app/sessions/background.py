@@ -1,19 +1,28 @@
 """Background responses: a generation detached from its client, whose events any replica
-replays, and which never stays in progress after its replica dies.
+replays, and which never stays in progress after its replica dies, nor leaves a session
+that nothing references.
 
 The worker is a task on the replica that took the request. It appends each event to the
-response's event list in Redis (its index is its `sequence_number`, so a reader that asks
-for the events after N gets each one it missed exactly once) and, with each event and at
-least every third of `lease` seconds, renews its lease: in the response's hash and in the
-register of leases (a sorted set by lease end). It writes only while the response is
-active, so a cancel (from any replica) or a failure another replica wrote stops it, and
-it discards the state its generation made.
+response's events in Redis (a stream whose entries are numbered by `sequence_number`, so a
+reader that asks for the events after N gets each one it missed exactly once) and, with
+each event and at least every third of `lease` seconds, renews its lease: in the response's
+hash and in the register of leases (a sorted set by lease end). It writes only while the
+response is active, so a cancel, a delete (from any replica) or a failure another replica
+wrote stops it, and it discards the state its generation made. The response's hash names
+that session (`run`) from the worker's first write.
 
 Every replica sweeps the register every half lease: a response whose lease lapsed (its
 worker's replica died, or stalled past its lease) is marked `failed`, with a
-`response.failed` event last in its list. So a dead replica's response is failed within
-1.5 x `lease` seconds of its last renewal; it is never resumed (its generation's sampled
-tokens died with it, and a resumed one could not be the same reply).
+`response.failed` event last, and the session its run made is deleted (once the dead
+worker's lock on it lapses: until then the sweep leaves the lease in the register and tries
+again). So a dead replica's response is failed within 1.5 x `lease` seconds of its last
+renewal; it is never resumed (its generation's sampled tokens died with it, and a resumed
+one could not be the same reply).
+
+A replay reads the events a page at a time and, at the end of what is there, waits for
+the next one with `XREAD BLOCK` (on a pool of its own: a waiting reader never holds a
+connection the requests need). One client runs at most `max_replays` replays at once on a
+replica (QuotaExceeded past it, before any read).
 
 The events themselves are framed by the caller (app/api): this module only keeps them.
 """
@@ -21,6 +30,7 @@ The events themselves are framed by the caller (app/api): this module only keeps
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -28,22 +38,84 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from app import metrics
-from app.store import ResponseStore, StoreError
+from app.store import ObjectNotFound, QuotaExceeded, ResponseStore, StoreError
+from app.tenants import CLIENT, Tenants
 
-from .responses import body_of, dumps
+from .responses import Responses, body_of, dumps
 
 log = logging.getLogger("recur.responses")
-POLL = 0.05  # seconds between a replaying reader's reads of a response still running
+PAGE = 64  # events one read of a replay takes
+WAIT = 1.0  # seconds one blocking read of a replay waits for the next event (then it reads again)
+SETTLING = 0.05  # seconds between reads while a response's last event is out and its status not yet
+# the event types that end a response's events (a `response.failed` may still follow one, when
+# keeping the response fails as it ends)
+LAST = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 DIED = "the replica running this background response stopped before it ended"
 FAILED = "the background response failed as it ended: nothing was kept"
 
 
+class Replay:
+    """One client's replay of a background response's events: `events()`, then `close()`
+    (idempotent), which gives its place among the client's replays back."""
+
+    def __init__(self, background: Background, response_id: str, owner: str, after: int, client: str):
+        self.background, self.response_id, self.owner = background, response_id, owner
+        self.next = after + 1  # the sequence number of the next event to send
+        self.client: str | None = client
+
+    async def events(self) -> AsyncIterator[tuple[str, str]]:
+        """Each event after `after`, as (its type, its JSON), as they come, until the
+        response has ended and its every event is out."""
+        store, last = self.background.store, ""
+        while True:
+            ended, page = await store.events(self.response_id, self.owner, self.next, PAGE)
+            for kind, raw in page:
+                self.next, last = self.next + 1, kind
+                yield kind, _arrays(raw) if kind == "response.failed" else raw
+            if len(page) == PAGE:
+                await asyncio.sleep(0)  # a long replay lets the loop's other work in between pages
+            elif ended:
+                return
+            elif last in LAST:
+                # its worker is keeping the body its last event carries: nothing more comes
+                # unless that fails (then `response.failed`), and the status says which
+                await asyncio.sleep(SETTLING)
+            else:
+                await store.wait_events(self.response_id, self.next, WAIT)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            self.background.replay_ended(self.client)
+            self.client = None
+
+
+def _arrays(raw: str) -> str:
+    """A `response.failed` event, written by Lua (a sweep's failure), with its body's empty
+    arrays as arrays again (`body_of`)."""
+    event = json.loads(raw)
+    event["response"] = body_of(json.dumps(event["response"]))
+    return dumps(event)
+
+
 class Background:
-    def __init__(self, store: ResponseStore, lease: float, retention: int):
+    def __init__(
+        self,
+        store: ResponseStore,
+        responses: Responses,
+        tenants: Tenants,
+        *,
+        lease: float,
+        retention: int,
+        max_replays: int,
+    ):
         self.store = store
+        self.responses = responses  # (deletes the session a dead worker's run made)
+        self.tenants = tenants
         self.lease = lease
         self.retention = retention
+        self.max_replays = max_replays  # replays one client runs at once on this replica
         self.workers: dict[str, asyncio.Task[None]] = {}
+        self._replays: collections.Counter[str] = collections.Counter()
         self._sweeper: asyncio.Task[None] | None = None
 
     async def queue(self, response_id: str, owner: str, body: dict) -> None:
@@ -62,69 +134,119 @@ class Background:
         self,
         response_id: str,
         owner: str,
+        session: str,
         events: AsyncIterator[dict],
-        end: Callable[[dict], Awaitable[object]],
+        end: Callable[[dict, int], Awaitable[object]],
         stop: Callable[[], Awaitable[object]],
     ) -> None:
-        """Run `events` to their end in a task of this replica's; `end(last event)` once
-        they all are kept, `stop()` if the response was stopped (cancelled or failed)."""
+        """Run `events` to their end in a task of this replica's; `end(last event, the
+        events' bytes)` once they all are kept, `stop()` if the response was stopped
+        (cancelled, deleted or failed). `session`: the one its run made ('' if none), named
+        in the response's hash first, for the sweep to delete should this replica die."""
 
         async def work() -> None:
             beat = asyncio.ensure_future(self._beat(response_id, owner, asyncio.current_task()))
-            last: dict | None = None
-            seq = 0
-            settled = True  # whether the response has ended in Redis, or must wait for the sweep
+            kept: tuple[dict, int] | None = None
+            failed = False
             try:
-                async for event in events:
-                    event["sequence_number"] = seq
-                    if not await self._append(response_id, owner, event):
-                        break
-                    seq, last = seq + 1, event
-                else:
-                    if last is not None:
-                        await end(last)
-                    return
-                await stop()
+                kept = await self._keep_events(response_id, owner, session, events)
             except asyncio.CancelledError:
-                await asyncio.shield(stop())
+                pass  # (cancelled on this replica, or stopped as its beat found)
             except Exception:
                 log.exception("background response %s failed", response_id)
-                settled = await self._fail(response_id)
-                with contextlib.suppress(Exception):
-                    await stop()
+                failed = True
             finally:
                 beat.cancel()
-                if settled:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(self.store.lease("drop", response_id))
-                with contextlib.suppress(Exception):
-                    await events.aclose()  # type: ignore[attr-defined]
+            # shielded: a cancel that comes as it ends must not cut keeping or discarding short
+            await asyncio.shield(self._finish(response_id, owner, events, kept, failed, end, stop))
 
         task = asyncio.ensure_future(work())
         self.workers[response_id] = task
         task.add_done_callback(lambda _: self.workers.pop(response_id, None))
+
+    async def _keep_events(
+        self, response_id: str, owner: str, session: str, events: AsyncIterator[dict]
+    ) -> tuple[dict, int] | None:
+        """Keep each event as it comes (after the run's session is named in the response):
+        (the last event, the events' bytes) once all are kept; None once it is stopped."""
+        if session and not await self.store.save(
+            "response", response_id, owner, self.retention, {"run": session}, worker=True
+        ):
+            return None
+        last, seq, nbytes = None, 0, 0
+        async for event in events:
+            event["sequence_number"] = seq
+            if not (added := await self._append(response_id, owner, event)):
+                return None
+            last, seq, nbytes = event, seq + 1, nbytes + added
+        return (last, nbytes) if last is not None else None
+
+    async def _finish(
+        self,
+        response_id: str,
+        owner: str,
+        events: AsyncIterator[dict],
+        kept: tuple[dict, int] | None,
+        failed: bool,
+        end: Callable[[dict, int], Awaitable[object]],
+        stop: Callable[[], Awaitable[object]],
+    ) -> None:
+        """However a worker ended, once: `end` what it kept, or `stop` it (failed first, if
+        it failed); then its lease leaves the register, unless its failure could not be
+        written (the sweep fails it when the lease lapses)."""
+        settled = True
+        try:
+            if kept is not None and not failed:
+                try:
+                    await end(*kept)
+                    return
+                except Exception:
+                    log.exception("background response %s failed as it ended", response_id)
+                    failed = True
+            if failed:
+                settled = await self._fail(response_id)
+            await stop()
+            await self._account(response_id, owner)
+        except Exception:
+            log.warning("could not stop background response %s", response_id, exc_info=True)
+        finally:
+            if settled:
+                with contextlib.suppress(Exception):
+                    await self.store.lease("drop", response_id)
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]
+
+    async def _account(self, response_id: str, owner: str) -> None:
+        """A stopped response's record and events stay for their retention: the key's ledger
+        counts them (unless it was deleted)."""
+        try:
+            f = await self.store.read("response", response_id, owner, ["body", "events_bytes"])
+        except (ObjectNotFound, StoreError):
+            return
+        await self.tenants.recorded(owner, response_id, len(f["body"]) + int(f["events_bytes"] or 0), self.retention)
 
     async def _fail(self, response_id: str) -> bool:
         """Mark a response whose worker failed (its final save, or a write to Redis raised)
         as failed at once; False if that failed too, so the lease stays in the register and
         the sweep fails it when it lapses."""
         try:
-            if await self.store.expire(response_id, FAILED, now=True) == "failed":
+            if (await self.store.expire(response_id, FAILED, now=True)).status == "failed":
                 metrics.RESPONSES.labels("failed").inc()
             return True
         except Exception:
             log.warning("could not fail background response %s: the sweep will", response_id)
             return False
 
-    async def _append(self, response_id: str, owner: str, event: dict) -> bool:
-        """Keep an event (and the response's body, when it carries one); False once stopped."""
-        until = time.time() + self.lease
-        ok = await self.store.append_event(response_id, owner, dumps(event), until, self.retention)
+    async def _append(self, response_id: str, owner: str, event: dict) -> int:
+        """Keep an event (and the response's body, when it carries one): its bytes, or 0
+        once the response is stopped."""
+        until, raw = time.time() + self.lease, dumps(event)
+        ok = await self.store.append_event(response_id, owner, raw, until, self.retention, str(event["type"]))
         body = event.get("response")
         if ok and body is not None and body.get("status") in ("queued", "in_progress"):
             record = {"status": str(body["status"]), "body": dumps(body)}
             ok = await self.store.save("response", response_id, owner, self.retention, record, worker=True)
-        return ok
+        return len(raw) if ok else 0
 
     async def _beat(self, response_id: str, owner: str, worker: asyncio.Task | None) -> None:
         """Renew the lease every third of it; stop the worker once the response is stopped."""
@@ -151,22 +273,24 @@ class Background:
                 worker.cancel()
         return status, body_of(body) if body else None
 
-    async def replay(self, response_id: str, owner: str, after: int) -> AsyncIterator[dict]:
-        """The events after sequence number `after` (-1: all), as they come, until the
-        response has ended and every event is out."""
-        start = after + 1
-        while True:
-            ended, events = await self.store.events(response_id, owner, start)
-            for raw in events:
-                event = json.loads(raw)
-                if isinstance(event.get("response"), dict):
-                    event["response"] = body_of(json.dumps(event["response"]))
-                yield event
-            start += len(events)
-            if ended and not events:
-                return
-            if not events:
-                await asyncio.sleep(POLL)
+    def replay(self, response_id: str, owner: str, after: int) -> Replay:
+        """A replay of the events after sequence number `after` (-1: all), for the client
+        of this request; QuotaExceeded when it already runs `max_replays` here."""
+        client = CLIENT.get() or owner
+        if self._replays[client] >= self.max_replays:
+            raise QuotaExceeded(
+                "replays",
+                f"this client replays {self._replays[client]} responses on this server, its limit of "
+                f"{self.max_replays}; retry when one has ended",
+                1,
+            )
+        self._replays[client] += 1
+        return Replay(self, response_id, owner, after, client)
+
+    def replay_ended(self, client: str) -> None:
+        self._replays[client] -= 1
+        if not self._replays[client]:
+            del self._replays[client]
 
     # -- the sweep ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -187,13 +311,18 @@ class Background:
                 log.warning("could not sweep the background responses' leases", exc_info=True)
 
     async def sweep(self) -> None:
-        """Fail each background response whose worker's lease lapsed (see the module)."""
+        """Fail each background response whose worker's lease lapsed, and delete the session
+        its run made (see the module)."""
         due, count = await self.store.lease("due")
         metrics.RESPONSES_BACKGROUND_QUEUED.set(count)
         for response_id in due:
-            status = await self.store.expire(response_id, DIED)
-            if status == "failed":
+            found = await self.store.expire(response_id, DIED)
+            if found.status == "alive":  # (a live worker's next renewal moves it on in the register)
+                continue
+            if found.status == "failed":
                 metrics.RESPONSES.labels("failed").inc()
                 log.warning("background response %s failed: its worker's lease lapsed", response_id)
-            if status != "alive":  # (a live worker's next renewal moves it on in the register)
-                await self.store.lease("drop", response_id)
+                await self._account(response_id, found.owner)
+            if found.orphan and not await self.responses.release(found.owner, found.orphan):
+                continue  # the dead worker's lock on it has not lapsed yet: the next sweep
+            await self.store.lease("drop", response_id)

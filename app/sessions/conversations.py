@@ -66,8 +66,16 @@ class Conversations:
         return await self.get(owner, conversation_id)
 
     async def delete(self, owner: str, conversation_id: str) -> None:
+        """Delete a conversation and its session: the session first, so that one a response
+        is writing refuses the delete (SessionBusy) before anything is gone."""
+        held = (await self.store.read("conversation", conversation_id, owner, ["session"]))["session"]
+        await self._drop(owner, held)
         session = await self.store.delete("conversation", conversation_id, owner)
         await self.service.tenants.forgotten(owner, conversation_id)
+        if session != held:  # (a response that ended meanwhile gave it a new one)
+            await self._drop(owner, session)
+
+    async def _drop(self, owner: str, session: str) -> None:
         if session:
             try:
                 await self.service.delete(session, None, owner)
@@ -103,11 +111,8 @@ class Conversations:
             self.retention,
             _state(meta.id, meta.version, meta.n_tokens),
         )
-        if not same and f["session"]:
-            try:
-                await self.service.delete(f["session"], None, owner)
-            except SessionNotFound:
-                pass
+        if not same:
+            await self._drop(owner, f["session"])
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> None:
         await self.store.delete_item(conversation_id, owner, item_id)

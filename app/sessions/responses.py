@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app import metrics, prefixes
-from app.store import ObjectNotFound, ResponseStore, SessionNotFound, VersionGone
+from app.store import ObjectNotFound, ResponseStore, SessionBusy, SessionNotFound, StoreError, VersionGone
 
 from .choices import stateless
 from .run import Run
@@ -108,6 +108,11 @@ class Begun:
     kept: bool = False  # `finish` kept it: closing it deletes nothing
     created_at: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def own_session(self) -> str:
+        """The session the response made ('' when it runs in a conversation's own)."""
+        return self.run.writer.meta.id if self.made else ""
+
 
 class Responses:
     def __init__(self, service: SessionService, store: ResponseStore, retention: int):
@@ -136,12 +141,13 @@ class Responses:
                      len(ids) - len(rest), made, replaced)  # fmt: skip
 
     async def finish(
-        self, begun: Begun, body: dict, reply: str, output: list[dict], *, worker: bool = False
+        self, begun: Begun, body: dict, reply: str, output: list[dict], *, worker: bool = False, events: int = 0
     ) -> bool:
         """Keep a committed response: its record (`body`, the API's Response object), and
         with a conversation, its input and `output` items appended to it. Not stored, its
         sessions are deleted. `worker`: a background worker's, kept only while the response
-        is active (else discarded: False)."""
+        is active (else discarded: False); `events`: the bytes of its kept events, counted
+        in the key's quota with the record."""
         turn, meta = begun.turn, begun.run.meta
         status = str(body["status"])
         metrics.RESPONSES.labels(status).inc()
@@ -163,31 +169,37 @@ class Responses:
             "created_at": str(begun.created_at),
         }
         await self.service.tenants.reserve(
-            turn.owner, begun.id, sum(map(len, record.values())), self.retention
+            turn.owner, begun.id, sum(map(len, record.values())) + events, self.retention
         )
         if not await self.store.save("response", begun.id, turn.owner, self.retention, record, worker=worker):
             await self.discard(begun)
             return False
         begun.kept = True
+        if begun.made:
+            await self._retain(turn.owner, meta.id)
         if turn.conversation:
             await self._extend_conversation(begun, [*turn.input, *output])
         return True
 
     async def close(self, begun: Begun) -> None:
-        """Always, once a response's request ends: its generation stopped, its lock released,
-        and, unless kept, the session it made deleted."""
-        await begun.run.close()
-        if not begun.kept:
+        """Always, once a response's request ends (a background one's too: cancelled, deleted
+        or failed): its generation stopped, its lock released, and then, unless kept, the
+        session it made deleted."""
+        if begun.kept:
+            await begun.run.close()
+        else:
             await self.discard(begun)
 
     async def discard(self, begun: Begun) -> None:
-        """Leave nothing of a response behind: the session it made."""
+        """Leave nothing of a response behind: its run closed (its lock released), then the
+        session it made deleted."""
         begun.kept = True  # (once)
+        run = begun.run
+        await run.close()
         if begun.made:
-            run = begun.run
-            await self._forget(begun.turn.owner, run.writer.meta.id)
+            await self._forget(begun.turn.owner, begun.own_session)
             hashes = [run.writer.meta.tokens_hash, *([run.meta.tokens_hash] if run.meta else [])]
-            await self.service.tenants.store.unindex(begun.turn.owner, run.writer.meta.id, hashes)
+            await self.service.tenants.store.unindex(begun.turn.owner, begun.own_session, hashes)
 
     async def _extend_conversation(self, begun: Begun, items: list[dict]) -> None:
         turn, meta = begun.turn, begun.run.meta
@@ -243,7 +255,7 @@ class Responses:
     ) -> tuple[str, list[int], bool, int | None]:
         """The session a response runs in, the ids it has yet to consume, whether the
         session is its own, and the version it must still be at."""
-        ttl = self.retention if turn.store else self.service.stateless_ttl
+        ttl = self.service.stateless_ttl  # (until the response is kept: `_retain`)
         if base is not None:
             tokens = self.service.with_bos(ids)
             n = base.n_tokens
@@ -274,11 +286,32 @@ class Responses:
         except (SessionNotFound, VersionGone):
             return None
 
-    async def _forget(self, owner: str, session_id: str) -> None:
-        """Delete a session (best effort: it expires anyway)."""
+    async def _retain(self, owner: str, session_id: str) -> None:
+        """A kept response's session lives as long as the response (it was made to live as a
+        stateless session while the response ran: a replica that dies mid-response leaves
+        it for that long only). Best effort: a session that expires before its response is
+        continued costs that continuation a whole prefill."""
+        try:
+            await self.service.retain(session_id, owner, self.retention)
+        except (SessionNotFound, StoreError):
+            log.warning("could not keep session %s as long as its response", session_id)
+
+    async def release(self, owner: str, session_id: str) -> bool:
+        """Delete a session a response made and no longer needs: False while a writer holds
+        it (a response still running in it: its own close deletes it, or, its replica dead,
+        the next sweep once its lock has lapsed)."""
         try:
             await asyncio.shield(self.service.delete(session_id, None, owner))
         except (SessionNotFound, ObjectNotFound):
             pass
+        except SessionBusy:
+            return False
+        return True
+
+    async def _forget(self, owner: str, session_id: str) -> None:
+        """Delete a session (best effort: it expires anyway)."""
+        try:
+            if not await self.release(owner, session_id):
+                log.info("session %s of a response is still being written: its writer deletes it", session_id)
         except Exception:
-            log.warning("could not delete session %s of a response", session_id)
+            log.warning("could not delete session %s of a response", session_id, exc_info=True)

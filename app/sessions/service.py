@@ -233,6 +233,10 @@ class SessionService(SessionReads):
             raise
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
+    async def retain(self, session_id: str, owner: str, ttl: int) -> SessionMeta:
+        """Give a session a new sliding TTL of `ttl` seconds, from now; the ledger follows."""
+        return await self.tenants.settled(owner, await self.store.retain(session_id, owner, ttl), index=False)
+
     async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
         await self.store.delete(session_id, expected, owner)
         self.cache.drop(session_id)

@@ -196,26 +196,32 @@ def unavailable(exc: Exception) -> StoreUnavailable | None:
 class Connection:
     """The client for one `Settings.redis_url`, shared by the session and tenant rooms."""
 
-    def __init__(self, url: str, *, timeout: float, max_connections: int):
+    def __init__(self, url: str, *, timeout: float, max_connections: int, max_waiting: int = 0):
         self.timeout = timeout
         target = parse_redis_url(url)
         self._sentinel: Sentinel | None = None
         self._next_ask = 0.0  # Sentinel: when to ask again where the primary is
         self._asking: asyncio.Task[None] | None = None
         # a Cluster only: one permit per command in flight (see `permit`)
-        self._permits: asyncio.Semaphore | None = None
-        self.redis = self._connect(url, target, max_connections)
+        self._permits = asyncio.Semaphore(max_connections) if target.kind == "cluster" else None
+        self.redis = self._connect(url, target, max_connections, timeout)
+        # the blocking reads' own pool (`wait`): a reader waiting on a stream holds a
+        # connection for up to `timeout`, and must never hold one the requests need
+        self._waiting = self._connect(url, target, max_waiting or max_connections, 2 * timeout)
         self.scripts: dict[str, AsyncScript] = {
             n: self.redis.register_script(scripts.source(n)) for n in scripts.SCRIPTS
         }
         self.memory_full = False  # the storage guard's last reading (`watch_memory`)
         self._watching: asyncio.Task[None] | None = None
 
-    def _connect(self, url: str, target: RedisTarget, max_connections: int) -> aioredis.Redis | RedisCluster:
-        """The client for `target`, with the same timeouts, retry and client name in every form."""
+    def _connect(
+        self, url: str, target: RedisTarget, max_connections: int, read_timeout: float
+    ) -> aioredis.Redis | RedisCluster:
+        """A client for `target`, with the same timeouts, retry and client name in every form
+        (`read_timeout`: the socket's, longer for a blocking read's pool)."""
         timeout = self.timeout
         common: dict[str, Any] = dict(
-            socket_timeout=timeout,
+            socket_timeout=read_timeout,
             socket_connect_timeout=timeout,
             # (a lost connection only: never a timeout, see the module)
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
@@ -227,7 +233,6 @@ class Connection:
             # waiting, so the permits keep the bound (and the wait) of a blocking pool;
             # require_full_coverage=False: a shard without a primary must not stop the
             # client from serving every other slot
-            self._permits = asyncio.Semaphore(max_connections)
             return RedisCluster(
                 startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
                 require_full_coverage=False,
@@ -237,7 +242,7 @@ class Connection:
                 **common,
             )
         if target.kind == "sentinel":
-            self._sentinel = Sentinel(
+            self._sentinel = self._sentinel or Sentinel(
                 list(target.nodes),
                 sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout),
             )
@@ -288,6 +293,20 @@ class Connection:
             if name in scripts.WRITES and not isinstance(exc, RedisResponseError) and not _unsent(exc):
                 err = OutcomeUnknown(what or f"a write ({name})", check or "read what it writes")
             raise err from None
+
+    async def wait(self, key: str, after: str, block: float) -> bool:
+        """Wait up to `block` seconds (under the timeout) for an entry after id `after` in
+        stream `key` (`XREAD BLOCK`, on the blocking reads' own pool): whether one came.
+        With no connection of that pool free in time, or Redis away, it says no after the
+        wait: the caller reads again and finds out."""
+        block = min(block, self.timeout)  # (its socket's timeout is twice that)
+        try:
+            return bool(await self._waiting.xread({key: after}, count=1, block=max(1, int(block * 1000))))
+        except Exception as exc:
+            if unavailable(exc) is None and not isinstance(exc, RedisResponseError):
+                raise
+            await asyncio.sleep(min(block, 0.05))  # (never a busy loop while Redis is away)
+            return False
 
     def _follow_primary(self) -> None:
         """Sentinel: ask the Sentinels where the primary is, at most once a second, off the
@@ -357,6 +376,7 @@ class Connection:
             if task is not None:
                 task.cancel()
         await self.redis.aclose()
+        await self._waiting.aclose()
         if self._sentinel is not None:
             await self._sentinel.aclose()
 

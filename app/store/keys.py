@@ -56,8 +56,11 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         session, version, n_tokens   the session (a fork of its own) holding the state the
                          response committed, that version, its tokens
         background       '1' for a background response; lease: its worker's lease end (unix s)
-    P events:{R}         list, a background response's stream events (JSON), index =
-                         sequence_number
+        run              the session a background response's run made ('' in a conversation's):
+                         the sweep deletes it when the run died and the response keeps no state
+        events_bytes     the bytes of its events (counted in the key's quota with the record)
+    P events:{R}         stream, a background response's events: entry id 0-(sequence_number+1),
+                         fields t (the event's type) and e (its JSON); expires with the hash
     P conversation:{C}   hash: owner, session, version, n_tokens (the conversation's session
                          and what it has consumed), metadata (JSON), created_at
     P items:{C}          list, the conversation's items (JSON), oldest first

@@ -3,7 +3,8 @@ own keys (`{resp_HEX}`, `{conv_HEX}`: app/store/keys.py), never a session's, so 
 script here touches one slot.
 
 A response is a hash (its body, the conversation it ends, its session and version) and,
-when it runs in the background, a list of its stream events; a conversation is a hash and
+when it runs in the background, a Redis Stream of its events (read a page at a time, and
+waited on with `XREAD BLOCK`); a conversation is a hash and
 a list of its items. The state they continue lives in sessions (app/store/sessions.py):
 the hash only names it. A background worker writes only while its response is active, so
 a cancel, or a failure written by another replica's sweep once the worker's lease lapsed,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from typing import Literal
 
 from .connection import Connection
@@ -36,6 +38,17 @@ def new_op_id() -> str:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class Expired:
+    """What `ResponseStore.expire` found: `status` 'failed' (it failed the response), 'alive'
+    (its lease was renewed) or 'gone' (it had ended, or is no more); its `owner`; and the
+    session its run made and it does not keep (`orphan`, '' if none), to delete."""
+
+    status: str
+    owner: str
+    orphan: str
 
 
 class ResponseStore:
@@ -90,24 +103,34 @@ class ResponseStore:
 
     # -- a background response ----------------------------------------------------------------
     async def append_event(
-        self, response_id: str, owner: str, event: str, lease_until: float, ttl: int
+        self, response_id: str, owner: str, event: str, lease_until: float, ttl: int, kind: str = ""
     ) -> bool:
-        """Append an event ('' : only renew the lease); False once the response was stopped."""
-        args = [owner, event, f"{lease_until:.3f}", ttl, new_op_id() if event else ""]
+        """Append an event of type `kind` ('' : only renew the lease); False once the
+        response was stopped (cancelled, failed or deleted)."""
+        args = [owner, event, f"{lease_until:.3f}", ttl, new_op_id() if event else "", kind]
         what, check = f"an event of response {response_id}", "read its events"
         answer = fields(
             await self.connection.run("response_event", self.keys.response(response_id), args, what, check)
         )
         return _text(answer["status"]) == "ok"
 
-    async def events(self, response_id: str, owner: str, start: int) -> tuple[bool, list[str]]:
-        """(whether it has ended, its events from index `start`), read together."""
-        answer = fields(
-            await self.connection.run("response_events", self.keys.response(response_id), [owner, start])
-        )
+    async def events(
+        self, response_id: str, owner: str, start: int, most: int
+    ) -> tuple[bool, list[tuple[str, str]]]:
+        """(whether it has ended, at most `most` of its events from sequence number
+        `start`, each (its type, its JSON)), read together."""
+        keys, args = self.keys.response(response_id), [owner, start, most]
+        answer = fields(await self.connection.run("response_events", keys, args))
         if _text(answer["status"]) != "ok":
             raise ObjectNotFound("response", response_id)
-        return int(answer["ended"]) == 1, [_text(e) for e in answer["events"]]
+        events = [(_text(t), _text(e)) for t, e in zip(answer["types"], answer["events"], strict=True)]
+        return int(answer["ended"]) == 1, events
+
+    async def wait_events(self, response_id: str, start: int, block: float) -> bool:
+        """Wait up to `block` seconds for the event numbered `start` (or a later one) to
+        come: whether it did (XREAD BLOCK; the caller reads it with `events`, which checks
+        the owner)."""
+        return await self.connection.wait(self.keys.response(response_id)[1], f"0-{start}", block)
 
     async def cancel(self, response_id: str, owner: str) -> tuple[str, str]:
         """Cancel an active background response: ('ok', body), ('ended', body) for one that
@@ -123,15 +146,13 @@ class ResponseStore:
             raise ObjectNotFound("response", response_id)
         return status, _text(answer.get("body", b""))
 
-    async def expire(self, response_id: str, message: str, *, now: bool = False) -> str:
-        """Fail the response if its worker's lease has lapsed (`now`: whatever its lease):
-        'failed' when this did, 'alive' (its lease was renewed), 'gone' (it had ended, or is
-        no more)."""
+    async def expire(self, response_id: str, message: str, *, now: bool = False) -> Expired:
+        """Fail the response if its worker's lease has lapsed (`now`: whatever its lease)."""
         args = [message, "1" if now else ""]
         what, check = f"failing response {response_id}", "read the response (its status)"
         keys = self.keys.response(response_id)
         answer = fields(await self.connection.run("response_expire", keys, args, what, check))
-        return _text(answer["status"])
+        return Expired(_text(answer["status"]), _text(answer["owner"]), _text(answer["orphan"]))
 
     async def lease(
         self, op: Literal["add", "drop", "due", "count"], response_id: str = "", until: float = 0

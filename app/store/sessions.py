@@ -151,6 +151,12 @@ class SessionStore:
             Version(int(v["version"]), int(v["n_tokens"]), float(v["committed_at"])) for v in kept
         ]
 
+    async def retain(self, session_id: str, owner: str, ttl: int) -> SessionMeta:
+        """Give the session a new sliding TTL of `ttl` seconds, re-armed now (no lock: it
+        writes no state, and a commit meanwhile re-arms by the same field)."""
+        answer = _checked(await self._run("retain", session_id, [owner, ttl]), session_id, None)
+        return SessionMeta.from_fields(session_id, answer["meta"])
+
     async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
         args = [_arg(expected_version), owner, secrets.token_hex(16)]
         what, check = (
