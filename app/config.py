@@ -40,28 +40,21 @@ class Settings(BaseSettings):
     )
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     max_connections: int = Field(
-        4096,
-        ge=1,
-        description="HTTP connections this replica holds open at once (kept 256 below the process's "
-        "open-file limit); past it a new connection is answered 429 queue_full and closed at once",
+        4096, ge=1, description="HTTP connections this replica holds at once (kept under the open-file limit)"
     )
     max_connections_per_address: int = Field(
         512,
         ge=0,
-        description="HTTP connections one client address may hold open at once; past it a new one is "
-        "answered 429 queue_full and closed at once (0 = no limit: behind a proxy every client has the "
-        "proxy's address, so there set 0 and limit each client at the proxy)",
+        description="HTTP connections one client address may hold at once; past either limit a new one "
+        "gets 429 queue_full and is closed (0 = none: behind a proxy, set 0 and limit clients there)",
     )
     header_timeout: float = Field(
         10.0,
         gt=0,
         description="seconds a connection has, from its opening or its last response, to send a whole "
-        "request head (request line and headers); past it the connection is closed, however the head "
-        "trickles in (slowloris)",
+        "request head; past it the connection is closed, however the head trickles in (slowloris)",
     )
-    keep_alive_timeout: int = Field(
-        5, ge=1, description="seconds an idle keep-alive connection stays open after a response"
-    )
+    keep_alive_timeout: int = Field(5, ge=1, description="seconds an idle keep-alive connection stays open")
     redis_url: str | None = Field(
         None,
         description="Redis to keep sessions in: redis://host:port/db (one server), "
@@ -132,13 +125,6 @@ class Settings(BaseSettings):
         ge=1,
         description="generations one client (an API key; without keys, a client address) runs at once on "
         "one replica; more get 429 quota_exceeded at once, before any work",
-    )
-    max_replays_per_key: int = Field(
-        8,
-        ge=1,
-        description="replays of background responses' events (GET /v1/responses/{id}?stream=true) one "
-        "client (as max_streams_per_key counts them) runs at once on one replica; more get 429 "
-        "quota_exceeded at once, before any read",
     )
     key_batch_share: float = Field(
         0.0625,

@@ -36,6 +36,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.api.error_types import ErrorType
+from app.config import Settings
 
 log = logging.getLogger("recur.connections")
 
@@ -177,16 +178,17 @@ def open_file_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-def protocol(max_connections: int, per_address: int, header_timeout: float) -> type[GuardedH11Protocol]:
+def protocol(settings: Settings) -> type[GuardedH11Protocol]:
     """The protocol class for `uvicorn.run(http=...)`, with a guard of its own. The limit on
     connections stays `RESERVED_FILES` below the open-file limit, so that accepting never
     fails for want of a descriptor (each failure asyncio logs, with its traceback)."""
+    max_connections = settings.max_connections
     room = open_file_limit() - RESERVED_FILES
     if max_connections > room:
         log.warning(
             "max_connections %d is more than the open-file limit leaves room for: %d", max_connections, room
         )
         max_connections = max(1, room)
-    guard = ConnectionGuard(max_connections, per_address, header_timeout)
+    guard = ConnectionGuard(max_connections, settings.max_connections_per_address, settings.header_timeout)
     attrs: dict[str, Any] = {"guard": guard}
     return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)

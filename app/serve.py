@@ -100,9 +100,7 @@ def run(settings: Settings) -> int:
             create_app(settings, lm),
             host=settings.host,
             port=settings.port,
-            http=connections.protocol(
-                settings.max_connections, settings.max_connections_per_address, settings.header_timeout
-            ),
+            http=connections.protocol(settings),
             timeout_keep_alive=settings.keep_alive_timeout,
             log_level=settings.log_level,
             log_config=None,  # keep the handlers of app.logs
