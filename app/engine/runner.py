@@ -192,9 +192,12 @@ class Runner:
             self._unbatch()
             self._retry_alone(rows, exc, self.decode)
             return
-        for r, (tid, lp, alternatives, ok) in zip(rows, sampled, strict=True):
-            if ok:
+        held: list[Held] = []  # a first token waits for its step: see _release_first
+        for i, (r, (tid, lp, alternatives, ok)) in enumerate(zip(rows, sampled, strict=True)):
+            if ok and r.ids:
                 self._on_token(r, tid, lp, alternatives[: r.req.top_logprobs])
+            elif ok:
+                held.append((i, r, tid, lp, alternatives[: r.req.top_logprobs]))
             else:
                 self._fail(
                     r, NonFinite("the session's state gives non-finite logits: it cannot be continued")
@@ -206,6 +209,7 @@ class Runner:
             _, self._batch = self._decode(d.ids[:, None], batch)
         except Exception as exc:  # the tokens are out: consume each row's alone
             self._consume_alone(rows, d.ids, batch, exc)
+        _release_first(self, held)
         c = self.counters
         c.decode_steps += 1
         c.decode_tokens += len(rows)
@@ -376,6 +380,27 @@ class Runner:
         """Forget the batch (after a failed step, whose rows have all left)."""
         self._batch, self._members, self._context = None, [], None
         self._failed = {}
+
+
+Held = tuple[int, Row, int, float, Alternatives]  # a first token: its row's index in the batch, and it
+
+
+def _release_first(runner: Runner, held: list[Held]) -> None:
+    """Send each row's first token once the step that consumed it left the row's state
+    finite, else fail the row with no token sent. A state whose first step overflows (an
+    imported one, near float32's limit) would otherwise stream a token and then an error
+    for the text it had just shown. (A state that overflows later fails at the next step's
+    logits check, after the tokens drawn from finite states.)"""
+    for i, r, tid, lp, alternatives in held:
+        if id(r) in runner._failed:
+            continue
+        own = runner._split_row(runner._batch, i) if runner._batch is not None else r.state
+        if isinstance(own, Exception) or not own.finite():
+            runner._fail(r, NonFinite("this step made the session's state non-finite: it was not committed"))
+        else:
+            runner._on_token(r, tid, lp, alternatives)
+    if held:
+        runner.outbox.flush()
 
 
 def _to_host(d: Draw, finite: torch.Tensor) -> list[tuple[int, float, Alternatives, bool]]:
