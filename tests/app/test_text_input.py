@@ -29,7 +29,11 @@ def server(
     redis_url: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerProcess]:
-    path = tiny_gguf if request.param == "llama-gguf" else tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
+    path = (
+        tiny_gguf
+        if request.param == "llama-gguf"
+        else tiny_model_of(request.param, tiny_model_dir, tmp_path_factory)
+    )
     yield from serve(path, redis_url, tmp_path_factory, max_tokens=4, max_prompt_tokens=300)
 
 
@@ -52,7 +56,10 @@ def bodies(sid: str, conv: str, text: str) -> list[tuple[str, dict]]:
         ("/v1/chat/completions", {"model": "m", "messages": chat, "max_tokens": 2}),
         ("/v1/responses", {"model": "m", "input": text, "max_output_tokens": 2}),
         ("/v1/conversations", {"items": [{"type": "message", "role": "user", "content": text}]}),
-        (f"/v1/conversations/{conv}/items", {"items": [{"type": "message", "role": "user", "content": text}]}),
+        (
+            f"/v1/conversations/{conv}/items",
+            {"items": [{"type": "message", "role": "user", "content": text}]},
+        ),
     ]
 
 
