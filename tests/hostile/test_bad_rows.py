@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -186,67 +187,76 @@ def test_an_import_claiming_2_63_tokens_is_refused(hostile_servers, hostile_mode
 
 
 OTHERS, OTHER_TOKENS = 8, 200  # (under the stream buffer, 256 unread tokens: no stream pauses)
+ROUNDS = 3  # a round in which a stream ended before the poisoned request failed proves nothing
+# finite, so import accepts it; its first step overflows (Transformer-XL's 3e38 would already
+# give non-finite logits: issue 39 refuses such a state at import)
+OVERFLOWS = 1e30
 
 
 def test_an_accepted_state_that_turns_non_finite_fails_only_its_request_beside_eight_streams(tenants):
-    """Over HTTP: a state full of 3e38 is accepted by import (it is finite). Its generation
+    """Over HTTP: a state full of 1e30 is accepted by import (it is finite). Its generation
     starts while eight seeded streams decode (one key, so fairness parks none of them: all
-    nine share every step) and fails, 422 invalid_state, before any of the eight ends;
-    each of the eight streams exactly the text it streams alone on the quiet server, and the
-    poisoned session keeps its imported version."""
+    nine share every step) and fails, 422 invalid_state; each of the eight streams exactly
+    the text it streams alone on the quiet server, and the poisoned session keeps its
+    imported version. A round counts only if every stream was still running when the
+    poisoned request failed (a loaded machine can delay the poisoned request that long):
+    one of `ROUNDS` must count, and every round's texts must be the texts alone."""
 
     def body(i: int) -> dict:  # (seeded: the tiny model's greedy text hardly depends on the prompt)
         return {"max_tokens": OTHER_TOKENS, "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True}
 
+    def session(c: httpx.Client, prompt: str) -> str:
+        r = c.post("/v1/sessions", json={"prompt": prompt})
+        assert r.status_code == 201, r.text
+        return str(r.json()["id"])
+
     prompts = [f"Speak, friend {i}:" for i in range(OTHERS)]
     with as_key(tenants, ATTACKER) as c:
-
-        def session(prompt: str) -> str:
-            r = c.post("/v1/sessions", json={"prompt": prompt})
-            assert r.status_code == 201, r.text
-            return str(r.json()["id"])
-
         alone = []
         for i, prompt in enumerate(prompts):
-            status, evs = stream_events(c, f"/v1/sessions/{session(prompt)}/generate", body(i))
+            status, evs = stream_events(c, f"/v1/sessions/{session(c, prompt)}/generate", body(i))
             assert status == 200 and evs[-1][0] == "done", evs[-1]
             alone.append(evs[-1][1]["text"])
-        assert len(set(alone)) == OTHERS  # (texts that differ: a row given another's is seen)
-        sids = [session(prompt) for prompt in prompts]
-        r = c.post(
-            "/v1/sessions/import", content=blob_with(Path(tenants.model_dir), fill=3e38), headers=IMPORT
-        )
-        assert r.status_code == 201, r.text
-        poisoned = r.json()["id"]
+    assert len(set(alone)) == OTHERS  # (texts that differ: a row given another's is seen)
+    blob = blob_with(Path(tenants.model_dir), fill=OVERFLOWS)
 
-    decoding = threading.Barrier(OTHERS + 1, timeout=120)
-    failed = threading.Event()  # the poisoned request has failed
+    def round_() -> bool:
+        """One round; whether every stream outlasted the poisoned request."""
+        with as_key(tenants, ATTACKER) as c:
+            sids = [session(c, prompt) for prompt in prompts]
+            r = c.post("/v1/sessions/import", content=blob, headers=IMPORT)
+            assert r.status_code == 201, r.text
+            poisoned = r.json()["id"]
+        decoding = threading.Barrier(OTHERS + 1, timeout=120)
+        failed = threading.Event()  # the poisoned request has failed
 
-    def other(i: int, sid: str) -> tuple[str, bool]:
-        """Its streamed text, and whether the poisoned request had failed when it ended."""
-        with (
-            as_key(tenants, ATTACKER) as oc,
-            oc.stream("POST", f"/v1/sessions/{sid}/generate", json=body(i)) as r,
-        ):
-            assert r.status_code == 200, r.read()
-            it = events(r)
-            assert next(it)[0] == "token"
-            decoding.wait()
-            last = list(it)[-1]
-            assert last[0] == "done", last
-            return last[1]["text"], failed.is_set()
+        def other(i: int, sid: str) -> tuple[str, bool]:
+            """Its streamed text, and whether the poisoned request had failed when it ended."""
+            with (
+                as_key(tenants, ATTACKER) as oc,
+                oc.stream("POST", f"/v1/sessions/{sid}/generate", json=body(i)) as r,
+            ):
+                assert r.status_code == 200, r.read()
+                it = events(r)
+                assert next(it)[0] == "token"
+                decoding.wait()
+                last = list(it)[-1]
+                assert last[0] == "done", last
+                return last[1]["text"], failed.is_set()
 
-    with ThreadPoolExecutor(OTHERS) as pool, as_key(tenants, ATTACKER) as c:
-        futures = [pool.submit(other, i, sid) for i, sid in enumerate(sids)]
-        decoding.wait()  # every stream has its first token: all eight decode, every step
-        r = c.post(f"/v1/sessions/{poisoned}/generate", json={"stream": False, "max_tokens": 4})
-        failed.set()
-        assert_error(r, 422, "invalid_state")
-        assert "non-finite" in r.json()["error"]["message"]
-        shared = [f.result() for f in futures]
-        assert c.get(f"/v1/sessions/{poisoned}").json()["version"] == 0
-    assert all(after for _, after in shared), "a stream ended before the poisoned request failed"
-    assert [text for text, _ in shared] == alone
+        with ThreadPoolExecutor(OTHERS) as pool, as_key(tenants, ATTACKER) as c:
+            futures = [pool.submit(other, i, sid) for i, sid in enumerate(sids)]
+            decoding.wait()  # every stream has its first token: all eight decode, every step
+            r = c.post(f"/v1/sessions/{poisoned}/generate", json={"stream": False, "max_tokens": 4})
+            failed.set()
+            assert_error(r, 422, "invalid_state")
+            assert "non-finite" in r.json()["error"]["message"]
+            shared = [f.result() for f in futures]
+            assert c.get(f"/v1/sessions/{poisoned}").json()["version"] == 0
+        assert [text for text, _ in shared] == alone
+        return all(after for _, after in shared)
+
+    assert any(round_() for _ in range(ROUNDS)), "in every round a stream ended before the poisoned request"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
