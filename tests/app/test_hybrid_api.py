@@ -1,0 +1,269 @@
+"""The hybrids served through the unchanged session server, over real HTTP (issue 43).
+
+Two tiny hybrids whose state matters (tests/sensitive.py): a Gated DeltaNet one served with
+exact attention, and a Mamba-2 one served with bounded attention (2 sinks and a window of 24,
+so the texts here slide it). The server knows nothing of the family: every route gives them
+the invariants it gives the others. Requests in any chunking score alike (the prompts cross
+the serving chunk of 8 and the recurrent layers' chunks of 3); the history, fork, rollback,
+export and import continue exactly; a state of another family, layer pattern or shape is
+refused on import with 422; the OpenAI routes and the Responses API work unchanged; and a
+request that reuses a stored prefix (the recurrent matrices, conv windows and keys and
+values together) gives the log-probs of a cold run of the whole text, within 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+import model
+from model.chat_template import play_script
+from tests.app.boundaries import assert_scored_alike, create
+from tests.app.servers import serve
+from tests.app.sse_client import generate as stream_generate
+from tests.conftest import ServerProcess
+from tests.sensitive import MATTERS, write_sensitive
+
+A, B = "key-hybrid-a", "key-hybrid-b"
+SETTINGS = {
+    "api_keys": f"{A},{B}",
+    "precision": "fp32",
+    "max_tokens": 100,
+    "max_prompt_tokens": 400,
+    "stateless_session_ttl": 600,
+}
+ATTENTION = dict(n_head=2, n_kv_head=1, head_dim=8, d_ff=32, d_model=16, chunk_size=3, tgt_len=8)
+# (family, its tiny config, the serving options)
+HYBRIDS = {
+    "gdn-exact": (
+        "gdn-hybrid",
+        dict(ATTENTION, pattern="rra", rope_dim=4, n_k_heads=1, n_v_heads=2, k_head_dim=8, v_head_dim=8),
+        "attention=exact,max_context=1024",
+    ),
+    "mamba2-bounded": (
+        "mamba2-hybrid",
+        dict(ATTENTION, pattern="rar", rope_dim=0, d_state=8, ssm_head_dim=8, n_groups=2),
+        "attention=bounded,sinks=2,window=24",
+    ),
+}
+TEXT = "Now is the winter of our discontent made glorious summer — ça va? — by this sun of York."
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def server(
+    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    family, config, options = HYBRIDS[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "tiny"
+    write_sensitive(path, family=family, seed=0, chat_template=play_script(), **config)
+    yield from serve(path, redis_url, tmp_path_factory, model_options=options, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def served(server: ServerProcess) -> model.LanguageModel:
+    """The model as the server runs it: its files, its serving options."""
+    return model.load(server.model_dir, device="cpu", options=server.settings["model_options"])
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with server.client(headers={"Authorization": f"Bearer {A}"}) as c:
+        yield c
+
+
+def ok(r: httpx.Response, status: int = 200) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def greedy(http: httpx.Client, sid: str, n: int = 12) -> dict:
+    body = {"stream": False, "max_tokens": n, "temperature": 0, "logprobs": True}
+    return ok(http.post(f"/v1/sessions/{sid}/generate", json=body))
+
+
+def ids(generated: dict) -> list[int]:
+    return [t["id"] for t in generated["tokens"]]
+
+
+def test_the_served_model_feels_every_part_of_its_state(served):
+    """Zeroing each part of the state that holds anything (the recurrent matrices, the conv
+    windows, the attention's keys, values and, bounded, sinks) after 40 tokens moves some
+    log-prob of the next 20 by at least MATTERS."""
+    tokens = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, state = served(tokens[:, :40], served.new_state(1))
+
+        def logprobs(st: model.State) -> torch.Tensor:
+            rest, _ = served(tokens[:, 40:], st)
+            return torch.cat([served.next_logits(st)[:, None], rest], 1).log_softmax(-1)
+
+        kept = {n: state[n] for n in served.persistent}  # as a state read from Redis holds it
+
+        def zeroed(name: str) -> model.State:
+            return served.rebuild_state(
+                {n: torch.zeros_like(t) if n == name else t.clone() for n, t in kept.items()}
+            )
+
+        base = logprobs(zeroed(""))
+        parts = [n for n, t in kept.items() if t.is_floating_point() and t.numel()]
+        moved = {n: (logprobs(zeroed(n)) - base).abs().max().item() for n in parts}
+    assert {"ssm", "conv", "k", "v"} <= set(moved)
+    assert all(change >= MATTERS for change in moved.values()), moved
+
+
+@pytest.mark.parametrize("cuts", [[1], [5, 6, 7, 30], list(range(3, 90, 11))])
+def test_scores_are_the_same_in_one_request_or_many(http, cuts):
+    assert_scored_alike(http, list(TEXT.encode()), cuts, max_tokens=20)
+
+
+def test_the_state_grows_with_exact_attention_only(http, served):
+    """Exact: the keys and values grow a row per token (one attention layer of one 8-wide
+    head: 64 bytes a token); bounded: one size once sinks + window are full. (The exported
+    state: what Redis holds is a snapshot and deltas.)"""
+    s = create(http, prompt="N" * 30)
+
+    def exported() -> int:
+        return len(http.get(f"/v1/sessions/{s['id']}/state").content)
+
+    sizes = [exported()]
+    for _ in range(2):
+        ok(http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": TEXT, "commit": True}))
+        sizes.append(exported())
+    grown = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+    per_token = 2 * served.config.n_attention * served.config.n_kv_head * served.config.head_dim * 4
+    if served.config.attention == "exact":
+        assert all(abs(g - per_token * len(TEXT.encode())) < 64 for g in grown), (grown, per_token)
+    else:
+        assert grown == [0, 0]
+
+
+def test_a_streamed_generation_is_the_generation(http):
+    s = create(http, prompt="ROMEO:")
+    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
+    tokens, final, data = stream_generate(http, s["id"], max_tokens=15, temperature=0)
+    assert final == "done", data
+    assert [t["id"] for t in tokens] == ids(greedy(http, twin["id"], 15))
+
+
+def test_history_fork_rollback_export_and_import_continue_exactly(http):
+    s = create(http, prompt="ROMEO: " + TEXT)
+    v1 = greedy(http, s["id"])
+    v2 = greedy(http, s["id"])
+    kept = {v["version"]: v["n_tokens"] for v in ok(http.get(f"/v1/sessions/{s['id']}/versions"))["versions"]}
+    assert kept[1] == v1["session"]["n_tokens"] and kept[2] == v2["session"]["n_tokens"]
+    fork = ok(http.post(f"/v1/sessions/{s['id']}/fork", json={"version": 1}), 201)
+    assert fork["n_tokens"] == v1["session"]["n_tokens"] and ids(greedy(http, fork["id"])) == ids(v2)
+    back = ok(http.post(f"/v1/sessions/{s['id']}/rollback", json={"version": 1}))
+    assert back["version"] == 3 and back["n_tokens"] == v1["session"]["n_tokens"]
+    again = greedy(http, s["id"])
+    assert ids(again) == ids(v2)
+    assert [t["logprob"] for t in again["tokens"]] == pytest.approx(
+        [t["logprob"] for t in v2["tokens"]], abs=1e-5
+    )
+    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
+    blob = http.get(f"/v1/sessions/{s['id']}/state").content
+    r = http.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
+    imported = ok(r, 201)
+    assert imported["n_tokens"] == twin["n_tokens"]
+    assert ids(greedy(http, imported["id"])) == ids(greedy(http, twin["id"]))
+
+
+def _forged(served: model.LanguageModel, lm: model.LanguageModel) -> bytes:
+    """A state of `lm` after some text, its header claiming to be `served`'s."""
+    with torch.no_grad():
+        _, state = lm(torch.tensor([list(b"Forged by another model.")]), lm.new_state(1))
+    tensors = {name: state[name] for name in lm.persistent}
+    return model.State(served.family, served.fingerprint, tensors, state.seq_dims, lm.persistent).to_bytes()
+
+
+def test_a_state_of_another_family_pattern_or_shape_is_refused_on_import(http, served):
+    """Refused by its header (another family; another model's fingerprint, which covers the
+    pattern), or, its header forged to claim this model, by its shapes (another count of
+    recurrent or attention layers, another width)."""
+    family, config, _ = HYBRIDS["mamba2-bounded" if served.family == "gdn-hybrid" else "gdn-exact"]
+    options = {k: getattr(served.config, k) for k in ("attention", "max_context", "sinks", "window")}
+    mine = {f.name: getattr(served.config, f.name) for f in dataclasses.fields(served.config)}
+    reordered = {**mine, "pattern": served.config.pattern[::-1]}
+    foreign = {
+        "family": model.build(family, {**config, **options}).new_state(1).to_bytes(),
+        "pattern, same layer counts": model.build(served.family, reordered).new_state(1).to_bytes(),
+        "pattern": _forged(served, model.build(served.family, {**mine, "pattern": "rrar"})),
+        "shape": _forged(served, model.build(served.family, {**mine, "d_model": 24})),
+    }
+    for what, blob in foreign.items():
+        r = http.post(
+            "/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"}
+        )
+        assert r.status_code == 422, (what, r.text)
+        assert r.json()["error"]["type"] == "invalid_state", what
+
+
+def test_the_openai_routes_and_the_responses_api(server):
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key=A, max_retries=0, timeout=120)
+    card = oa.models.list().data[0]
+    assert card.model_extra is not None and card.model_extra["family"] in ("gdn-hybrid", "mamba2-hybrid")
+    done = oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, logprobs=1)
+    chunks = list(
+        oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    chat = oa.chat.completions.create(
+        model=card.id, messages=[{"role": "user", "content": "Good morrow."}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+    greedy_out = {"temperature": 0, "max_output_tokens": 12}
+    first = oa.responses.create(model=card.id, input="Good morrow, fair lady.", **greedy_out)
+    second = oa.responses.create(
+        model=card.id, input="What news?", previous_response_id=first.id, **greedy_out,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    cold = openai.OpenAI(base_url=server.url + "/v1", api_key=B, max_retries=0, timeout=120)
+    whole = cold.responses.create(
+        model=card.id, store=False, **greedy_out, include=["message.output_text.logprobs"],
+        input=[
+            {"role": "user", "content": "Good morrow, fair lady."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What news?"},
+        ],
+    )  # fmt: skip
+    assert whole.usage is not None and whole.usage.input_tokens_details.cached_tokens == 0
+    assert whole.output_text == second.output_text
+    a, b = second.output[0].content[0].logprobs, whole.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert (
+        a and len(a) == len(b) and all(abs(x.logprob - y.logprob) <= 1e-5 for x, y in zip(a, b, strict=True))
+    )
+
+
+def complete(c: httpx.Client, prompt: list[int], n: int = 8) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5}
+    return ok(c.post("/v1/completions", json=body))
+
+
+def test_a_reused_prefix_gives_the_cold_runs_log_probs(server):
+    """The whole hybrid state (recurrent matrices, conv windows, keys and values, sinks)
+    forked from the stored prefix: the continuation's log-probs, the top 5 at each step
+    too, are a cold prefill's of the whole text (key B holds no prefixes) within 1e-5."""
+    text = list(b"First Citizen: Before we proceed any further, hear me speak.")
+    with (
+        server.client(headers={"Authorization": f"Bearer {A}"}) as a,
+        server.client(headers={"Authorization": f"Bearer {B}"}) as b,
+    ):
+        turn1 = complete(a, text)
+        t = ok(a.get(f"/v1/sessions/{turn1['session_id']}/transcript"))
+        history = [i for g in t["segments"] for i in g["ids"]]
+        bos = len(history) - len(text) - len(turn1["choices"][0]["logprobs"]["tokens"])
+        prompt2 = history[bos:] + list(b"\nAll: Speak, speak.")
+        reused = complete(a, prompt2, 16)
+        assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - bos
+        cold = complete(b, prompt2, 16)
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    got, want = reused["choices"][0]["logprobs"], cold["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"]
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-5)
+    for g, w in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+        assert g.keys() == w.keys() and all(abs(g[k] - w[k]) <= 1e-5 for k in g)
