@@ -51,11 +51,12 @@ async def guarded(
 
 def respond(
     run: Closes,
-    frames: AsyncIterator[ServerSentEvent],
+    frames: AsyncIterator[ServerSentEvent] | AsyncIterator[ServerSentEvent | bytes],
     headers: dict[str, str] | None = None,
     send_timeout: float = 0,
 ) -> EventSourceResponse:
-    """The streaming response; the run is closed when it ends, however it ends. A client
+    """The streaming response (a frame may be events already encoded, as bytes); the run is
+    closed when it ends, however it ends. A client
     that reads nothing for `send_timeout` seconds (0: never) is dropped, as if it had hung
     up: a stream never waits on it for longer."""
     return _Stream(

@@ -55,7 +55,7 @@ FAILED = "the background response failed as it ended: nothing was kept"
 
 
 class Replay:
-    """One client's replay of a background response's events: `events()`, then `close()`
+    """One client's replay of a background response's events: `pages()`, then `close()`
     (idempotent), which gives its place among the client's replays back."""
 
     def __init__(self, background: Background, response_id: str, owner: str, after: int, client: str):
@@ -63,15 +63,15 @@ class Replay:
         self.next = after + 1  # the sequence number of the next event to send
         self.client: str | None = client
 
-    async def events(self) -> AsyncIterator[tuple[str, str]]:
-        """Each event after `after`, as (its type, its JSON), as they come, until the
-        response has ended and its every event is out."""
+    async def pages(self) -> AsyncIterator[list[tuple[str, str]]]:
+        """The events after `after`, a page at a time as they come (each event as (its type,
+        its JSON)), until the response has ended and its every event is out."""
         store, last = self.background.store, ""
         while True:
             ended, page = await store.events(self.response_id, self.owner, self.next, PAGE)
-            for kind, raw in page:
-                self.next, last = self.next + 1, kind
-                yield kind, _arrays(raw) if kind == "response.failed" else raw
+            if page:
+                self.next, last = self.next + len(page), page[-1][0]
+                yield [(kind, _arrays(raw) if kind == "response.failed" else raw) for kind, raw in page]
             if len(page) == PAGE:
                 await asyncio.sleep(0)  # a long replay lets the loop's other work in between pages
             elif ended:
