@@ -37,6 +37,15 @@ from .native import build
 from .tokenizer import BPETokenizer
 
 ARCHITECTURES = ("llama",)
+# llama.cpp's hybrid architectures, which recur serves from their HF checkpoints only
+# (`model/hf_hybrid.py`): -> (the model, recur's family)
+HYBRIDS = {
+    "qwen35": ("Qwen3.5", "gdn-hybrid"),
+    "qwen35moe": ("Qwen3.5 MoE", "gdn-hybrid"),
+    "qwen3next": ("Qwen3-Next", "gdn-hybrid"),
+    "granitehybrid": ("Granite-4.0-H", "mamba2-hybrid"),
+    "nemotron_h": ("Nemotron-H", "mamba2-hybrid"),
+}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
@@ -70,6 +79,15 @@ class GGUF:
         self.reader = GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.get("general.architecture")
+        if self.arch in HYBRIDS:
+            name, family = HYBRIDS[self.arch]
+            raise ValueError(
+                f"{path}: a {name} hybrid (GGUF architecture {self.arch!r}). recur serves it from its HF "
+                f"checkpoint (`recur convert HF_DIR DST`, or `--model HF_DIR`), not from GGUF: this reader "
+                f"lacks the mapping of llama.cpp's recurrent-layer tensors (ssm_*, their conv, decay and "
+                f"grouped projections as its converter stores them) onto the {family} family, and has no "
+                "reference file to check one against"
+            )
         if self.arch not in ARCHITECTURES:
             raise ValueError(
                 f"{path}: architecture {self.arch!r} is not a LLaMA one ({', '.join(ARCHITECTURES)})"

@@ -137,3 +137,19 @@ def test_state_bytes_round_trip_and_other_shapes_are_refused(family, mode):
     other = model.build(family, {**TINY[family], **MODES[mode], "pattern": "rrra"})
     with pytest.raises(StateError, match="made by model"):
         lm.load_state(other.new_state(1).to_bytes())
+
+
+@pytest.mark.parametrize(("arch", "name"), [("qwen35", "Qwen3.5"), ("granitehybrid", "Granite-4.0-H")])
+def test_a_hybrids_gguf_is_refused_naming_what_is_missing(tmp_path, arch, name):
+    import gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(4)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=f"a {name} hybrid .*recur convert HF_DIR.*lacks the mapping"):
+        model.load(path, device="cpu")
