@@ -126,6 +126,13 @@ class Settings(BaseSettings):
         description="generations one client (an API key; without keys, a client address) runs at once on "
         "one replica; more get 429 quota_exceeded at once, before any work",
     )
+    max_replays_per_key: int = Field(
+        8,
+        ge=1,
+        description="replays of background responses' events (GET /v1/responses/{id}?stream=true) one "
+        "client (as max_streams_per_key counts them) runs at once on one replica; more get 429 "
+        "quota_exceeded at once, before any read",
+    )
     key_batch_share: float = Field(
         0.0625,
         gt=0,
