@@ -132,7 +132,16 @@ _ENGINE_COUNTERS = (
     ("recur_decode_steps", "Decode steps run (one forward pass for the whole batch)", "decode_steps"),
     ("recur_decode_tokens", "Tokens sampled by decode steps, all rows together", "decode_tokens"),
     ("recur_prefill_tokens", "Prompt tokens consumed by prefill steps", "prefill_tokens"),
-    ("recur_state_load_seconds", "Seconds spent turning stored state bytes into states", "load_seconds"),
+    (
+        "recur_state_parse_seconds",
+        "Seconds the loader thread spent parsing and verifying stored state bytes",
+        "parse_seconds",
+    ),
+    (
+        "recur_state_load_seconds",
+        "Seconds the engine thread spent turning parsed states into live ones",
+        "load_seconds",
+    ),
     ("recur_state_encode_seconds", "Seconds spent turning states into commit bytes", "encode_seconds"),
 )
 

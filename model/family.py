@@ -304,22 +304,22 @@ class LanguageModel(nn.Module):
         return contextlib.nullcontext()
 
     def load_state(self, blob: bytes, deltas: Iterable[bytes] = ()) -> State:
-        """Bytes (a snapshot, then any deltas in order) -> State for this model.
+        """`read_state`, then the live state (its caches rebuilt: `rebuild_state`)."""
+        return self.rebuild_state(self.read_state(blob, deltas))
 
-        Raises StateError with a clear message for a state of another model, or truncated,
-        corrupted or malformed bytes.
-        """
+    def read_state(self, blob: bytes, deltas: Iterable[bytes] = ()) -> dict[str, torch.Tensor]:
+        """Bytes (a snapshot, then any deltas in order) -> this model's verified persistent
+        tensors on its device. No module runs, so any thread may parse while another runs the
+        model. Raises StateError, clearly, for a state of another model, or truncated,
+        corrupted or malformed bytes."""
         _, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
-        param_dtype = self.param_dtype
-        on_gpu = self.device.type == "cuda"
+        on_gpu = self.device.type == "cuda"  # (pinned host memory lets the copy run asynchronously)
         moved = {}
         for k, v in tensors.items():
-            if on_gpu:  # pinned host memory lets the copy run asynchronously
-                v = v.pin_memory()
-            v = v.to(self.device, non_blocking=on_gpu)
-            moved[k] = v.to(param_dtype) if v.is_floating_point() else v
-        return self.rebuild_state(moved)
+            v = (v.pin_memory() if on_gpu else v).to(self.device, non_blocking=on_gpu)
+            moved[k] = v.to(self.param_dtype) if v.is_floating_point() else v
+        return moved
 
     def stack_states(self, states: list[State]) -> State:
         return State.stack(states, self.batch_layouts())

@@ -20,8 +20,9 @@ from model import LanguageModel
 from model.tokenizer import Tokenizer
 
 from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
+from .loader import Loader
 from .malloc import MallocTrimmer
-from .requests import Failed, Outbox, Request
+from .requests import Failed, Outbox, Request, Stored
 from .runner import Counters, Runner
 from .scheduler import NO_FAIRNESS, PREFILL_TOKENS_PER_STEP, Fairness, Scheduler
 from .watchdog import Watchdog
@@ -68,6 +69,8 @@ class Engine:
         # eager until a compiled one is measured faster, per batch class
         self.decode_step = DecodeStep(lm, compile, max_rows=max_batch_size)
         self.runner = Runner(lm, self.tokenizer, self.decode_step, self.outbox)
+        # stored states are parsed off this thread
+        self.loader = Loader(lm, self.scheduler.deliver, self.runner.counters)
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self.watchdog = Watchdog(step_deadline)  # a step past it fails its requests
         serialise_tracing()  # a trace elsewhere in the process (a compile) never meets a step
@@ -81,6 +84,7 @@ class Engine:
 
     def stop(self) -> None:
         self.watchdog.stop()
+        self.loader.close()
         self.scheduler.close()
         self._thread.join(timeout=10)
 
@@ -99,9 +103,13 @@ class Engine:
     def submit(self, req: Request) -> Request:
         """Queue `req` and return it: iterate it for its tokens, or await `req.finished()`.
         Raises QueueFull when the scheduler's queue is at its limit, EngineStalled while a
-        step has run past its deadline."""
+        step has run past its deadline. A stored start is parsed by the loader thread first."""
         self.watchdog.check()
-        self.scheduler.submit(req)
+        if isinstance(req.start, Stored):
+            self.scheduler.reserve(req)  # (a full queue refuses it before a byte is parsed)
+            self.loader.submit(req)
+        else:
+            self.scheduler.submit(req)
         return req
 
     # -- the engine thread -------------------------------------------------------------------

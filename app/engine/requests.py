@@ -7,7 +7,8 @@ state, 0 tokens), scoring (prompt log-probs, 0 tokens) and generating are this s
 request with other fields.
 
 The request carries everything in: its starting state (a live `State`, or stored bytes
-for the engine to load) and how the new state must be encoded. Nothing flows back but
+for the engine to load: its loader thread parses them into a `Parsed`) and how the new
+state must be encoded. Nothing flows back but
 events, so the engine never calls the code that submitted it. The engine thread only
 ever hands events to an `Outbox`; the event loop only ever iterates the request.
 
@@ -20,6 +21,8 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
 
 from model import State, StateError
 from model.sampling import SamplingParams
@@ -58,6 +61,16 @@ class Stored:
     snapshot: bytes
     deltas: tuple[bytes, ...]
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A `Stored` start once the engine's loader thread has parsed and verified its bytes:
+    the persistent tensors, from which the engine thread only rebuilds the caches; or the
+    error the bytes met, which fails the request there."""
+
+    tensors: dict[str, torch.Tensor] | None
+    error: Exception | None = None
 
 
 Alternatives = tuple[tuple[int, float], ...]  # (token id, log-prob), most probable first
@@ -127,7 +140,7 @@ class Request:
     `params.stop_token_ids` or a `stop` string (neither before `params.min_tokens`);
     encode the new state as `persist` asks (None: nothing to write)."""
 
-    start: State | Stored | None
+    start: State | Stored | Parsed | None
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None

@@ -30,7 +30,7 @@ from itertools import repeat
 import torch
 import torch.nn.functional as F
 
-from model import Execution, LanguageModel, State, StateError
+from model import Execution, LanguageModel, State
 from model.sampling import Context, Draw, make_generator
 from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
@@ -40,12 +40,13 @@ from .compiler import DecodeStep
 from .requests import (
     Alternatives,
     EmptyContext,
+    EngineError,
     Finished,
     FinishReason,
     NonFinite,
     Outbox,
+    Parsed,
     Request,
-    Stored,
     TokenEvent,
 )
 
@@ -80,7 +81,8 @@ class Counters:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     max_batch: int = 0
-    load_seconds: float = 0.0  # turning stored bytes into states
+    load_seconds: float = 0.0  # turning parsed tensors into live states (the engine thread)
+    parse_seconds: float = 0.0  # parsing and verifying stored bytes (the loader thread alone)
     encode_seconds: float = 0.0  # turning states into commit bytes
 
 
@@ -102,27 +104,26 @@ class Runner:
         loaded = None
         if req.start is None:
             state = self.lm.new_state(1)
-        elif isinstance(req.start, Stored):
+        elif isinstance(req.start, Parsed):
             state = loaded = self._load(req.start)
-        else:
+        elif isinstance(req.start, State):
             state = req.start
+        else:  # (the engine hands every Stored start to its loader thread first)
+            raise EngineError("a stored start reached the engine thread unparsed")
         if not req.prompt and req.max_tokens and int(state.n_tokens[0]) == 0:
             raise EmptyContext("the session is empty and the model has no BOS token: send a prompt")
         return Row(
             req, state, loaded, make_generator(req.seed), self.tokenizer.stream_decoder(), list(req.prompt)
         )
 
-    def _load(self, stored: Stored) -> State:
+    def _load(self, parsed: Parsed) -> State:
+        """The live state of a start the loader thread parsed (`app/engine/loader.py`)."""
+        if parsed.error is not None:
+            raise parsed.error
+        assert parsed.tensors is not None
         t0 = time.perf_counter()
-        state = self.lm.load_state(stored.snapshot, stored.deltas).compact()
+        state = self.lm.rebuild_state(parsed.tensors).compact()
         self.counters.load_seconds += time.perf_counter() - t0
-        # a state that has consumed another number of tokens than its session records
-        # (say, its deltas were lost) would silently fork the conversation: refuse it
-        if int(state.n_tokens[0]) != stored.n_tokens:
-            raise StateError(
-                f"the stored state has consumed {int(state.n_tokens[0])} tokens, its session records "
-                f"{stored.n_tokens}: its stored parts are inconsistent"
-            )
         return state
 
     # -- prefill -----------------------------------------------------------------------------

@@ -124,6 +124,16 @@ class Scheduler:
     def submit(self, req: Request) -> None:
         """Queue a request; raises QueueFull when the queue, or its tenant's share of it, is
         at its limits."""
+        self.reserve(req)
+        self.deliver(req)
+
+    def deliver(self, req: Request) -> None:
+        """Hand a `reserve`d request to the engine thread (from any thread)."""
+        self._inbox.put(req)
+
+    def reserve(self, req: Request) -> None:
+        """Count a request in the queue before it is delivered (its stored state is parsed
+        meanwhile); raises QueueFull as `submit` does."""
         tokens, tenant = len(req.prompt), req.tenant
         share = self.fairness.queue_share
         with self._queue_lock:
@@ -147,7 +157,6 @@ class Scheduler:
             self.queued_tokens += tokens
             self._queued_by[tenant] += 1
             self._tokens_by[tenant] += tokens
-        self._inbox.put(req)
 
     def close(self) -> None:
         self._inbox.put(_STOP)

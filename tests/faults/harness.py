@@ -31,6 +31,7 @@ from model.state import merge
 from tests.app.sse_client import events
 from tests.conftest import ServerProcess, _wait_redis, free_port, tiny_model_of
 from tests.model.llama_files import random_weights, write_gguf
+from tests.sensitive import write_sensitive
 
 # Transformer-XL and RLT, as small as they come: every fault test runs on each (the faults
 # are in the plumbing, not the maths)
@@ -61,7 +62,7 @@ def make_models(root: Path) -> dict[str, Path]:
     out = {}
     for name, cfg in FAMILIES.items():
         out[name] = root / name
-        model.init(out[name], seed=0, **cfg)
+        write_sensitive(out[name], seed=0, **cfg)
     return out
 
 

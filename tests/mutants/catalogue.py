@@ -201,8 +201,8 @@ FAULTS: tuple[Fault, ...] = (
         "non-finite-row-fails-every-row",
         "one row's non-finite logits fail every row of its batch",
         "app/engine/runner.py",
-        "            if ok:\n",
-        "            if all(s[3] for s in sampled):\n",
+        "            if ok and r.ids:\n",
+        "            if (ok := all(s[3] for s in sampled)) and r.ids:\n",
         ("tests/faults/test_batch_faults.py::test_a_row_with_non_finite_logits_fails_alone[1]",),
     ),
     # -- prefix reuse ------------------------------------------------------------------------
