@@ -33,6 +33,7 @@ INIT_FLAGS: dict[str, type] = {
     "head_dim": int,  # Mamba-2
     "n_groups": int,
     "chunk_size": int,
+    "pattern": str,  # the hybrids' layers: r recurrent, a attention
 }
 
 
