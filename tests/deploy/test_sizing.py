@@ -39,7 +39,29 @@ def ssm_bytes(cfg: dict, w: int) -> int:
     return (cfg["n_layer"] * ((cfg["d_conv"] - 1) * conv_dim + D * N) + cfg["d_model"]) * w + 8
 
 
-FORMULA = {"transformer-xl": txl_bytes, "rlt": rlt_bytes, "mamba": ssm_bytes, "mamba2": ssm_bytes}
+def hybrid_bytes(cfg: dict, w: int) -> int:
+    """docs/HYBRIDS.md: (Lr·((d_conv − 1)·C + S) + 2·La·(M + Ms)·kvh·hd + d_model) × w + 8, the
+    attention at its bound (exact: M = max_context, Ms = 0; bounded: M = window, Ms = sinks)."""
+    Lr, La = cfg["pattern"].count("r"), cfg["pattern"].count("a")
+    if "n_k_heads" in cfg:  # Gated DeltaNet
+        C = 2 * cfg["n_k_heads"] * cfg["k_head_dim"] + cfg["n_v_heads"] * cfg["v_head_dim"]
+        S = cfg["n_v_heads"] * cfg["k_head_dim"] * cfg["v_head_dim"]
+    else:  # Mamba-2
+        D = cfg["expand"] * cfg["d_model"]
+        C, S = D + 2 * cfg["n_groups"] * cfg["d_state"], D * cfg["d_state"]
+    rows = cfg["max_context"] if cfg["attention"] == "exact" else cfg["sinks"] + cfg["window"]
+    floats = Lr * ((cfg["d_conv"] - 1) * C + S) + 2 * La * rows * cfg["n_kv_head"] * cfg["head_dim"]
+    return (floats + cfg["d_model"]) * w + 8
+
+
+FORMULA = {
+    "transformer-xl": txl_bytes,
+    "rlt": rlt_bytes,
+    "mamba": ssm_bytes,
+    "mamba2": ssm_bytes,
+    "gdn-hybrid": hybrid_bytes,
+    "mamba2-hybrid": hybrid_bytes,
+}
 
 # table rows checked here: label prefix -> (family, the row's config overrides, and the
 # overrides of a smaller model of the same family to measure the formula on, or None to
@@ -50,6 +72,23 @@ SMALL = {
     "rlt": {"max_context": 8, "window": 4, "memory_groups": 2, "d_model": 32, "n_head": 2, "d_ff": 64},
     "mamba": {"n_layer": 2, "d_model": 24, "d_state": 6, "d_conv": 3},
     "mamba2": {"n_layer": 2, "d_model": 32, "d_state": 8, "head_dim": 16, "n_groups": 2},
+    "gdn-hybrid": {
+        "pattern": "rar",
+        "d_model": 24,
+        "attention": "bounded",
+        "sinks": 2,
+        "window": 6,
+        "max_context": 8,
+    },
+    "mamba2-hybrid": {
+        "pattern": "rra",
+        "d_model": 24,
+        "ssm_head_dim": 8,
+        "attention": "bounded",
+        "sinks": 2,
+        "window": 6,
+        "max_context": 8,
+    },
 }
 MAMBA_130M = {"n_layer": 24, "d_model": 768, "d_state": 16, "vocab_size": 50280}
 MAMBA2_130M = {"n_layer": 24, "d_model": 768, "d_state": 128, "head_dim": 64, "vocab_size": 50288}
