@@ -21,7 +21,7 @@ KEY = "key-smollm2-acceptance"
 
 @pytest.fixture(scope="module")
 def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    settings = {"max_tokens": 64, "cpu_threads": 2, "api_keys": KEY}
+    settings = {"cpu_threads": 2, "api_keys": KEY}  # the server's own max_tokens: what users run
     srv = ServerProcess("smollm2", tmp_path_factory.mktemp("smollm2"), redis_url, **settings)  # type: ignore[arg-type]
     with srv.start(timeout=300):
         yield srv
@@ -38,6 +38,27 @@ def test_the_openai_sdk_gets_paris(server):
     assert "Paris" in (answer.choices[0].message.content or "")
     assert answer.choices[0].finish_reason == "stop"  # <|im_end|> ended the turn
     assert "<|im_end|>" not in (answer.choices[0].message.content or "")
+
+
+def test_the_openai_sdk_gets_paris_at_its_own_defaults(server):
+    """Issue 44: the SDK sends no sampling field unless told (OpenAI's temperature 1, no
+    top-p, no max_tokens), which made SmolLM2 ramble in French-like gibberish to the server's
+    cap. The server fills in the recommendation measured on the file (greedy, replies of at
+    most 512 tokens: docs/MODEL_CARD.md "Sampling defaults"): "Paris", in a reply that ends
+    by itself within 64 tokens, in at least 9 of 10 seeds."""
+    oa = server.openai()
+    oa.api_key = KEY
+    defaults = oa.models.list().data[0].model_dump()["sampling_defaults"]
+    assert (defaults["temperature"], defaults["top_p"], defaults["max_tokens"]) == (0.0, None, 512)
+    good = []
+    for seed in range(10):
+        answer = oa.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": QUESTION}], seed=seed
+        )
+        text = answer.choices[0].message.content or ""
+        ended = answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens < 64
+        good.append("Paris" in text and ended)
+    assert sum(good) >= 9, good
 
 
 def test_recur_chat_gets_paris(server, tmp_path):
