@@ -30,6 +30,7 @@ NOT_FOUND = responses(ErrorType.object_not_found)
 WRITES = responses(
     ErrorType.object_not_found, ErrorType.no_chat_template, ErrorType.prompt_too_long, ErrorType.session_busy,
     ErrorType.session_conflict, ErrorType.storage_full, ErrorType.invalid_request, ErrorType.queue_full,
+    ErrorType.outcome_unknown,
 )  # fmt: skip
 
 

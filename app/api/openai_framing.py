@@ -55,6 +55,7 @@ ERRORS = (
     ErrorType.engine_stalled,
     ErrorType.storage_full,
     ErrorType.redis_unavailable,
+    ErrorType.outcome_unknown,  # a commit Redis did not answer: it may have happened
     ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
 )
 

@@ -61,6 +61,7 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create
 _SESSION_ERRORS = (ErrorType.session_not_found, ErrorType.redis_unavailable, ErrorType.invalid_request)
 _WRITE_ERRORS = (
     *_SESSION_ERRORS,
+    ErrorType.outcome_unknown,  # a write Redis did not answer (docs/RELIABILITY.md, section 5)
     ErrorType.session_busy,
     ErrorType.version_mismatch,
     ErrorType.model_mismatch,
@@ -115,7 +116,9 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(*_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable),
+    responses=responses(
+        *_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable, ErrorType.outcome_unknown
+    ),
 )
 async def create_session(
     response: Response,
@@ -197,6 +200,7 @@ def _listed(s: Listed, decode: Callable[[list[int]], str], bos: int | None) -> L
         ErrorType.invalid_request,
         ErrorType.body_too_large,
         ErrorType.redis_unavailable,
+        ErrorType.outcome_unknown,
         ErrorType.storage_full,
         ErrorType.queue_full,
         ErrorType.engine_stalled,
