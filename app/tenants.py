@@ -26,8 +26,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -55,6 +57,21 @@ STRICT_MARGIN = 0.1
 # owner, or (without keys, where every client is one tenant) its address. Set by the API
 # for each request (`app.api.deps.bind_client`), as the log context is.
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("recur_client", default="")
+
+# how long a place held for a request's new sessions (`Tenants.places`) counts, if the
+# replica that held it dies before giving it back
+PLACE_TTL = 120.0
+
+
+@dataclasses.dataclass
+class _Places:
+    """The places held for the request this context serves (`Tenants.places`), not yet taken."""
+
+    owner: str
+    free: list[str]
+
+
+PLACES: contextvars.ContextVar[_Places | None] = contextvars.ContextVar("recur_places", default=None)
 
 
 class Tenants:
@@ -126,6 +143,35 @@ class Tenants:
         await self.store.refund_tokens(owner, self.quota_of(owner), reserved - used)
 
     # -- reservation --------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def places(self, owner: str, count: int) -> AsyncIterator[None]:
+        """Hold `count` places in the tenant's session quota, all or none (QuotaExceeded),
+        for the new sessions a request will make within this block: each new session the
+        block's tasks admit takes one. Without it, requests racing for a tenant's last places
+        each took some and then all failed (issue 39: n=2 at the edge served none). What the
+        block did not take is given back at its end. One place needs no hold: a single
+        admission is one step already."""
+        if count <= 1:
+            yield
+            return
+        self._room()
+        quota = self.quota_of(owner)
+        ids = [f"place:{uuid.uuid4().hex}:{i}" for i in range(count)]
+        self._seen(
+            owner, await self._counted(owner, self.store.hold(owner, ids, time.time() + PLACE_TTL, quota))
+        )
+        held = _Places(owner, ids)
+        token = PLACES.set(held)
+        try:
+            yield
+        finally:
+            PLACES.reset(token)
+            if held.free:
+                try:  # (lost, they count until PLACE_TTL passes)
+                    self._seen(owner, await self.store.release(owner, held.free))
+                except StoreUnavailable:
+                    log.warning("could not give back %d places held in a tenant's ledger", len(held.free))
+
     async def admit_session(self, owner: str, session_id: str, ttl: float, ephemeral: bool = False) -> None:
         """A new session's place in its tenant's ledger, before any model time is spent: within
         the tenant's session quota and Redis's room (QuotaExceeded, StorageFull)."""
@@ -140,8 +186,16 @@ class Tenants:
         self._room()
         quota = self.quota_of(owner)
         expiry = time.time() + ttl
-        recorded = self.store.record(owner, session_id, state_bytes, expiry, quota, ephemeral)
-        self._seen(owner, await self._counted(owner, recorded))
+        held = PLACES.get()
+        place = held.free.pop() if held is not None and held.owner == owner and held.free else ""
+        placed = False
+        try:
+            recorded = self.store.record(owner, session_id, state_bytes, expiry, quota, ephemeral, place)
+            totals, placed = await self._counted(owner, recorded)
+        finally:
+            if place and not placed:  # (still held, or its fate unknown: given back at the end)
+                held.free.append(place)  # type: ignore[union-attr]
+        self._seen(owner, totals)
 
     async def reserve_growth(self, owner: str, old: SessionMeta, state_bytes: int) -> None:
         """Before a commit makes session `old` hold `state_bytes`: nothing to check if it does
@@ -195,7 +249,7 @@ class Tenants:
         record and events: written as it ran, and kept for `ttl`): unchecked, since it is
         there either way, and best effort, as `settled`."""
         try:
-            self._seen(owner, await self.store.record(owner, object_id, nbytes, time.time() + ttl, None))
+            self._seen(owner, (await self.store.record(owner, object_id, nbytes, time.time() + ttl, None))[0])
         except StoreUnavailable:
             log.warning("could not record %s in its tenant's ledger", object_id)
 

@@ -50,7 +50,11 @@ async def start(
     made: list[str] = []  # every session this request creates, deleted if it fails to start
     try:
         async with service.tenants.starting(owner, n * len(prompts), gen.max_tokens) as admitted:
-            groups = await _gather(*(_sessions_of(service, owner, sid, ids, n, gen, made) for ids in prompts))
+            new = len(prompts) * (n - 1 + (sid is None))  # the sessions it makes, held all or none
+            async with service.tenants.places(owner, new):
+                groups = await _gather(
+                    *(_sessions_of(service, owner, sid, ids, n, gen, made) for ids in prompts)
+                )
             runs = await _gather(
                 *(
                     service.generate(s, ids, _nth(gen, j), expected=v, owner=owner)

@@ -16,7 +16,7 @@ SCRIPTS = (
     "record", "settle", "forget", "usage", "listing", "find_prefix", "bucket",
     "object_save", "object_read", "object_delete", "response_event", "response_events", "response_cancel",
     "response_expire", "leases", "items_add", "items_read", "items_delete",
-    "unindex", "retain",
+    "unindex", "retain", "hold",
 )  # fmt: skip
 
 # The writes whose effect a request's answer reports. One that was sent and got no answer

@@ -38,15 +38,18 @@ class TenantStore:
         expires_at: float,
         limits: Quota | None,
         ephemeral: bool = False,
-    ) -> LedgerTotals:
+        place: str = "",
+    ) -> tuple[LedgerTotals, bool]:
         """Enter a session's stored size and expiry in its tenant's ledger. With `limits`,
         only if the tenant stays within them (else QuotaExceeded, and nothing changes). A
-        new session enters the listing too, `ephemeral` (hidden by default) or not."""
+        new session enters the listing too, `ephemeral` (hidden by default) or not, and
+        takes `place` (one `hold` made for it) if that is still held. Returns the tenant's
+        totals, and whether it took the place."""
         check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
         kind = (
             ("e" if ephemeral else "s") if SESSION_ID.fullmatch(session_id) else ""
         )  # (a response: unlisted)
-        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind]
+        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind, place]
         answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
         usage, status = LedgerTotals.of(answer), answer["status"]
         if status == b"sessions" and limits:
@@ -60,7 +63,29 @@ class TenantStore:
                 f"pass its limit of {limits.state_bytes}: delete sessions first",
                 60,
             )
+        return usage, answer["placed"] == b"1"
+
+    async def hold(self, owner: str, places: list[str], expires_at: float, limits: Quota) -> LedgerTotals:
+        """Hold `places` in the tenant's ledger, all of them or none (QuotaExceeded): one for
+        each new session a request will make, so that requests racing for the last places
+        cannot each take some and all fail. A place counts as a session until `record`
+        turns it into one, `release` gives it back, or `expires_at` passes."""
+        args = [f"{expires_at:.3f}", limits.sessions, *places]
+        answer = fields(await self.connection.run("hold", self.keys.ledger(tenant_of(owner)), args))
+        usage = LedgerTotals.of(answer)
+        if answer["status"] == b"sessions":
+            raise QuotaExceeded(
+                "sessions",
+                f"this key holds {usage.sessions} sessions; this request needs {len(places)} more, past its "
+                f"limit of {limits.sessions}: delete some first",
+                60,
+            )
         return usage
+
+    async def release(self, owner: str, places: list[str]) -> LedgerTotals:
+        """Give back the places of a `hold` that no session took."""
+        answer = await self.connection.run("hold", self.keys.ledger(tenant_of(owner)), ["0", 0, *places])
+        return LedgerTotals.of(fields(answer))
 
     async def settle(self, owner: str, meta: SessionMeta, index: bool) -> LedgerTotals:
         """After a write: the session's size and expiry as the write left them and, with
