@@ -7,6 +7,7 @@ definition: `--max-tokens 256` and `RECUR_MAX_TOKENS=256` are the same thing (a 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import typing
@@ -15,6 +16,9 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from app.config import Settings
+
+if typing.TYPE_CHECKING:
+    import model
 
 log = logging.getLogger("recur.serve")
 
@@ -51,51 +55,32 @@ def _serve(args: argparse.Namespace) -> int:
     return run(Settings(**given))
 
 
+class SetupError(Exception):
+    """A setup mistake, said in one line (with what to do): the command exits with 2."""
+
+
 def run(settings: Settings) -> int:
     import uvicorn
 
-    import model
     from app import connections, logs
     from app.api import create_app
-    from app.embedded_redis import EmbeddedRedis
+    from app.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 
     logs.configure(settings.log_level, settings.log_format)
-    try:
-        keys = settings.load_api_keys()
-    except ValueError as exc:
-        print(f"recur serve: {exc}", file=sys.stderr)
-        return 2
-    if not keys:
-        log.warning(
-            "no API keys are set (RECUR_API_KEYS, RECUR_API_KEYS_FILE): every /v1 route is open to "
-            "anyone who can reach %s:%d, and all clients share one quota",
-            settings.host,
-            settings.port,
-        )
-    try:
-        lm = model.load(
-            settings.model,
-            device=settings.device,
-            precision=settings.precision,
-            options=settings.model_options,
-        )
-    except FileNotFoundError as exc:
-        print(
-            f"recur serve: {exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
-            "`recur init DIR`) or set RECUR_MODEL.",
-            file=sys.stderr,
-        )
-        return 2
-    except ValueError as exc:  # a model option or precision the checkpoint cannot take
-        print(f"recur serve: {exc}", file=sys.stderr)
-        return 2
     embedded = None
-    if not settings.redis_url:
-        embedded = EmbeddedRedis(settings.data_dir)
-        url = embedded.start()
-        log.info("embedded redis-server at %s, data in %s", url, embedded.data_dir)
-        settings = settings.model_copy(update={"redis_url": url})
     try:
+        _check_keys(settings)
+        # Redis first, before the model's seconds of loading: a mistake there shows at once
+        if settings.redis_url:
+            _check_redis(settings)
+        else:
+            embedded = EmbeddedRedis(settings.data_dir)
+            url = embedded.start()
+            log.info("embedded redis-server at %s, data in %s", url, embedded.data_dir)
+            settings = settings.model_copy(update={"redis_url": url})
+        lm = _load_model(settings)
+        # on Ctrl-C or SIGTERM, uvicorn stops taking requests, live streams end with their
+        # final event (app.api.sse), the app shuts down, and only then is Redis stopped
         uvicorn.run(
             create_app(settings, lm),
             host=settings.host,
@@ -106,7 +91,75 @@ def run(settings: Settings) -> int:
             log_config=None,  # keep the handlers of app.logs
             access_log=False,  # app.api.middleware logs each request, with its ids
         )
+    except (SetupError, EmbeddedRedisError) as exc:
+        print(f"recur serve: {exc}", file=sys.stderr)
+        return 2
     finally:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _check_keys(settings: Settings) -> None:
+    try:
+        keys = settings.load_api_keys()
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    if not keys:
+        log.warning(
+            "no API keys are set (RECUR_API_KEYS, RECUR_API_KEYS_FILE): every /v1 route is open to "
+            "anyone who can reach %s:%d, and all clients share one quota",
+            settings.host,
+            settings.port,
+        )
+
+
+def _load_model(settings: Settings) -> model.LanguageModel:
+    import model
+
+    try:
+        return model.load(
+            settings.model,
+            device=settings.device,
+            precision=settings.precision,
+            options=settings.model_options,
+        )
+    except FileNotFoundError as exc:
+        raise SetupError(
+            f"{exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
+            "`recur init DIR`) or set RECUR_MODEL."
+        ) from None
+    except ValueError as exc:  # a model option or precision the checkpoint cannot take
+        raise SetupError(str(exc)) from None
+
+
+def _check_redis(settings: Settings) -> None:
+    """A malformed URL or a Redis that does not answer fails the start (SetupError, one
+    line), not every request after it."""
+    from app.store import Store
+
+    async def ping() -> None:
+        store = Store.from_settings(settings)
+        try:
+            await store.ping()
+        finally:
+            await store.close()
+
+    shown = redacted(settings.redis_url or "")
+    try:
+        asyncio.run(ping())
+    except ValueError as exc:  # (redis-py and app.store.connection name the form expected)
+        raise SetupError(f"--redis-url {shown} is malformed: {exc}") from None
+    except Exception as exc:  # unreachable, refused, a wrong password, not a Redis
+        raise SetupError(
+            f"Redis at {shown} does not answer ({exc}); start it, or fix --redis-url (RECUR_REDIS_URL)"
+        ) from None
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, fit for a terminal or a log."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, hosts = rest.partition("@")
+    if not sep or not at or ":" not in creds:
+        return url
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{hosts}"

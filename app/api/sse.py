@@ -3,6 +3,7 @@ description in the OpenAPI document (each event's name, data model and id)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -16,8 +17,17 @@ from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
 from . import errors
+from .error_types import ErrorType
 
 log = logging.getLogger("recur.api")
+
+# how long a stream has, once the server is told to stop, to send its final event before
+# sse_starlette cancels it (it needs a moment only: the event is written at once)
+SHUTDOWN_GRACE = 5.0
+SHUTTING_DOWN = (
+    "the server is shutting down: this stream ends here, as if the client had hung up "
+    "(nothing more is generated); retry on a server that is up"
+)
 
 
 class Closes(Protocol):
@@ -36,17 +46,55 @@ async def guarded(
     run: Closes, frames: AsyncIterator[ServerSentEvent], error_event: str | None
 ) -> AsyncIterator[ServerSentEvent]:
     """`frames`; if they fail once streaming has begun (too late for a status code), one
-    error frame with the usual error body, and nothing was committed. The run is closed
-    either way."""
+    error frame with the usual error body, and nothing was committed. If the server is
+    told to stop (Ctrl-C, SIGTERM) mid-stream, one `not_ready` error frame ends it, and the
+    run ends as if its client had hung up. The run is closed either way."""
+    stopping = asyncio.ensure_future(_Stream.server_stopping())
     try:
-        async for frame in frames:
+        async for frame in _until(stopping, frames):
             yield frame
+    except _Stopped:  # Ctrl-C or SIGTERM: the stream's last event says why it ends
+        body = errors.body(ErrorType.not_ready, SHUTTING_DOWN)
+        yield ServerSentEvent(data=sse_json(body), event=error_event)
     except Exception as exc:
         etype, message = errors.classify(exc)
         yield ServerSentEvent(data=sse_json(errors.body(etype, message)), event=error_event)
     finally:
+        stopping.cancel()
         with contextlib.suppress(BaseException):
             await run.close()
+
+
+class _Stopped(Exception):
+    """The server was told to stop while a stream was live."""
+
+
+async def _until(
+    stopping: asyncio.Future, frames: AsyncIterator[ServerSentEvent]
+) -> AsyncIterator[ServerSentEvent]:
+    """`frames` until they end or `stopping` is done, whichever comes first (the frame
+    being awaited then is cancelled, `frames` closed, and _Stopped raised)."""
+    it = aiter(frames)
+    try:
+        while not stopping.done():
+            step = asyncio.ensure_future(anext(it))
+            await asyncio.wait((step, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                raise _Stopped
+            try:
+                frame = step.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+        raise _Stopped
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(BaseException):
+                await aclose()
 
 
 def respond(
@@ -65,12 +113,19 @@ def respond(
         background=BackgroundTask(run.close),
         ping=15,
         send_timeout=send_timeout or None,
+        # on shutdown, the frames (`guarded`) write their final event before the cut
+        shutdown_grace_period=SHUTDOWN_GRACE,
     )
 
 
 class _Stream(EventSourceResponse):
     """An event stream whose client, when it stops reading past the send timeout, is
     dropped quietly (a warning), not with an error's traceback."""
+
+    @staticmethod
+    async def server_stopping() -> None:
+        """Returns when the server (uvicorn) is told to stop: sse_starlette's own watch."""
+        await EventSourceResponse._listen_for_exit_signal()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
