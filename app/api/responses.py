@@ -27,7 +27,15 @@ from model.chat_template import ChatTemplate
 from . import openai_framing as oai
 from . import responses_framing as rf
 from .chat_completions import chat_template
-from .deps import OwnerDep, SessionsDep, SettingsDep, prompt_ids, reply_bound, sampling_params, served_model
+from .deps import (
+    OwnerDep,
+    SessionsDep,
+    SettingsDep,
+    in_vocabulary,
+    reply_bound,
+    sampling_params,
+    served_model,
+)
 from .disconnect import until_disconnect
 from .errors import ApiError, ErrorType, classify, responses
 from .responses_schemas import (
@@ -109,15 +117,34 @@ def item(m: InputMessage) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Renderer:
+    """The caller's half of the transaction: messages -> the template's text -> token ids
+    (`app.sessions.responses.Render`); `new` holds a turn's new tokens to the prompt limit."""
+
+    template: ChatTemplate
+    settings: Any
+    engine: Any
+    instructions: str | None = None
+
+    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        first = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        text = self.template.render([*first, *messages], add_generation_prompt=generation_prompt)
+        return in_vocabulary(self.engine, self.engine.tokenize(text)) if text else []
+
+    def new(self, ids: list[int]) -> list[int]:
+        limit = self.settings.max_prompt_tokens
+        if len(ids) > limit:
+            raise ApiError(
+                ErrorType.prompt_too_long,
+                f"this turn has {len(ids)} new tokens to prefill (the stored state continues the rest of the "
+                f"conversation, where it can); this server accepts at most {limit} in one request",
+            )
+        return ids
+
+
 def renderer(template: ChatTemplate, settings: Any, engine: Any, instructions: str | None = None) -> Render:
-    """The caller's half of the transaction: messages -> the template's text -> token ids."""
-
-    def render(messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        first = [{"role": "system", "content": instructions}] if instructions else []
-        text = template.render([*first, *messages], add_generation_prompt=generation_prompt)
-        return prompt_ids(engine, settings.max_prompt_tokens, text) if text else []
-
-    return render
+    return Renderer(template, settings, engine, instructions)
 
 
 @router.post(

@@ -31,7 +31,9 @@ class Conversations:
         """A new conversation holding `items` (each with an id), its session prefilled
         with them; returns its fields."""
         conversation_id = new_object_id("conv")
-        meta = await self.service.create(render([message(i) for i in items], False), self.retention, owner)
+        meta = await self.service.create(
+            render.new(render([message(i) for i in items], False)), self.retention, owner
+        )
         record = {
             "created_at": str(int(time.time())),
             "metadata": dumps(metadata or {}),
@@ -99,10 +101,10 @@ class Conversations:
             same = False
         if same and tokens[n:]:
             meta, _ = await self.service.score(
-                meta.id, tokens[n:], commit=True, expected=meta.version, owner=owner
+                meta.id, render.new(tokens[n:]), commit=True, expected=meta.version, owner=owner
             )
         elif not same:
-            meta = await self.service.create(ids, self.retention, owner)
+            meta = await self.service.create(render.new(ids), self.retention, owner)
         await self.store.add_items(conversation_id, owner, self.retention, new)
         await self.store.save(
             "conversation",

@@ -27,8 +27,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from app import metrics, prefixes
 from app.store import ObjectNotFound, ResponseStore, SessionBusy, SessionNotFound, StoreError, VersionGone
@@ -39,9 +39,23 @@ from .service import Generation, SessionService
 
 log = logging.getLogger("recur.responses")
 
-# messages (role and content, as chat templates read them) and whether the assistant's
-# turn opens after them -> the token ids they render to (no BOS)
-Render = Callable[[list[dict[str, str]], bool], list[int]]
+
+class Render(Protocol):
+    """The caller's rendering of a conversation, and its bound on what a turn prefills."""
+
+    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        """Messages (role and content, as chat templates read them) and whether the
+        assistant's turn opens after them -> the token ids they render to (no BOS), the
+        whole conversation's: no bound on its length."""
+        ...
+
+    def new(self, ids: list[int]) -> list[int]:
+        """`ids`, the tokens a turn prefills, or the caller's refusal when they are more
+        than it takes in one request: the bound is on a turn's new tokens, never on the
+        conversation's total (a chain would die at the bound, however short its turns)."""
+        ...
+
+
 CONTINUABLE = ("completed", "incomplete")
 
 
@@ -129,6 +143,7 @@ class Responses:
         ids = render(context + [message(i) for i in turn.input], True)
         session, rest, made, expected = await self._session(turn, base, ids)
         try:
+            rest = render.new(rest)
             async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
                 run = await self.service.generate(session, rest, gen, expected=expected, owner=turn.owner)
             admitted(run)
@@ -141,7 +156,14 @@ class Responses:
                      len(ids) - len(rest), made, replaced)  # fmt: skip
 
     async def finish(
-        self, begun: Begun, body: dict, reply: str, output: list[dict], *, worker: bool = False, events: int = 0
+        self,
+        begun: Begun,
+        body: dict,
+        reply: str,
+        output: list[dict],
+        *,
+        worker: bool = False,
+        events: int = 0,
     ) -> bool:
         """Keep a committed response: its record (`body`, the API's Response object), and
         with a conversation, its input and `output` items appended to it. Not stored, its
