@@ -2,8 +2,8 @@
 `mamba2-hybrid` (`model/mamba2_hybrid.py`). A source directory holds
 
     config.json         model_type "qwen3_5" (its text_config; the vision tower is left out),
-                        "qwen3_5_text", "qwen3_next" or "granitemoehybrid"; `layer_types`
-                        is the layer pattern
+                        "qwen3_5_text", "qwen3_next", "granitemoehybrid" or "bamba";
+                        `layer_types` (Bamba: `attn_layer_indices`) is the layer pattern
     model.safetensors   or its shards (model.safetensors.index.json)
     tokenizer.json      when present, used as it is (else the byte tokenizer where it fits)
 
@@ -35,7 +35,7 @@ from .llama_hf import tokenizer
 from .native import build, families, fingerprint
 
 GDN = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-MAMBA2 = ("granitemoehybrid",)
+MAMBA2 = ("granitemoehybrid", "bamba")
 DEFAULT_CONTEXT = 32768  # the exact attention's bound a converted model gets by default
 RECURRENT, ATTENTION = ("linear_attention", "mamba"), ("full_attention", "attention")
 
@@ -65,6 +65,9 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _pattern(hf: dict[str, Any]) -> str:
     types = hf.get("layer_types") or hf.get("layers_block_type")
+    if types is None and hf["model_type"] == "bamba":  # Bamba names its attention layers
+        attention = set(hf.get("attn_layer_indices") or [])
+        types = ["attention" if i in attention else "mamba" for i in range(hf["num_hidden_layers"])]
     if types is None and hf["model_type"] in GDN:  # the old configs' rule
         every = hf.get("full_attention_interval", 4)
         types = [
@@ -130,6 +133,11 @@ def _gdn(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite(hf: dict[str, Any], rope_dim: int) -> dict[str, Any]:
+    """Granite-4.0-H's Mamba-2 layers, MLP and multipliers; or Bamba's, the same layers with a
+    plain MLP, RoPE always (on half of each head) and no multipliers."""
+    if hf.get("mlp_bias"):
+        raise ValueError("MLP biases are not supported")
+    bamba = hf["model_type"] == "bamba"
     if hf.get("num_local_experts", 0) > 0:
         raise ValueError(
             "this Granite has mixture-of-experts MLPs (num_local_experts > 0): not supported yet (dense only)"
@@ -142,9 +150,9 @@ def _granite(hf: dict[str, Any], rope_dim: int) -> dict[str, Any]:
     lo, hi = hf.get("time_step_limit") or (0.0, None)
     hi = hi["__float__"] if isinstance(hi, dict) else hi
     return {
-        "d_ff": hf["shared_intermediate_size"],
-        "rope_dim": rope_dim if hf.get("position_embedding_type") == "rope" else 0,
-        "attn_scale": float(hf.get("attention_multiplier", 1.0)),
+        "d_ff": hf["intermediate_size" if bamba else "shared_intermediate_size"],
+        "rope_dim": rope_dim if bamba or hf.get("position_embedding_type") == "rope" else 0,
+        "attn_scale": 0.0 if bamba else float(hf.get("attention_multiplier", 1.0)),
         "embedding_multiplier": float(hf.get("embedding_multiplier", 1.0)),
         "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
         "logits_scaling": float(hf.get("logits_scaling", 1.0)),
@@ -185,7 +193,9 @@ def _renamed(name: str, family: str) -> str:
         ("self_attn.", "mixer."),
         ("linear_attn.", "mixer."),
         ("mamba.", "mixer."),
+        ("pre_ff_layernorm.", "norm2."),
         ("mlp.down_proj.", "mlp.down."),
+        ("feed_forward.down_proj.", "mlp.down."),
         ("shared_mlp.output_linear.", "mlp.down."),
         ("shared_mlp.input_linear.", "mlp.gate_up."),
     ):
@@ -204,7 +214,10 @@ def state_dict(source: dict[str, torch.Tensor], family: str, cfg: dict[str, Any]
     zero_centred = family == "gdn-hybrid"  # Qwen's norms: weight 1 + w
     out = {
         "embed.weight": src.pop("embed_tokens.weight"),
-        "norm_out.weight": src.pop("norm.weight") + zero_centred,
+        "norm_out.weight": src.pop(
+            "final_layernorm.weight" if "final_layernorm.weight" in src else "norm.weight"
+        )
+        + zero_centred,
     }
     head = src.pop("lm_head.weight", None)
     if not cfg["tie_weights"]:
@@ -223,8 +236,11 @@ def state_dict(source: dict[str, torch.Tensor], family: str, cfg: dict[str, Any]
 def _layer(
     w: dict[str, torch.Tensor], family: str, cfg: dict[str, Any], zero_centred: bool
 ) -> dict[str, torch.Tensor]:
-    if "mlp.gate_proj.weight" in w:
-        w["mlp.gate_up.weight"] = torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")])
+    for mlp in ("mlp", "feed_forward"):  # Qwen's, Bamba's
+        if f"{mlp}.gate_proj.weight" in w:
+            w["mlp.gate_up.weight"] = torch.cat(
+                [w.pop(f"{mlp}.gate_proj.weight"), w.pop(f"{mlp}.up_proj.weight")]
+            )
     if "linear_attn.in_proj_qkvz.weight" in w:
         (qkv, z), (b, a) = _qwen3_next_split(
             w.pop("linear_attn.in_proj_qkvz.weight"), w.pop("linear_attn.in_proj_ba.weight"), cfg

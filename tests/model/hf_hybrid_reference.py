@@ -2,9 +2,10 @@
 
     python tests/model/hf_hybrid_reference.py OUT CASES_JSON
 
-For each case {"name", "kind": "qwen3_5_text" | "qwen3_next" | "granitemoehybrid", "config":
+For each case {"name", "kind": "qwen3_5_text" | "qwen3_next" | "granitemoehybrid" | "bamba", "config":
 {its config's kwargs}, "batch", "length", "prompt", "chunk", "seed"}: build a random
-`Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` or `GraniteMoeHybridForCausalLM`, perturb every
+`Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`, `GraniteMoeHybridForCausalLM` or
+`BambaForCausalLM`, perturb every
 parameter so that norms, decays, gates and biases all matter, `save_pretrained` it to
 OUT/name with a small word-level tokenizer.json, and write OUT/name/reference.safetensors,
 computed in float64 from the saved float32 weights (but inside transformers' Gated DeltaNet
@@ -26,6 +27,8 @@ from hf_cases import Special, build, main  # (this folder: the script's own, fir
 from hf_ssm_reference import save_tokenizer
 from safetensors.torch import save_file
 from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
     Qwen3_5ForCausalLM,
@@ -38,6 +41,7 @@ KINDS = {
     "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
     "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
+    "bamba": (BambaConfig, BambaForCausalLM),
 }
 
 # matrices of outputs with 0.6 of unit variance (hf_cases' default is 1): deep enough into
@@ -90,7 +94,7 @@ def run_case(out, case: dict) -> None:
     config_class, model_class = KINDS[case["kind"]]
     cfg = config_class(**case["config"], bos_token_id=1, eos_token_id=0, pad_token_id=0)
     cfg._attn_implementation = "eager"
-    special = GRANITE if case["kind"] == "granitemoehybrid" else QWEN
+    special = QWEN if case["kind"].startswith("qwen") else GRANITE
     model, gen = build(case, lambda: model_class(cfg), special)
     target = out / case["name"]
     model.save_pretrained(target)

@@ -1,10 +1,10 @@
-"""Parity of the hybrids with transformers' own Qwen3.5, Qwen3-Next and Granite-4.0-H (their
-PyTorch paths, on CPU).
+"""Parity of the hybrids with transformers' own Qwen3.5, Qwen3-Next, Granite-4.0-H and Bamba
+(their PyTorch paths, on CPU).
 
 The reference runs once per module in a subprocess (tests/model/hf_hybrid_reference.py) with
 the isolated current-transformers environment `.venv-ref-current/` on its path. It writes
-random `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM` and `GraniteMoeHybridForCausalLM`
-checkpoints of several layer patterns with `save_pretrained`, the logits of a 320-token
+random `Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`, `GraniteMoeHybridForCausalLM` and
+`BambaForCausalLM` checkpoints of several layer patterns with `save_pretrained`, the logits of a 320-token
 sequence in one call, and the logits of the same sequence fed through transformers' cache
 (a prompt, chunks, then token by token). Here `recur convert` and `model.load` read those
 directories, and recur's logits, fed whole and in random chunkings, must agree with both
@@ -65,7 +65,17 @@ CASES = {
         GRANITE, num_hidden_layers=3, layer_types=["attention", "mamba", "attention"], mamba_chunk_size=64,
         position_embedding_type="rope", mamba_proj_bias=True, attention_bias=True, tie_word_embeddings=True,
     )),
+    # Bamba: Granite's layers, RoPE on half of each head, attention placed by index
+    "bamba-rar": ("bamba", "rar", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_chunk_size=5, rms_norm_eps=1e-5,
+    )),
 }  # fmt: skip
+
+# transformers' Bamba fed through its cache disagrees with its own whole-sequence logits from
+# the first chunk after the prompt on (by 0.72 here); recur matches the whole sequence's
+CACHE_DISAGREES = {"bamba-rar"}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +109,7 @@ def test_converted_hybrids_match_transformers(reference, tmp_path, capsys, case)
     assert recur_cli(["convert", str(src), str(tmp_path / "native")]) == 0
     printed = json.loads(capsys.readouterr().out)
     lm = model.load(tmp_path / "native", device="cpu")
-    family = "mamba2-hybrid" if CASES[case][0] == "granitemoehybrid" else "gdn-hybrid"
+    family = "gdn-hybrid" if CASES[case][0].startswith("qwen") else "mamba2-hybrid"
     assert lm.family == family == printed["family"] and lm.fingerprint == printed["fingerprint"]
     assert lm.config.pattern == CASES[case][1] and lm.config.attention == "exact"
     assert model.load(src, device="cpu").fingerprint == lm.fingerprint  # the source loads directly too
@@ -111,7 +121,8 @@ def test_converted_hybrids_match_transformers(reference, tmp_path, capsys, case)
     for seed in range(2):
         chunks = chunked_logits(lm, ids, seed)
         assert (chunks - ref["whole"]).abs().max().item() <= TOL
-        assert (chunks - ref["cached"]).abs().max().item() <= TOL
+        if case not in CACHE_DISAGREES:
+            assert (chunks - ref["cached"]).abs().max().item() <= TOL
     # the tokenizer came along
     assert lm.tokenizer.encode("w3 w17") == [3, 17] and lm.tokenizer.decode([3, 17]) == "w3 w17"
 
