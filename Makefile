@@ -13,7 +13,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test test-slow test-faults test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
+.PHONY: run chat test test-slow test-faults test-image install install-dev ref-env bench bench-peers bench-compile lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,10 @@ ref-env: $(REF_STAMP) $(REF_CURRENT_STAMP)
 
 run: $(SERVE_STAMP)
 	$(BIN)/recur serve $(ARGS)
+
+# the terminal chat, against the server of `make run` (another terminal): `make chat ARGS="--url URL"`
+chat: $(SERVE_STAMP)
+	$(BIN)/recur chat $(ARGS)
 
 # `timed CMD`: run CMD, then print how long it took, whatever its result (a slow suite is seen
 # the day it gets slow: docs/TESTING.md has the figures to compare with)
