@@ -128,10 +128,11 @@ class LanguageModel(nn.Module):
         raise NotImplementedError
 
     @property
-    def context_window(self) -> int:
+    def context_window(self) -> int | None:
         """Tokens a position attends over directly, itself included (Transformer-XL: its
-        memory and itself; RLT: its encoder span C). Older context lives on only through
-        the recurrent state, so a stream itself has no length limit."""
+        memory and itself; RLT: its encoder span C); None for a family that attends over
+        none (Mamba: the whole stream reaches it through its state). Older context lives on
+        only through the recurrent state, so a stream itself has no length limit."""
         return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
 
     def forward(

@@ -288,9 +288,11 @@ class Mamba(LanguageModel):
         }
 
     @property
-    def context_window(self) -> int:
-        """The causal convolution's reach, itself included: all else is in the SSM state."""
-        return int(self.config.d_conv)
+    def context_window(self) -> int | None:
+        """None: no token is attended over. The causal convolution's reach (`d_conv`, a few
+        tokens) is no window a client could size its text by: everything reaches the model
+        through the SSM state, and a stream has no length limit."""
+        return None
 
     def rebuild_state(self, tensors: dict[str, torch.Tensor]) -> State:
         return self._state(dict(tensors))  # every tensor is persistent: nothing to recompute

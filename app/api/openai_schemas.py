@@ -314,10 +314,11 @@ class ModelCard(ResponseBody):
     owned_by: str = "recur"
     family: str = Field(description="the model family (transformer-xl, rlt, llama, mamba, mamba2)")
     vocab_size: int
-    context_window: int = Field(
+    context_window: int | None = Field(
         description="tokens a position attends over directly (Transformer-XL: mem_len + 1; RLT: "
-        "max_context; an LLM: sinks + window + 1; Mamba, Mamba-2: d_conv, the convolution's reach); a session has "
-        "no length limit: older context lives on in its recurrent state"
+        "max_context; an LLM: sinks + window + 1; a hybrid: its attention layers' span); null for a pure "
+        "recurrence (Mamba, Mamba-2), which attends over no tokens. Not a limit on a session's length, "
+        "which has none: older context lives on in the recurrent state"
     )
     precision: str = Field(
         description="the compute precision the server runs: fp32, bf16 (autocast) or int8 (int8 weights); the "

@@ -128,6 +128,7 @@ def test_the_openai_routes(server):
         card.model_extra is not None
         and card.model_extra["family"] == model.load(server.model_dir, device="cpu").family
     )
+    assert card.model_extra["context_window"] is None  # no attention window: not d_conv's few tokens
     done = oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, logprobs=1)
     chunks = list(
         oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
