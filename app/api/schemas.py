@@ -46,6 +46,8 @@ MAX_JSON_DEPTH = 32
 # JSON may escape half of a UTF-16 surrogate pair alone ("\ud800"); Python reads it as a
 # string no UTF-8 encoder, and so no tokenizer, can take: it is not text, and is refused
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_NUMBERS = frozenset({int, float, bool, type(None)})  # (and null: what holds no text)
+_SCALARS = _NUMBERS | {str}
 
 
 def _check_json(value: Any) -> None:
@@ -67,7 +69,13 @@ def _check_json(value: Any) -> None:
                 todo.extend((k, depth) for k in v)
                 todo.extend((x, depth + 1) for x in v.values())
             else:
-                todo.extend((x, depth + 1) for x in v if isinstance(x, (str, dict, list)))
+                kinds = set(
+                    map(type, v)
+                )  # (a C loop: a list of many small scalars costs no Python step each)
+                if kinds == {str}:
+                    todo.append(("".join(v), depth))
+                elif not kinds <= _NUMBERS:
+                    todo.extend((x, depth + 1) for x in v if isinstance(x, (str, dict, list)))
 
 
 def _integral_floats(value: Any) -> Any:
@@ -78,6 +86,9 @@ def _integral_floats(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _integral_floats(v) for k, v in value.items()}
     if isinstance(value, list):
+        kinds = set(map(type, value))
+        if kinds <= _SCALARS and float not in kinds:
+            return value  # (nothing to change: no copy, no Python step per item)
         return [_integral_floats(v) for v in value]
     return value
 
