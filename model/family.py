@@ -129,10 +129,9 @@ class LanguageModel(nn.Module):
 
     @property
     def context_window(self) -> int | None:
-        """Tokens a position attends over directly, itself included (Transformer-XL: its
-        memory and itself; RLT: its encoder span C); None for a family that attends over
-        none (Mamba: the whole stream reaches it through its state). Older context lives on
-        only through the recurrent state, so a stream itself has no length limit."""
+        """Tokens a position attends over directly, itself included (Transformer-XL: mem_len
+        + 1; RLT: its span C; None for Mamba, which attends over none). Older context lives
+        on only through the recurrent state, so a stream itself has no length limit."""
         return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
 
     def forward(
