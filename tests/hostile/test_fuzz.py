@@ -105,6 +105,7 @@ def test_api_never_fails_with_5xx_or_a_malformed_error(server, live):
             case.validate_response(response, checks=checks)
 
         fuzz()
+    print(f"fuzz: {sum(counts.values())} cases over {len(counts)} operations, none a 5xx")
     # at least MIN_CASES generated requests, spread over every route
     assert sum(counts.values()) >= example_count(MIN_CASES), counts
     assert len(counts) >= 10, counts

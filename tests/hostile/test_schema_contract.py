@@ -175,6 +175,7 @@ def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProc
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-30000:] + "\n--- server log ---\n" + contract_server.log_tail()
+    print(out[out.rfind("API Operations") :])  # (its summary: operations, phases, cases)
     # it ran the stateful phase too, following the document's links
     assert re.search(r"Scenarios:\s+[1-9]", out), out[-5000:]
 
