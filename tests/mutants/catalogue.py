@@ -316,4 +316,23 @@ FAULTS: tuple[Fault, ...] = (
         'tensors[name] = rows if name == "n_tokens" else base',
         ("tests/faults/test_crash.py::test_sigkill_during_streaming_generations_llm_and_ssm[llama]",),
     ),
+    # -- issue 39's smaller faults -------------------------------------------------------------
+    Fault(
+        "n-choices-admitted-one-by-one",
+        "a request's new sessions take the tenant's last places one at a time: racing requests all fail",
+        "app/sessions/choices.py",
+        "async with service.tenants.places(owner, new):",
+        "async with service.tenants.places(owner, 0):",
+        ("tests/hostile/test_choices_quota.py::test_racing_requests_for_the_last_places_serve_one",),
+    ),
+    Fault(
+        "body-walk-a-python-step-per-item",
+        "RequestBody's walk visits every item of a list of numbers in Python",
+        "app/api/schemas.py",
+        "                elif not kinds <= _NUMBERS:",
+        "                elif True:",
+        (
+            "tests/hostile/test_large_bodies.py::test_validating_a_body_of_many_items_costs_a_small_multiple_of_parsing_it",
+        ),
+    ),
 )
