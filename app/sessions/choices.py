@@ -5,7 +5,9 @@ and prompts, and requests that name no session.
 choice j of prompt i runs in session `sid`, or (none named) a session of its own that
 starts from the longest committed prefix of the prompt's tokens (prefix reuse); the other
 n - 1 in forks of that session taken before any starts. All start, or none does: those
-started are closed and the sessions this request made deleted. The OpenAI routes frame
+started are closed and the sessions this request made deleted. The places of the sessions
+it makes are held in the tenant's quota first, all or none (`Tenants.places`), so that
+requests racing for a tenant's last places cannot each take some and all fail. The OpenAI routes frame
 the result (app/api/openai_framing.py); they never make or clean up a session.
 """
 
