@@ -16,7 +16,7 @@ from model.hybrid import ContextFull
 from model.state import ARENA_SLACK, StateError
 from tests.sensitive import sensitive_model
 
-from .conftest import assert_any_chunking_agrees, run_chunks
+from .conftest import run_chunks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,11 +67,23 @@ def stream_and_chunks(draw):
 
 
 @pytest.mark.parametrize(("family", "mode"), CASES)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(case=stream_and_chunks())
 def test_any_chunking_gives_the_same_logits_and_state(family, mode, case):
+    """Fed whole, in chunks and token by token: the logits within 1e-4 (as every family's),
+    and every persistent state tensor within 1e-4 relative (these unit-gain models' logits
+    reach tens, and a gated norm after a Gated DeltaNet head scales its rounding up)."""
     length, sizes, seed = case
-    assert_any_chunking_agrees(tiny(family, mode), length, sizes, seed, every_state=True)
+    lm = tiny(family, mode)
+    tokens = torch.randint(0, 258, (2, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        whole, s_whole = run_chunks(lm, tokens, [length])
+        ends = [run_chunks(lm, tokens, sizes), run_chunks(lm, tokens, [1] * length)]
+    for logits, state in ends:
+        assert (whole - logits).abs().max().item() <= 1e-4
+        for name in lm.persistent:
+            assert s_whole[name].shape == state[name].shape, name
+            torch.testing.assert_close(state[name].float(), s_whole[name].float(), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("family", "mode"), CASES)
