@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse
 
 from app.engine import Logprobs, TokenEvent
+from app.sessions import SessionService
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
@@ -60,6 +61,17 @@ def chat_template(request: Request) -> ChatTemplate:
     return template
 
 
+async def _rendered(
+    body: ChatCompletion, template: ChatTemplate, sessions: SessionService, sid: str | None, owner: str
+) -> str:
+    """The body's messages as the template renders them: in a continued session whose state
+    holds a conversation, only what follows it (a session that holds nothing but BOS, as
+    `recur chat` makes one, opens its conversation)."""
+    messages, kwargs = [_message(m) for m in body.messages], body.chat_template_kwargs
+    opened = sid is not None and (await sessions.get(sid, owner)).n_tokens > len(sessions.with_bos([]))
+    return template.render_continuation(messages, kwargs) if opened else template.render(messages, kwargs)
+
+
 @router.post(
     "/chat/completions",
     response_model=ChatCompletionResult,
@@ -79,10 +91,9 @@ async def create_chat_completion(
     started = time.perf_counter()
     engine = sessions.engine
     sid = oai.continued(body, engine, x_session_id)
-    messages, kwargs = [_message(m) for m in body.messages], body.chat_template_kwargs
-    # a continued session's state holds the conversation so far: render only what follows it
-    text = template.render_continuation(messages, kwargs) if sid else template.render(messages, kwargs)
-    ids = prompt_ids(engine, settings.max_prompt_tokens, text)
+    ids = prompt_ids(
+        engine, settings.max_prompt_tokens, await _rendered(body, template, sessions, sid, owner)
+    )
     logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own
     # the turn stop always ends the assistant's turn, as an end-of-turn token would
     stop = list(dict.fromkeys([*template.stop, *oai.stop_strings(body.stop)]))

@@ -207,9 +207,9 @@ def test_recur_chat_speaks_through_the_chat_template(server, http, lm):
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGood morrow.<|im_end|>\n"
         )
         assert text.count("<|im_start|>assistant\n") == 2 and "<|im_start|>user\nAnd to you." in text
-        reply = (
-            text.split("<|im_start|>assistant\n")[1].split("<|im_start|>user")[0].removesuffix("<|im_end|>")
-        )
+        first = next(g for g in t["segments"] if g["version"] == 1)  # the first turn: what it sampled
+        reply = lm.tokenizer.decode([i for i, s in zip(first["ids"], first["sampled"], strict=True) if s])
+        reply = reply.removesuffix("<|im_end|>")
         assert chat.output[mark : m.start()] == reply + "\n"  # the turn's text, its stop left out
         assert chat.close() == 0
     finally:
