@@ -62,5 +62,10 @@ class Loader:
             self.counters.parse_seconds += time.perf_counter() - t0
             self._deliver(req)
 
+    def drain(self, timeout: float = 60) -> None:
+        """Return once every request submitted so far has been parsed and delivered (one
+        thread, in order): for a caller that takes the engine's steps itself."""
+        self._pool.submit(lambda: None).result(timeout)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -296,7 +296,10 @@ def test_echo_returns_the_prompt_and_its_logprobs(oa, http, lm):
     assert lp is not None and lp.tokens == list("ROMEO: O")
     want, _ = lm.consume([256, *b"ROMEO: O"], lm.new_state(1))
     assert all(abs(a - b) <= 1e-4 for a, b in zip(lp.token_logprobs, want[0, 1:].tolist(), strict=True))
-    assert lp.top_logprobs is not None and all(len(a) == 2 for a in lp.top_logprobs)
+    # two alternatives a position, but one where both are bytes that print as U+FFFD (OpenAI's
+    # top_logprobs is keyed by text: the more probable one's stands)
+    assert lp.top_logprobs is not None and all(1 <= len(a) <= 2 for a in lp.top_logprobs)
+    assert sum(len(a) == 2 for a in lp.top_logprobs) >= len(lp.top_logprobs) // 2
     # the session consumed the prompt, as a score commit would
     assert http.get(f"/v1/sessions/{scored.session_id}").json()["n_tokens"] == 1 + 8  # type: ignore[attr-defined]
 

@@ -73,6 +73,7 @@ class Stepper:
         self.s = self.engine.scheduler
 
     async def step(self) -> None:
+        self.engine.loader.drain()  # (stored starts are parsed on the loader thread, then delivered)
         self.s.receive(wait=False)
         self.engine._step(self.s.admit())
         self.engine.outbox.flush()
