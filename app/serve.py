@@ -70,7 +70,8 @@ def run(settings: Settings) -> int:
     embedded = None
     try:
         _check_keys(settings)
-        # Redis first, before the model's seconds of loading: a mistake there shows at once
+        _find_model(settings)  # (before the embedded Redis makes its data directory)
+        # Redis next, before the model's seconds of loading: a mistake there shows at once
         if settings.redis_url:
             _check_redis(settings)
         else:
@@ -114,6 +115,22 @@ def _check_keys(settings: Settings) -> None:
         )
 
 
+def _find_model(settings: Settings) -> None:
+    import model
+
+    try:
+        model.checkpoint.resolve(settings.model)
+    except FileNotFoundError as exc:
+        raise SetupError(_no_model(exc)) from None
+
+
+def _no_model(exc: FileNotFoundError) -> str:
+    return (
+        f"{exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
+        "`recur init DIR`) or set RECUR_MODEL."
+    )
+
+
 def _load_model(settings: Settings) -> model.LanguageModel:
     import model
 
@@ -125,10 +142,7 @@ def _load_model(settings: Settings) -> model.LanguageModel:
             options=settings.model_options,
         )
     except FileNotFoundError as exc:
-        raise SetupError(
-            f"{exc}.\n  Pass --model DIR (a checkpoint directory, e.g. one written by "
-            "`recur init DIR`) or set RECUR_MODEL."
-        ) from None
+        raise SetupError(_no_model(exc)) from None
     except ValueError as exc:  # a model option or precision the checkpoint cannot take
         raise SetupError(str(exc)) from None
 
