@@ -107,17 +107,18 @@ class Run:
         assert self.req.result is not None
         return self.req.result
 
-    def segment(self, kind: Kind) -> Segment:
-        """This generation's transcript segment: the prompt, then the tokens handed out."""
-        n = len(self.prompt)
+    def segment(self, kind: Kind, tokens: list[TokenEvent] | None = None) -> Segment:
+        """This generation's transcript segment: the prompt, then the tokens handed out (or
+        `tokens`, those a kept generation commits)."""
+        n, tokens = len(self.prompt), self.tokens if tokens is None else tokens
         return Segment(
             self.writer.meta.id,
             self.version,
             kind,
             self.writer.meta.n_tokens,
-            self.prompt + [ev.id for ev in self.tokens],
-            [False] * n + [True] * len(self.tokens),
-            [None] * n + [ev.logprob for ev in self.tokens],
+            self.prompt + [ev.id for ev in tokens],
+            [False] * n + [True] * len(tokens),
+            [None] * n + [ev.logprob for ev in tokens],
             dataclasses.asdict(self.req.params),
             self.req.seed,
             self.req.result.finish_reason if kind == "generate" and self.req.result else None,
@@ -138,7 +139,10 @@ class Run:
         started it is being cancelled (as a stream's is when its client hangs up)."""
         self.req.cancel()
         if self.keep_on_disconnect and self.meta is None and self.tokens and self._keeping is None:
-            self._keeping = asyncio.ensure_future(self._keep())
+            # the tokens handed out by now, and no later one: the stream may yet take another
+            # from the engine before it sees the close, and the commit and its transcript must
+            # hold the same tokens
+            self._keeping = asyncio.ensure_future(self._keep(list(self.tokens)))
         if self._keeping is not None:
             await asyncio.shield(self._keeping)
         await asyncio.shield(self._end())
@@ -155,7 +159,7 @@ class Run:
             self._ended = True
             await self.service.tenants.ended(self.owner, self.client, self.reserved, len(self.tokens))
 
-    async def _keep(self) -> None:
+    async def _keep(self, handed: list[TokenEvent]) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
         consumed: teacher-forced anew (a recurrent state cannot be rolled back), which by
         boundary invariance is the state the generation had after them. On failure the
@@ -163,9 +167,9 @@ class Run:
         s = self.service
         try:
             await self._end()
-            ids = self.prompt + [ev.id for ev in self.tokens]
+            ids = self.prompt + [ev.id for ev in handed]
             res = await s._finish(Request(self.req.start, ids, persist=self.req.persist))
-            self.meta = await s.commit(self.writer, res, self.owner, self.segment("keep"))
+            self.meta = await s.commit(self.writer, res, self.owner, self.segment("keep", handed))
         except Exception:
             log.warning("could not keep the tokens of a generation cut short", exc_info=True)
         finally:
