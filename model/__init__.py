@@ -10,7 +10,7 @@ This package knows nothing of HTTP, Redis or asyncio.
 """
 
 from .checkpoint import init, load, shipped
-from .family import FUNCTIONAL, IN_PLACE, Execution, LanguageModel
+from .family import FUNCTIONAL, IN_PLACE, ContextFull, Execution, LanguageModel
 from .native import build, fingerprint, save
 from .state import State, StateError
 from .tokenizer import ByteTokenizer
@@ -19,6 +19,7 @@ __all__ = [
     "FUNCTIONAL",
     "IN_PLACE",
     "ByteTokenizer",
+    "ContextFull",
     "Execution",
     "LanguageModel",
     "State",

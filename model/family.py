@@ -34,6 +34,11 @@ from .state import Arena, Declared, State, StateError, merge
 from .tokenizer import Tokenizer
 
 
+class ContextFull(ValueError):
+    """A chunk would take a stream past the most tokens its model keeps (an exact-attention
+    hybrid's `max_context`): the request is refused, and the state consumed nothing of it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Execution:
     """How one forward runs, as its caller says (nothing is read from the surroundings):

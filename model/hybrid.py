@@ -45,17 +45,13 @@ import torch
 from torch import nn
 
 from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
-from .family import Execution, LanguageModel, TimeAxis, init_weights
+from .family import ContextFull, Execution, LanguageModel, TimeAxis, init_weights
 from .mamba import SSMMixer
 from .mlp import SwiGLU
 from .rlt import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
 
 MODES = ("exact", "bounded")
-
-
-class ContextFull(ValueError):
-    """A chunk would take an exact-attention stream past its `max_context` tokens."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ from app.store import (
     VersionGone,
     VersionMismatch,
 )
-from model import StateError
+from model import ContextFull, StateError
 from model.chat_template import ChatTemplateError
 
 from .error_types import ErrorType
@@ -92,6 +92,7 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (NonFinite, ErrorType.invalid_state),  # a session whose (imported) state the model cannot continue
     (StateError, ErrorType.state_corrupt),
     (EmptyContext, ErrorType.invalid_request),
+    (ContextFull, ErrorType.prompt_too_long),  # past the tokens the model keeps (exact attention)
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation
     (QueueFull, ErrorType.queue_full),
     (EngineStalled, ErrorType.engine_stalled),

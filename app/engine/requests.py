@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from model import State, StateError
+from model import ContextFull, State, StateError
 from model.sampling import SamplingParams
 from model.state import Encoded, Persist
 
@@ -113,7 +113,7 @@ class Failed:
         """A step's exception as its requests see it: the engine's own errors and a damaged
         state as they are, anything else (the model raising) as ModelFailed, which names
         the error's type but not its text (the log has the whole of it)."""
-        if isinstance(exc, (EngineError, StateError)):
+        if isinstance(exc, (EngineError, StateError, ContextFull)):
             return cls(exc)
         failed = ModelFailed(
             f"the model failed in a step serving this request ({type(exc).__name__}); nothing of "

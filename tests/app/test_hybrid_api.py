@@ -271,8 +271,8 @@ def test_a_reused_prefix_gives_the_cold_runs_log_probs(server):
 
 def test_a_prompt_past_exact_attentions_bound_is_refused_and_commits_nothing(server, http, served):
     """With exact attention a stream holds at most max_context tokens: a request that would
-    pass it fails (see docs/HYBRIDS.md: for now as the model's error), the session keeps its
-    state, and it goes on within the bound."""
+    pass it is refused, 413 prompt_too_long saying why, the session keeps its state, and it
+    goes on within the bound."""
     if served.config.attention != "exact":
         pytest.skip("bounded attention has no bound")
     chunk = list(range(1, 256)) + list(range(1, 46))  # 300 tokens
@@ -281,7 +281,8 @@ def test_a_prompt_past_exact_attentions_bound_is_refused_and_commits_nothing(ser
         ok(http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": chunk, "commit": True}))
     before = ok(http.get(f"/v1/sessions/{s['id']}"))
     r = http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": chunk, "commit": True})
-    assert r.status_code >= 400 and "ContextFull" in r.text, r.text
+    assert r.status_code == 413 and r.json()["error"]["type"] == "prompt_too_long", r.text
+    assert "exact attention keeps" in r.json()["error"]["message"]
     after = ok(http.get(f"/v1/sessions/{s['id']}"))
     assert (after["version"], after["n_tokens"]) == (before["version"], before["n_tokens"])
     assert len(greedy(http, s["id"], 8)["tokens"]) == 8

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import model
+from tests.app.test_hybrid_api import HYBRIDS
 from tests.conftest import SSM_TINY, TINY, tiny_model_of
-from tests.sensitive import MATTERS, sensitive_model
+from tests.sensitive import MATTERS, sensitive_model, write_sensitive
 
 FAMILIES = ["transformer-xl", "rlt", "mamba", "mamba2"]
 
@@ -43,11 +44,11 @@ def changes(lm: model.LanguageModel, length: int = 40, cut: int = 20) -> dict[st
         kept = {name: state[name] for name in lm.persistent}
         base = logprobs(lm.rebuild_state({k: v.clone() for k, v in kept.items()}))
         for name, t in kept.items():
-            if t.is_floating_point():
+            if t.is_floating_point() and t.numel():  # (an empty part, exact attention's sinks, holds nothing)
                 zeroed = {k: torch.zeros_like(v) if k == name else v.clone() for k, v in kept.items()}
                 out[f"stored {name}"] = (logprobs(lm.rebuild_state(zeroed)) - base).abs().max().item()
         for name, t in state.tensors.items():
-            if t.is_floating_point():
+            if t.is_floating_point() and t.numel():
                 live = state.clone().replace(**{name: torch.zeros_like(t)})
                 stored = lm.rebuild_state({k: live[k].clone() for k in lm.persistent})
                 out[f"live {name}"] = max(  # as it runs on, and as the commit stores it
@@ -73,6 +74,14 @@ def test_every_served_tiny_model_feels_every_part_of_its_state(family, tiny_mode
 def test_the_served_tiny_llm_feels_every_part_of_its_state(tiny_gguf: Path):
     """The tiny GGUF LLaMA of tests/app/conftest.py: its window and its sinks."""
     assert_state_matters(model.load(tiny_gguf))
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_the_served_hybrids_feel_every_part_of_their_state(name, tmp_path):
+    """The hybrids of tests/app/test_hybrid_api.py, as served (their attention options)."""
+    family, config, options = HYBRIDS[name]
+    write_sensitive(tmp_path / "tiny", family=family, seed=0, **config)
+    assert_state_matters(model.load(tmp_path / "tiny", options=options))
 
 
 def test_a_gpt2_initialised_model_is_caught_as_numb():
