@@ -75,11 +75,11 @@ def test_chat_view_streams_bubbles_and_continues_one_session(browser, server, ht
     assert first.startswith(
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGood morrow.<|im_end|>\n"
     )
-    assert second.startswith("<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n")
+    # the second turn renders what follows the first's turn stop (c82773c): its separator first
+    turn = "\n<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n"
+    assert second.startswith(turn)
     answers = [t for r, _, t in _bubbles(d) if r == "assistant"]
-    assert second.removeprefix("<|im_start|>user\nAnd to you.<|im_end|>\n<|im_start|>assistant\n").startswith(
-        answers[1]
-    )
+    assert second.removeprefix(turn).startswith(answers[1])
     assert answers[0] and answers[0] in first
 
 
