@@ -12,17 +12,28 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app import metrics
 from app.engine import Finished, FinishReason, Request, TokenEvent
 from app.store import SessionMeta, Writer
+from app.tenants import Tenants
 from app.transcript import Kind, Segment
 
-if TYPE_CHECKING:
-    from .service import SessionService
-
 log = logging.getLogger("recur.sessions")
+
+
+class Transaction(Protocol):
+    """The steps of a session's transaction that a run takes (`SessionService` is the one
+    that makes runs): this module needs no more of it, so it does not import it."""
+
+    @property
+    def tenants(self) -> Tenants: ...
+    async def commit(
+        self, writer: Writer, res: Finished, owner: str, segment: Segment, tokens_hash: str | None = None
+    ) -> SessionMeta: ...
+    async def release(self, writer: Writer, owner: str) -> None: ...
+    async def _finish(self, req: Request) -> Finished: ...
 
 
 class ClientDisconnected(Exception):
@@ -35,7 +46,7 @@ class Run:
 
     def __init__(
         self,
-        service: SessionService,
+        service: Transaction,
         req: Request,
         writer: Writer,
         owner: str,

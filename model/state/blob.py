@@ -25,15 +25,12 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-if TYPE_CHECKING:
-    from .protocol import State
 
 FORMAT_VERSION = 1
 
@@ -58,7 +55,27 @@ def checksum_of(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def serialise(state: State, dtype: str | torch.dtype, since: int | None) -> bytes:
+class Serialisable(Protocol):
+    """What a state offers to be written (`protocol.State` does): this module owns the
+    format, and needs nothing else of a state, so it does not import it."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]: ...
+    @property
+    def seq_dims(self) -> Mapping[str, int]: ...
+    @property
+    def persistent(self) -> tuple[str, ...]: ...
+    @property
+    def fills(self) -> tuple[str, ...]: ...
+    @property
+    def n_tokens(self) -> torch.Tensor: ...
+
+
+def serialise(state: Serialisable, dtype: str | torch.dtype, since: int | None) -> bytes:
     """`state`'s persistent tensors as bytes: a snapshot (`since` None), or a delta of what
     changed since it had consumed `since` tokens (`State.to_bytes`, `State.delta_bytes`)."""
     store_dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
