@@ -110,6 +110,26 @@ def test_page_is_self_contained(http):
     assert httpx.get(str(http.base_url) + "/v1/sessions").status_code == 401
 
 
+def test_docs_work_offline(browser, server, http):
+    """/docs and /redoc load Swagger UI and ReDoc from this server (a package's files), never
+    from a CDN: every asset the pages name is same-origin and loads, and Swagger UI renders
+    the API in a browser that reaches nothing else."""
+    for page in ("/docs", "/redoc"):
+        r = httpx.get(server.url + page)  # no key: the docs are public, as /openapi.json is
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), page
+        assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", r.text)
+        assets += re.findall(r"""(?:url|openapi_url|oauth2RedirectUrl)['"]?\s*:\s*['"]([^'"]+)['"]""", r.text)
+        assert assets, page
+        for url in assets:
+            assert url.startswith("/") and not url.startswith("//"), (page, url)
+            assert httpx.get(server.url + url).status_code == 200, (page, url)
+        assert "cdn" not in r.text.lower() and "https://" not in r.text, page
+    browser.get(server.url + "/docs")
+    _wait(browser, lambda d: d.find_elements("css selector", ".swagger-ui .info .title"))
+    assert "recur" in browser.find_element("css selector", ".swagger-ui .info .title").text
+    assert browser.find_elements("css selector", ".swagger-ui .opblock")  # the routes are drawn
+
+
 def test_get_generate_streams_like_post(http):
     a = _new_session(http, "Once")
     b = http.post(f"/v1/sessions/{a}/fork").json()["id"]
