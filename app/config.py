@@ -133,6 +133,13 @@ class Settings(BaseSettings):
         "client (as max_streams_per_key counts them) runs at once on one replica; more get 429 "
         "quota_exceeded at once, before any read",
     )
+    replay_mb_per_second: float = Field(
+        1.0,
+        ge=0,
+        description="MiB a second one client's replays of background responses' events send together "
+        "from one replica (a replay costs the replica per byte: past this, it is paced, not refused; "
+        "0 = no limit)",
+    )
     key_batch_share: float = Field(
         0.0625,
         gt=0,

@@ -123,5 +123,6 @@ def build_stateful(
         Background(
             store.responses, responses, service.tenants, lease=settings.response_lease_seconds,
             retention=retention, max_replays=settings.max_replays_per_key,
+            replay_rate=settings.replay_mb_per_second * 2**20,
         ),  # fmt: skip
     )

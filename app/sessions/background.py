@@ -22,7 +22,10 @@ one could not be the same reply).
 A replay reads the events a page at a time and, at the end of what is there, waits for
 the next one with `XREAD BLOCK` (on a pool of its own: a waiting reader never holds a
 connection the requests need). One client runs at most `max_replays` replays at once on a
-replica (QuotaExceeded past it, before any read).
+replica (QuotaExceeded past it, before any read), and its replays together send at most
+`replay_rate` bytes a second from it (`Pace`): a replay costs the replica's event loop
+per byte sent, so a client that replays a long response in a loop would otherwise take the
+loop from every other client's generations.
 
 The events themselves are framed by the caller (app/api): this module only keeps them.
 """
@@ -71,6 +74,7 @@ class Replay:
             ended, page = await store.events(self.response_id, self.owner, self.next, PAGE)
             if page:
                 self.next, last = self.next + len(page), page[-1][0]
+                await self.background.pace.take(self.client or "", sum(len(raw) for _, raw in page))
                 yield [(kind, _arrays(raw) if kind == "response.failed" else raw) for kind, raw in page]
             if len(page) == PAGE:
                 await asyncio.sleep(0)  # a long replay lets the loop's other work in between pages
@@ -87,6 +91,27 @@ class Replay:
         if self.client is not None:
             self.background.replay_ended(self.client)
             self.client = None
+
+
+class Pace:
+    """Each client's bytes a second across its replays on this replica, paced (the generic
+    cell rate algorithm): a client may send `burst` seconds' worth at once, then waits as
+    long as its bytes take at `rate`. 0 = no limit."""
+
+    def __init__(self, rate: float, burst: float = 0.5):
+        self.rate, self.burst = rate, burst
+        self._due: dict[str, float] = {}  # client -> when its bytes so far are paid for
+
+    async def take(self, client: str, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        due = max(now, self._due.get(client, now)) + nbytes / self.rate
+        self._due[client] = due
+        if len(self._due) > 4096:  # (clients long paid up are forgotten)
+            self._due = {c: t for c, t in self._due.items() if t > now}
+        if due - now > self.burst:
+            await asyncio.sleep(due - now - self.burst)
 
 
 def _arrays(raw: str) -> str:
@@ -107,6 +132,7 @@ class Background:
         lease: float,
         retention: int,
         max_replays: int,
+        replay_rate: float = 0.0,
     ):
         self.store = store
         self.responses = responses  # (deletes the session a dead worker's run made)
@@ -116,6 +142,7 @@ class Background:
         self.max_replays = max_replays  # replays one client runs at once on this replica
         self.workers: dict[str, asyncio.Task[None]] = {}
         self._replays: collections.Counter[str] = collections.Counter()
+        self.pace = Pace(replay_rate)  # bytes a second one client's replays send, together
         self._sweeper: asyncio.Task[None] | None = None
 
     async def queue(self, response_id: str, owner: str, body: dict) -> None:
