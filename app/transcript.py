@@ -13,6 +13,9 @@ one's. So the tokens a state holds are not simply every segment in order: they a
 the version it restored). A fork starts with its parent's lineage up to the fork point,
 copied as the parent stored it (those segments keep the parent's session id).
 
+A chat's messages are read back from a lineage (`conversation`): each commit's prompt is
+one turn as the chat template rendered it, its sampled tokens the assistant's answer.
+
 This module knows neither Redis nor HTTP; the sessions service builds segments, the store
 keeps their bytes, the API renders them.
 """
@@ -20,12 +23,15 @@ keeps their bytes, the API renders them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load, save
+
+from model.chat_template import ChatTemplate
 
 Kind = Literal["create", "generate", "score", "keep", "rollback", "import", "fork"]
 
@@ -147,3 +153,40 @@ def lineage(segments: list[Segment], session_id: str, version: int) -> tuple[lis
 def _complete(inherited: list[Segment]) -> bool:
     """An inherited lineage is complete when it starts at position 0 from a create."""
     return not inherited or (inherited[0].start == 0 and inherited[0].kind == "create")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of the chat a session holds, and the version whose commit consumed it."""
+
+    role: str
+    content: str
+    version: int
+
+
+def conversation(
+    segments: list[Segment], decode: Callable[[list[int]], str], template: ChatTemplate, bos: int | None
+) -> tuple[list[Message], bool]:
+    """The chat a lineage holds, read back from what its state consumed: each segment's
+    prompt (the ids it did not sample) as `template` renders one turn, its sampled ids as
+    the assistant's answer, less the turn stop that ended it. Also whether every segment
+    read as a turn (a raw continuation or a score does not: the transcript shows those)."""
+    said: list[Message] = []
+    whole = True
+    for seg in segments:
+        skip = 1 if seg.start == 0 and bos is not None and seg.ids[:1] == [bos] else 0
+        marks = seg.sampled or [False] * len(seg.ids)
+        prompt = [i for i, s in zip(seg.ids[skip:], marks[skip:], strict=True) if not s]
+        reply = [i for i, s in zip(seg.ids[skip:], marks[skip:], strict=True) if s]
+        if not prompt and not reply:
+            continue
+        turn = template.read_turn(decode(prompt))
+        if turn is None:
+            whole = False
+            continue
+        said += [Message(m["role"], m["content"], seg.version) for m in turn]
+        if reply:
+            text = decode(reply)
+            end = next((s for s in template.stop if text.endswith(s)), "")
+            said.append(Message("assistant", text[: len(text) - len(end)], seg.version))
+    return said, whole

@@ -32,8 +32,10 @@ checkpoint stores its template (`model/checkpoint.py` reads it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import jinja2
@@ -65,6 +67,13 @@ PLAY_SCRIPT = r"""{#- recur's play-script template (model/chat_template.py): the
     {{ assistant ~ '.\n' }}
 {%- endif -%}
 """
+
+
+# the shapes of a turn that a reader of a rendered conversation tries (`ChatTemplate.read_turn`):
+# a user's message, alone or after a system (or developer) message
+_TURNS = (("user",), ("system", "user"), ("developer", "user"))
+# a message's content while probing a template's layout: private-use characters, in no text
+_MARK = "\ue000{}\ue001"
 
 
 class ChatTemplateError(ValueError):
@@ -144,6 +153,57 @@ class ChatTemplate:
         if not whole.startswith(head) or not ends:
             return self.render(messages, variables)
         return whole[max(ends) :]
+
+    # -- reading a rendered conversation back ---------------------------------------------------
+    # A template writes the same text around a message whatever its content, so rendering a
+    # turn's shape with marks for contents shows its layout; a turn's text is then read back by
+    # matching that layout, the contents where the marks were.
+    def read_turn(self, text: str) -> list[dict[str, str]] | None:
+        """The messages of one turn (with `render` a conversation's first, with
+        `render_continuation` a later one; the generation prompt included) whose text is
+        `text`: a user's message, alone or after a system message. None if `text` is no
+        such turn (a raw continuation, or a shape this reader does not try)."""
+        for roles, _, _, whole in self._layouts:
+            m = whole.fullmatch(text)
+            if m:
+                return [{"role": r, "content": c} for r, c in zip(roles, m.groups(), strict=True)]
+        return None
+
+    def first_user(self, text: str) -> str | None:
+        """The content of the first user message of the conversation that `text` begins
+        (its first turn as `render` made it, and maybe more after, or cut short): what a
+        list of sessions shows. None if `text` opens no conversation."""
+        for roles, continued, opening, _ in self._layouts:
+            m = None if continued else opening.match(text)
+            if m:
+                return m.group(len(roles))
+        return None
+
+    @cached_property
+    def _layouts(self) -> list[tuple[tuple[str, ...], bool, re.Pattern[str], re.Pattern[str]]]:
+        """Per turn shape and way of rendering it: (its roles, whether it continues a
+        conversation, the pattern of the turn's text up to the end of the user's message (or
+        of the text, cut short), and that of the whole turn)."""
+        out: list[tuple[tuple[str, ...], bool, re.Pattern[str], re.Pattern[str]]] = []
+        for continued in (False, True):
+            for roles in _TURNS:
+                messages = [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)]
+                try:
+                    text = self.render_continuation(messages) if continued else self.render(messages)
+                except ChatTemplateError:
+                    continue  # (a template may refuse the shape)
+                pieces = re.split("\ue000[0-9]+\ue001", text)
+                if len(pieces) != len(roles) + 1 or re.findall("\ue000([0-9]+)\ue001", text) != [
+                    str(i) for i in range(len(roles))
+                ]:
+                    continue  # a content written twice, or not at all: no layout to match
+                literal = [re.escape(p) for p in pieces]
+                whole = "(.*?)".join(literal)
+                # a cut-short text may end anywhere in what follows the user's message
+                cut = "".join(f"(?:{re.escape(c)}" for c in pieces[-1]) + ")?" * len(pieces[-1])
+                opening = "(.*?)".join(literal[:-1]) + f"(.*?)(?:{literal[-1]}|{cut}\\Z)"
+                out.append((roles, continued, re.compile(opening, re.DOTALL), re.compile(whole, re.DOTALL)))
+        return out
 
 
 def play_script() -> ChatTemplate:

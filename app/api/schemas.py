@@ -189,6 +189,22 @@ class TranscriptSegment(ResponseBody):
     restores: int | None = Field(description="a rollback: the version it made current again")
 
 
+class SessionMessage(ResponseBody):
+    role: str = Field(description="as the chat template names it: system, user, assistant, ...")
+    content: str
+    version: int = Field(description="the version whose commit consumed it")
+
+
+class SessionMessages(ResponseBody):
+    session_id: str
+    version: int
+    complete: bool = Field(
+        description="false when part of what the state consumed is no chat turn the template reads back "
+        "(a raw continuation, a score), or older history is not kept: the transcript shows it all"
+    )
+    messages: list[SessionMessage] = Field(description="in the order the state consumed them")
+
+
 class Transcript(ResponseBody):
     session_id: str
     version: int
@@ -224,7 +240,11 @@ class ListedSession(SessionInfo):
         description="made for one request (a stateless completion's session, an `n` choice's fork): "
         "listed only with `ephemeral=true`"
     )
-    preview: str = Field(description="the start of the text the session consumed (at most 80 characters)")
+    preview: str = Field(
+        description="a chat's first user message (as the served model's chat template reads it back), "
+        "else the start of the text the session consumed; at most 80 characters; empty for a session of "
+        "another model (this server's tokenizer cannot read its tokens)"
+    )
 
 
 class SessionList(ResponseBody):

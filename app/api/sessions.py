@@ -1,5 +1,6 @@
 """The session resource: create, read, delete, fork, generate (SSE or JSON), score, and
-its history: the kept versions, rollback, the transcript, state export and import.
+its history: the kept versions, rollback, the transcript (and the chat it holds, read
+back by the served model's chat template), state export and import.
 
 `GET .../generate` is the same generation for `EventSource` (which can only GET): its
 parameters come in the query string, and it always streams.
@@ -17,14 +18,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.engine import Logprobs, TokenEvent
+from app.engine import Engine, Logprobs, TokenEvent
 from app.sessions import Generation, Listed, Run
 from app.store import SessionMeta
 from app.store.tenants import LISTING_CURSOR
+from app.transcript import conversation
+from model.chat_template import ChatTemplate
 
+from .chat_completions import chat_template
 from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
 from .disconnect import HangupDep, until_disconnect
 from .errors import ApiError, ErrorType, responses
@@ -45,6 +49,8 @@ from .schemas import (
     SessionDetail,
     SessionInfo,
     SessionList,
+    SessionMessage,
+    SessionMessages,
     SessionRef,
     TopLogprob,
     Transcript,
@@ -148,6 +154,7 @@ async def create_session(
     responses=responses(ErrorType.redis_unavailable, ErrorType.invalid_request),
 )
 async def list_sessions(
+    request: Request,
     sessions: SessionsDep,
     owner: OwnerDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page, at most")] = 50,
@@ -162,11 +169,19 @@ async def list_sessions(
             "completion's, an `n` choice's fork)"
         ),
     ] = False,
+    model: Annotated[
+        str | None,
+        Query(
+            max_length=256,
+            description="only the sessions of this model (its name, as GET /v1/models lists it); a page "
+            "may then hold fewer than `limit`, and `next_cursor` still says whether more follow",
+        ),
+    ] = None,
 ) -> SessionList:
     page = await sessions.listing(owner, "" if cursor == "0" else cursor, limit, ephemeral)
-    tokenizer = sessions.engine.tokenizer
+    preview = _Preview(sessions.engine, request.app.state.chat_template)
     return SessionList(
-        sessions=[_listed(s, tokenizer.decode, tokenizer.bos_id) for s in page.sessions],
+        sessions=[preview(s) for s in page.sessions if model is None or s.meta.model == model],
         next_cursor=page.cursor or None,
     )
 
@@ -175,13 +190,26 @@ async def list_sessions(
 PREVIEW_CHARS = 80
 
 
-def _listed(s: Listed, decode: Callable[[list[int]], str], bos: int | None) -> ListedSession:
-    text = decode(s.head[1:] if s.head[:1] == [bos] else s.head)
-    return ListedSession(
-        **_info(s.meta).model_dump(),
-        ephemeral=s.ephemeral,
-        preview=text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…",
-    )
+@dataclass
+class _Preview:
+    """A listed session with its preview: a chat's first user message, else the start of
+    its text; nothing for another model's session (this tokenizer would garble its ids)."""
+
+    engine: Engine
+    template: ChatTemplate | None
+
+    def __call__(self, s: Listed) -> ListedSession:
+        text = ""
+        if s.meta.fingerprint == self.engine.fingerprint:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode(s.head[1:] if s.head[:1] == [tokenizer.bos_id] else s.head)
+            first = self.template.first_user(text) if self.template is not None else None
+            text = text if first is None else first.strip()
+        return ListedSession(
+            **_info(s.meta).model_dump(),
+            ephemeral=s.ephemeral,
+            preview=text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…",
+        )
 
 
 @router.post(
@@ -386,6 +414,38 @@ async def transcript(
         segments=[
             TranscriptSegment(**g.to_json(sessions.engine.tokenizer.stream_decoder())) for g in segments
         ],
+    )
+
+
+@router.get(
+    "/{session_id}/messages",
+    response_model=SessionMessages,
+    summary="The chat the session holds: its messages, read back from its transcript by the served "
+    "model's chat template",
+    responses=responses(*_SESSION_ERRORS, ErrorType.no_chat_template, ErrorType.model_mismatch),
+)
+async def messages(
+    session_id: str,
+    response: Response,
+    sessions: SessionsDep,
+    owner: OwnerDep,
+    template: Annotated[ChatTemplate, Depends(chat_template)],
+) -> SessionMessages:
+    meta, segments, complete = await sessions.transcript(session_id, owner)
+    engine = sessions.engine
+    if meta.fingerprint != engine.fingerprint:
+        raise ApiError(
+            ErrorType.model_mismatch,
+            f"session {meta.id} belongs to model {meta.model!r}; this server runs {engine.name!r}, whose "
+            "tokenizer and template cannot read it",
+        )
+    said, whole = conversation(segments, engine.tokenizer.decode, template, engine.tokenizer.bos_id)
+    response.headers.update(_etag(meta))
+    return SessionMessages(
+        session_id=meta.id,
+        version=meta.version,
+        complete=complete and whole,
+        messages=[SessionMessage(role=m.role, content=m.content, version=m.version) for m in said],
     )
 
 

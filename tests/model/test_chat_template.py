@@ -148,3 +148,43 @@ def test_a_broken_template_is_an_error_that_says_which_file(tmp_path, file, text
         (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(ChatTemplateError, match=match):
         checkpoint.chat_template(tmp_path)
+
+
+# SmolLM2's template (its tokenizer_config.json): a default system block when the first
+# message is no system one
+SMOLLM2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_TEMPLATES = [play_script(), ChatTemplate(SMOLLM2, ("<|im_end|>",))]
+# contents without the templates' own markup (brackets, ChatML's bars), blank lines included
+_content = st.text(st.sampled_from("abc XYZ.,?!'\n\u00e9\u4e2d"), max_size=30)
+
+
+@given(template=st.sampled_from(_TEMPLATES), user=_content, system=st.none() | _content)
+def test_a_rendered_turn_reads_back_as_its_messages(template, user, system):
+    """A turn's text, as the first turn or a later one renders it, reads back as its messages
+    (the playground's reopened chat, GET .../messages); a conversation's opening, whole, with
+    more after it, or cut short in what follows the user's message, gives its first user
+    message (the session list's preview): never the default system block."""
+    turn = ([] if system is None else [{"role": "system", "content": system}]) + [
+        {"role": "user", "content": user}
+    ]
+    for text in (template.render(turn), template.render_continuation(turn)):
+        assert template.read_turn(text) == turn
+    opening = template.render(turn)
+    assert template.first_user(opening) == user
+    assert template.first_user(opening + "a reply<|im_end|>\n") == user
+    after = opening[opening.rindex(user) + len(user) :] if user else ""
+    for cut in range(1, len(after)):
+        got = template.first_user(opening[: len(opening) - cut])
+        # (a message that ends in blank space, cut short there, may lose that space)
+        assert got is not None and user.startswith(got) and not user[len(got) :].strip()
+
+
+def test_text_that_is_no_turn_reads_as_none():
+    for template in _TEMPLATES:
+        assert template.read_turn("ROMEO: a plain continuation") is None
+        assert template.first_user("ROMEO: a plain continuation") is None
