@@ -1,36 +1,19 @@
-"""Mamba-2 (Dao and Gu, 2024): the SSD layer in Mamba's block and model (`model/mamba.py`).
+"""Mamba-2 (Dao and Gu, 2024): Mamba's block and model (`model/mamba.py`) around the SSD
+layer (`model/ssd.py`: the chunked algorithm, the gated norm, the mixer; its notation).
 
-Read top to bottom: config, SSD's chunked algorithm, the gated norm, the mixer, the model.
-
-Notation follows the paper (b: batch, T: time, H heads of P channels, D = H*P = expand *
-d_model, N = d_state, G groups of heads sharing B and C):
-  z, xBC, dt = in_proj(u)                 every projection at once, in parallel (Sec. 7.1)
-  x, B, C = silu(conv1d(xBC))             x (b, T, H, P); B, C (b, T, G, N)
-  Delta_t = softplus(dt + dt_bias)        (b, T, H), within dt_limit
-  a_t = exp(Delta_t A), A = -exp(A_log)   one scalar per head (Sec. 3.1.3)
-  h_t = a_t h_{t-1} + (Delta_t x_t) B_t^T (P, N) per head                          (Eq. 1)
-  y_t = h_t C_t + D_skip x_t
-  out = out_proj(RMSNorm_G(y * silu(z)))  the norm over each group's channels (Sec. 7.1)
-
-Execution. Prefill is SSD's chunked algorithm (Sec. 6, Listing 1): inside chunks of
-`chunk_size` tokens the quadratic (attention-like) form, between chunks the recurrence over
-the chunks' states, from the stream's state h at the chunk's start. A decode step (T = 1)
-is the recurrence (Eq. 1). Any chunking gives the same result, up to rounding.
+Every layer is a pre-norm residual block around one SSD mixer; the model ends with RMSNorm
+and a head, tied to the embedding or not. Parameter names are HF `Mamba2ForCausalLM`'s
+without its "backbone." prefix (`model/hf_ssm.py` converts by a rename).
 
 State: as Mamba's, with ssm [b, L, H, P, N].
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from .mamba import Mamba, SSMConfig, SSMMixer, causal_conv, init_dt_bias
-from .rlt import RMSNorm
+from .mamba import Mamba, SSMConfig
+from .ssd import SSDConfig, SSDMixer
 
 
 @dataclass
@@ -44,136 +27,34 @@ class Mamba2Config(SSMConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        lo, hi = self.dt_limit  # JSON gives a list; strict JSON has no infinity, so no bound is None
-        lo, hi = float(lo), None if hi is None or math.isinf(hi) else float(hi)
-        self.dt_limit = (lo, hi)
-        if self.head_dim < 1 or self.d_inner % self.head_dim:
-            raise ValueError("expand * d_model must split into heads of head_dim channels")
-        if self.n_groups < 1 or self.n_heads % self.n_groups:
-            raise ValueError("n_groups must divide the number of heads")
-        if self.chunk_size < 1 or not 0 <= lo <= (math.inf if hi is None else hi):
-            raise ValueError("chunk_size must be >= 1 and dt_limit an interval of non-negative numbers")
+        self.dt_limit = self.ssd().dt_limit  # checked, and JSON's list made a tuple
 
-    @property
-    def n_heads(self) -> int:
-        return self.d_inner // self.head_dim
-
-
-# -- SSD: the chunked algorithm (Sec. 6, Listing 1) ----------------------------------------
-def segsum(a: torch.Tensor) -> torch.Tensor:
-    """(..., Q) -> (..., Q, Q): [i, j] = a_{j+1} + ... + a_i for j <= i (log of the decay from
-    j to i), -inf above the diagonal. Sums of differences, not differences of cumsums."""
-    Q = a.shape[-1]
-    x = a[..., None].expand(*a.shape, Q)  # [.., i, j] = a_i
-    strict = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=a.device), -1)
-    x = x.masked_fill(~strict, 0).cumsum(-2)
-    return x.masked_fill(~torch.tril(torch.ones_like(strict)), -math.inf)
-
-
-def ssd(
-    x: torch.Tensor,  # (b, T, H, P) Delta_t x_t
-    a: torch.Tensor,  # (b, T, H) Delta_t A, the log of a_t
-    B: torch.Tensor,  # (b, T, G, N)
-    C: torch.Tensor,  # (b, T, G, N)
-    h0: torch.Tensor,  # (b, H, P, N) the state before x
-    Q: int,  # chunk length
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """y_t = h_t C_t for every t (b, T, H, P) and the last h (b, H, P, N), h_t by Eq. 1.
-    Heads are split into groups g of r heads (those that share B and C) and laid out
-    before the chunks c and positions l, so every product is a batched matmul."""
-    n, T, H, P = x.shape
-    G, N = B.shape[2:]
-    pad = -T % Q  # zero steps after the end (a = 0 decays nothing, x = B = 0 adds nothing)
-    x, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, a, B, C))
-    c, r = (T + pad) // Q, H // G
-    x = x.view(n, c, Q, G, r, P).permute(0, 3, 4, 1, 2, 5)  # (b, g, r, c, l, p)
-    B, C = (t.view(n, c, Q, G, 1, N).permute(0, 3, 4, 1, 2, 5) for t in (B, C))  # (b, g, 1, c, l, n)
-    a = a.view(n, c, Q, G, r).permute(0, 3, 4, 1, 2)  # (b, g, r, c, l)
-    a_cum = a.cumsum(-1)
-    # 1. inside each chunk, the quadratic form: y = (L o C B^T) x
-    y = (torch.exp(segsum(a)) * (C @ B.transpose(-1, -2))) @ x  # (b, g, r, c, l, p)
-    # 2. each chunk's own contribution to the state at its end, B^T (decay o x) (n, p)
-    states = B.transpose(-1, -2) @ (torch.exp(a_cum[..., -1:] - a_cum)[..., None] * x)  # (b, g, r, c, n, p)
-    # 3. the recurrence over chunks, from h0: the state at every chunk's start, and the last
-    h0 = h0.view(n, G, r, 1, P, N).transpose(-1, -2).to(states.dtype)
-    states = torch.cat([h0, states], 3)  # (b, g, r, c+1, n, p)
-    decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (b, g, r, c+1, c+1)
-    states = (decay @ states.flatten(-2)).view(states.shape)
-    # 4. each chunk's start state, decayed to every position and read out
-    y = y + (C @ states[:, :, :, :-1]) * torch.exp(a_cum)[..., None]
-    y = y.permute(0, 3, 4, 1, 2, 5).reshape(n, c * Q, H, P)[:, :T]
-    return y, states[:, :, :, -1].transpose(-1, -2).reshape(n, H, P, N)
-
-
-class GatedRMSNorm(RMSNorm):
-    """RMSNorm(y * silu(z)) over each of G groups of channels (norm after the gate)."""
-
-    def __init__(self, d: int, groups: int, eps: float):
-        super().__init__(d, eps)
-        self.groups = groups
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        g = (y * F.silu(z)).unflatten(-1, (self.groups, -1))  # (b, T, G, D/G)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps_tensor)
-        return g.flatten(-2) * self.weight
-
-
-# -- the mixer ------------------------------------------------------------------------------
-class Mamba2Mixer(SSMMixer):
-    def __init__(self, cfg: Mamba2Config):
-        super().__init__()
-        D, N, G, H = cfg.d_inner, cfg.d_state, cfg.n_groups, cfg.n_heads
-        self.d_inner, self.N, self.G, self.H, self.P = D, N, G, H, cfg.head_dim
-        self.chunk_size, self.dt_limit = cfg.chunk_size, cfg.dt_limit
-        conv_dim = D + 2 * G * N  # x, B and C go through the conv
-        self.in_proj = nn.Linear(cfg.d_model, D + conv_dim + H, bias=cfg.bias)  # z, xBC, dt
-        self.conv1d = nn.Conv1d(
-            conv_dim, conv_dim, cfg.d_conv, groups=conv_dim, padding=cfg.d_conv - 1, bias=cfg.conv_bias
+    def ssd(self) -> SSDConfig:
+        """Every layer's SSD mixer's shape."""
+        return SSDConfig(
+            d_model=self.d_model,
+            d_state=self.d_state,
+            d_conv=self.d_conv,
+            expand=self.expand,
+            head_dim=self.head_dim,
+            n_groups=self.n_groups,
+            chunk_size=self.chunk_size,
+            dt_limit=self.dt_limit,
+            bias=self.bias,
+            conv_bias=self.conv_bias,
+            norm_eps=self.norm_eps,
         )
-        self.dt_bias = nn.Parameter(torch.zeros(H))
-        self.A_log = nn.Parameter(torch.zeros(H))
-        self.D = nn.Parameter(torch.ones(H))  # the skip D_skip, per head
-        self.norm = GatedRMSNorm(D, G, cfg.norm_eps)
-        self.out_proj = nn.Linear(D, cfg.d_model, bias=cfg.bias)
+
+
+class Mamba2Mixer(SSDMixer):
+    """The SSD mixer, built from the family's config (as Mamba's model builds its mixers)."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__(cfg.ssd())
 
     @staticmethod
-    def state_shapes(cfg: Mamba2Config) -> tuple[int, tuple[int, ...]]:
-        return cfg.d_inner + 2 * cfg.n_groups * cfg.d_state, (cfg.n_heads, cfg.head_dim, cfg.d_state)
-
-    def reset_ssm(self) -> None:
-        """A = -(1..16) spread over the heads, D_skip = 1, the paper's Delta (after GPT-2's init)."""
-        with torch.no_grad():
-            self.A_log.copy_(torch.log(torch.empty(self.H).uniform_(1, 16)))
-            self.D.fill_(1.0)
-        init_dt_bias(self.dt_bias)
-        for p in (self.A_log, self.D, self.dt_bias):
-            p._no_weight_decay = True  # type: ignore[attr-defined]
-
-    def forward(
-        self,
-        u: torch.Tensor,  # (b, T, d_model), normalised
-        window: torch.Tensor,  # (b, K-1, conv_dim) the conv's last inputs
-        h: torch.Tensor,  # (b, H, P, N) h_{t-1}
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, T, _ = u.shape
-        D, N, G, H, P = self.d_inner, self.N, self.G, self.H, self.P
-        z, xBC, dt = self.in_proj(u).split([D, D + 2 * G * N, H], -1)
-        xBC, window = causal_conv(xBC, window, self.conv1d)
-        x, B, C = F.silu(xBC).float().split([D, G * N, G * N], -1)
-        x, B, C = x.view(n, T, H, P), B.view(n, T, G, N), C.view(n, T, G, N)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # Delta (b, T, H)
-        a = dt * -torch.exp(self.A_log.float())  # log a_t (b, T, H)
-        xdt = x * dt[..., None]  # Delta_t x_t (b, T, H, P)
-        h = h.float()
-        if T == 1:  # Eq. 1, one step; each head reads its group's B and C
-            Bh, Ch = (t[:, 0].repeat_interleave(H // G, 1) for t in (B, C))  # (b, H, N)
-            h = torch.addcmul(h * torch.exp(a[:, 0, :, None, None]), xdt[:, 0, :, :, None], Bh[:, :, None, :])
-            y = (h @ Ch[..., None]).view(n, 1, H, P)
-        else:
-            y, h = ssd(xdt, a, B, C, h, self.chunk_size)
-        y = torch.addcmul(y, x, self.D.float()[:, None]).reshape(n, T, D)  # (b, T, D)
-        y = self.norm(y, z.float())
-        return self.out_proj(y.to(u.dtype)), window, h
+    def state_shapes(cfg: Mamba2Config) -> tuple[int, tuple[int, ...]]:  # type: ignore[override]
+        return SSDMixer.state_shapes(cfg.ssd())
 
 
 class Mamba2(Mamba):

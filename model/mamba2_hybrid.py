@@ -1,8 +1,8 @@
 """Mamba-2 hybrids (Granite-4.0-H, Bamba's and Nemotron-H's layout): Mamba-2's SSD layers
-(`model/mamba2.py`) with an attention layer among every few (`model/hybrid.py`), the layer
+(`model/ssd.py`) with an attention layer among every few (`model/hybrid.py`), the layer
 pattern read from the checkpoint's config.
 
-The recurrent mixer is Mamba-2's, unchanged: one in-projection to z, x, B, C and Delta, a
+The recurrent mixer is Mamba-2's (the `mamba2` family's, unchanged): one in-projection to z, x, B, C and Delta, a
 causal conv over x, B and C, the SSD recurrence h_t = exp(Delta_t A) h_{t-1} + Delta_t x_t B_t^T
 per head, the skip D, RMSNorm(y * silu(z)) per group, the out-projection; a prefill runs SSD's
 chunked algorithm and a decode step the recurrence. Granite's muP multipliers (embedding,
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hybrid import Hybrid, HybridConfig
-from .mamba2 import Mamba2Config, Mamba2Mixer
+from .ssd import SSDConfig, SSDMixer
 
 
 @dataclass
@@ -34,13 +34,11 @@ class Mamba2HybridConfig(HybridConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.dt_limit = self.ssm().dt_limit  # checked, and JSON's list made a tuple
+        self.dt_limit = self.ssd().dt_limit  # checked, and JSON's list made a tuple
 
-    def ssm(self) -> Mamba2Config:
-        """The recurrent layers' own configuration, as Mamba-2's mixer takes it."""
-        return Mamba2Config(
-            vocab_size=self.vocab_size,
-            n_layer=1,
+    def ssd(self) -> SSDConfig:
+        """The recurrent layers' SSD mixer's shape."""
+        return SSDConfig(
             d_model=self.d_model,
             d_state=self.d_state,
             d_conv=self.d_conv,
@@ -55,15 +53,15 @@ class Mamba2HybridConfig(HybridConfig):
         )
 
 
-class HybridMamba2Mixer(Mamba2Mixer):
-    """Mamba-2's mixer, built from the hybrid's config."""
+class HybridMamba2Mixer(SSDMixer):
+    """The SSD mixer, built from the hybrid's config (as `Hybrid` builds its mixers)."""
 
     def __init__(self, cfg: Mamba2HybridConfig):
-        super().__init__(cfg.ssm())
+        super().__init__(cfg.ssd())
 
     @staticmethod
     def state_shapes(cfg: Mamba2HybridConfig) -> tuple[int, tuple[int, ...]]:  # type: ignore[override]
-        return Mamba2Mixer.state_shapes(cfg.ssm())
+        return SSDMixer.state_shapes(cfg.ssd())
 
 
 class Mamba2Hybrid(Hybrid):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import model
 from model.mamba import linear_scan
-from model.mamba2 import ssd
+from model.ssd import ssd
 from model.state import Persist, State, StateError, encode
 
 from .conftest import SSM_TINY, assert_any_chunking_agrees, run_chunks, tiny_config, tiny_ssm
