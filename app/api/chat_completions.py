@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -26,6 +26,7 @@ from sse_starlette import EventSourceResponse
 
 from app.engine import Logprobs, TokenEvent
 from app.sessions import SessionService
+from model import tool_calls
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
@@ -38,13 +39,18 @@ from .openai_schemas import (
     ChatCompletionChunk,
     ChatCompletionResult,
     ChatDelta,
+    ChatFunctionCallOut,
+    ChatFunctionDelta,
     ChatLogprobs,
     ChatMessage,
     ChatReply,
     ChatTokenLogprob,
+    ChatToolCallDelta,
+    ChatToolCallOut,
     ChatTopLogprob,
     CompletionUsage,
 )
+from .structured import HeldText, Shape, call_id, tools_of
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -62,14 +68,49 @@ def chat_template(request: Request) -> ChatTemplate:
 
 
 async def _rendered(
-    body: ChatCompletion, template: ChatTemplate, sessions: SessionService, sid: str | None, owner: str
+    body: ChatCompletion,
+    shape: Shape,
+    template: ChatTemplate,
+    sessions: SessionService,
+    sid: str | None,
+    owner: str,
 ) -> str:
-    """The body's messages as the template renders them: in a continued session whose state
-    holds a conversation, only what follows it (a session that holds nothing but BOS, as
-    `recur chat` makes one, opens its conversation)."""
-    messages, kwargs = [_message(m) for m in body.messages], body.chat_template_kwargs
+    """The body's messages (and the tools offered) as the template renders them: in a
+    continued session whose state holds a conversation, only what follows it (a session that
+    holds nothing but BOS, as `recur chat` makes one, opens its conversation)."""
+    messages, variables = tool_calls.conversation(
+        template, [_message(m) for m in body.messages], shape.offered
+    )
+    kwargs = {**(body.chat_template_kwargs or {}), **variables}
     opened = sid is not None and (await sessions.get(sid, owner)).n_tokens > len(sessions.with_bos([]))
     return template.render_continuation(messages, kwargs) if opened else template.render(messages, kwargs)
+
+
+def shape(body: ChatCompletion) -> Shape:
+    """The reply's shape the body asks: its tools, tool_choice and response_format."""
+    choice = body.tool_choice or "auto"
+    fmt = body.response_format
+    schema, strict = None, True
+    if fmt is not None and fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(ErrorType.invalid_request, "response_format: json_schema needs its json_schema")
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        strict = bool(fmt.json_schema.strict)
+    tools = tools_of(
+        [
+            (t.function.name, t.function.description, t.function.parameters, t.function.strict)
+            for t in body.tools or []
+        ]
+    )
+    return Shape(
+        tools,
+        choice if isinstance(choice, str) else choice.function.name,
+        body.parallel_tool_calls is not False,
+        schema,
+        strict,
+    )
 
 
 @router.post(
@@ -91,8 +132,9 @@ async def create_chat_completion(
     started = time.perf_counter()
     engine = sessions.engine
     sid = oai.continued(body, engine, x_session_id)
+    reply_shape = shape(body)
     ids = prompt_ids(
-        engine, settings.max_prompt_tokens, await _rendered(body, template, sessions, sid, owner)
+        engine, settings.max_prompt_tokens, await _rendered(body, reply_shape, template, sessions, sid, owner)
     )
     logprobs = body.logprobs or bool(body.top_logprobs)  # alternatives come with the token's own
     # the turn stop always ends the assistant's turn, as an end-of-turn token would
@@ -106,6 +148,7 @@ async def create_chat_completion(
         logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(),
         started=started,
     )
+    generation.grammar = await reply_shape.matcher(engine)
     choices = await oai.start(
         sessions,
         settings,
@@ -118,33 +161,53 @@ async def create_chat_completion(
         user=body.user,
     )
     token_text = engine.tokenizer.token_text if logprobs else None
-    framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text)
+    framer = _Chunks(oai.head("chatcmpl", engine.name, engine.fingerprint, choices), token_text, reply_shape)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
-    entries = [
-        ChatChoice(
-            index=c.index,
-            message=ChatReply(content=c.text.whole(c.run.tokens)),
-            logprobs=_logprobs(c.run.tokens, framer.logprobs) if framer.logprobs else None,
-            finish_reason=c.finish_reason,
-            session=c.ref(),
+    entries = []
+    for c in choices.items:
+        content, calls = reply_shape.read(c.text.whole(c.run.tokens))
+        out = [
+            ChatToolCallOut(id=call_id(), function=ChatFunctionCallOut(name=k.name, arguments=k.arguments))
+            for k in calls
+        ]
+        entries.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatReply(content=content or None if calls else content, tool_calls=out or None),
+                logprobs=_logprobs(c.run.tokens, framer.logprobs) if framer.logprobs else None,
+                finish_reason="tool_calls" if calls else c.finish_reason,
+                session=c.ref(),
+            )
         )
-        for c in choices.items
-    ]
     return ChatCompletionResult(
         **framer.head, choices=entries, usage=choices.usage(), session=entries[0].session
     )
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
-    """A message as templates read it (HF's): role and content text, and the name if any."""
-    content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-    out = {"role": m.role, "content": content}
+    """A message as templates read it (HF's): role and content text, the name if any, an
+    assistant's tool calls and a tool message's call id."""
+    content = (
+        m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+    )
+    out: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 
@@ -168,10 +231,18 @@ def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) ->
 
 @dataclass
 class _Chunks:
-    """The stream's shapes: `chat.completion.chunk`s, one choice each."""
+    """The stream's shapes: `chat.completion.chunk`s, one choice each. A reply that may call
+    tools holds back its text from `<tool_call>` on; once it ends, its calls go out as
+    OpenAI streams them: per call a delta with its index, id, type and name, then its
+    arguments' text, and the finish reason `tool_calls`."""
 
     head: dict[str, Any]
     logprobs: Callable[[int], str] | None  # with logprobs: the text of a token id
+    shape: Shape = field(default_factory=Shape)
+    held: dict[int, HeldText] = field(default_factory=dict)
+
+    def _held(self, choice: oai.Choice) -> HeldText:
+        return self.held.setdefault(choice.index, HeldText(self.shape))
 
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> ChatCompletionChunk:
         first = next((e for e in entries if isinstance(e, ChatChunkChoice) and e.index == 0), None)
@@ -184,11 +255,26 @@ class _Chunks:
 
     def token(self, choice: oai.Choice, event: TokenEvent | None, text: str) -> ChatChunkChoice | None:
         lp = _logprobs([event], self.logprobs) if self.logprobs and event is not None else None
-        if not text and lp is None:  # held back (a stop string may be starting): nothing to say yet
+        text = self._held(choice).feed(text)
+        if not text and lp is None:  # held back (a stop string or a call may be starting): nothing to say yet
             return None
         return ChatChunkChoice(index=choice.index, delta=ChatDelta(content=text), logprobs=lp)
 
-    def closing(self, choice: oai.Choice) -> ChatChunkChoice:
-        return ChatChunkChoice(
-            index=choice.index, delta=ChatDelta(), finish_reason=choice.finish_reason, session=choice.ref()
-        )
+    def closing(self, choice: oai.Choice) -> list[ChatChunkChoice]:
+        rest, calls = self._held(choice).finish()
+        out = [ChatChunkChoice(index=choice.index, delta=ChatDelta(content=rest))] if rest else []
+        for i, k in enumerate(calls):
+            named = ChatToolCallDelta(
+                index=i, id=call_id(), type="function", function=ChatFunctionDelta(name=k.name, arguments="")
+            )
+            args = ChatToolCallDelta(index=i, function=ChatFunctionDelta(arguments=k.arguments))
+            out += [
+                ChatChunkChoice(index=choice.index, delta=ChatDelta(tool_calls=[d])) for d in (named, args)
+            ]
+        finish = "tool_calls" if calls else choice.finish_reason
+        return [
+            *out,
+            ChatChunkChoice(
+                index=choice.index, delta=ChatDelta(), finish_reason=finish, session=choice.ref()
+            ),
+        ]

@@ -35,6 +35,8 @@ from app.store import (
 )
 from model import ContextFull, StateError
 from model.chat_template import ChatTemplateError
+from model.grammar import GrammarError
+from model.tool_calls import ToolError
 
 from .error_types import ErrorType
 from .schemas import ErrorBody
@@ -94,6 +96,8 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (EmptyContext, ErrorType.invalid_request),
     (ContextFull, ErrorType.prompt_too_long),  # past the tokens the model keeps (exact attention)
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation
+    (GrammarError, ErrorType.invalid_request),  # a JSON schema or tools' parameters that do not compile
+    (ToolError, ErrorType.invalid_request),  # tool calls in a conversation that cannot be read
     (QueueFull, ErrorType.queue_full),
     (EngineStalled, ErrorType.engine_stalled),
     (EngineError, ErrorType.internal_error),

@@ -278,7 +278,7 @@ class Framer(Protocol):
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> BaseModel: ...
     def opening(self, choice: Choice) -> BaseModel | None: ...
     def token(self, choice: Choice, event: TokenEvent | None, text: str) -> BaseModel | None: ...
-    def closing(self, choice: Choice) -> BaseModel: ...
+    def closing(self, choice: Choice) -> BaseModel | list[BaseModel]: ...
 
 
 def stream(
@@ -305,7 +305,11 @@ async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> Asyn
             rest = c.text.finish()
             if rest and (f := frame(framer.token(c, None, rest))) is not None:
                 yield f
-            f = frame(framer.closing(c))
+            closing = framer.closing(c)
+            for entry in closing[:-1] if isinstance(closing, list) else []:
+                if (f := frame(entry)) is not None:
+                    yield f
+            f = frame(closing[-1] if isinstance(closing, list) else closing)
         if f is not None:
             yield f
     if include_usage:

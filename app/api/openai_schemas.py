@@ -185,13 +185,27 @@ class ChatTextPart(RequestBody):
     text: str
 
 
-class ChatMessage(RequestBody):
-    """One message of a conversation as OpenAI's clients send it: text only (no tools,
-    images or audio)."""
+class ChatFunctionCall(RequestBody):
+    name: str = Field(min_length=1, max_length=128)
+    arguments: str = Field(max_length=1_000_000, description="the arguments as JSON text")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ChatTextPart] = Field(
-        description="text, or text parts (joined by newlines, as vLLM does)"
+
+class ChatToolCall(RequestBody):
+    """A call an assistant's message made (as a client sends the conversation back)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
+class ChatMessage(RequestBody):
+    """One message of a conversation as OpenAI's clients send it: text (no images or
+    audio), an assistant's `tool_calls`, or a `tool` message with a call's result."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatTextPart] | None = Field(
+        None,
+        description="text, or text parts (joined by newlines, as vLLM does); null: an assistant's tool calls",
     )
     name: str | None = Field(
         None,
@@ -199,6 +213,52 @@ class ChatMessage(RequestBody):
         max_length=64,
         description="the speaker (the play-script template's name for them)",
     )
+    tool_calls: Annotated[list[ChatToolCall], Field(max_length=128)] | None = Field(
+        None, description="an assistant's: the calls it made"
+    )
+    tool_call_id: str | None = Field(
+        None, max_length=256, description="a tool message's: the call it answers"
+    )
+    refusal: str | None = Field(None, description="ignored")
+
+
+class FunctionDef(RequestBody):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = Field(
+        None,
+        description="a constrained call's arguments follow the schema exactly (else keywords llguidance lacks are ignored)",
+    )
+
+
+class ChatTool(RequestBody):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(RequestBody):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(RequestBody):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBody):
+    """`text`, `json_object` (any JSON object), or `json_schema` (JSON valid against it): a
+    grammar makes the answer so (llguidance)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletion(OpenAIBody):
@@ -209,7 +269,10 @@ class ChatCompletion(OpenAIBody):
         min_length=1, description="the conversation; continuing a session, only the new messages"
     )
     max_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS_CEILING, description="null: the model's recommended bound, else the server's max_tokens"
+        None,
+        ge=1,
+        le=MAX_TOKENS_CEILING,
+        description="null: the model's recommended bound, else the server's max_tokens",
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, le=MAX_TOKENS_CEILING, description="OpenAI's newer name for max_tokens; wins over it"
@@ -226,6 +289,16 @@ class ChatCompletion(OpenAIBody):
         None,
         description="vLLM's: variables for the chat template, e.g. the play-script's user_name and assistant_name",
     )
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = Field(
+        None, description="functions the model may call, shown to it in its chat template's way"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (the default with tools): text or calls; required: calls (grammar-constrained); "
+        "a named function: a call of it; none: text, the tools not shown",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
+    response_format: ResponseFormat | None = None
 
 
 class ChatTopLogprob(ResponseBody):
@@ -242,16 +315,28 @@ class ChatLogprobs(ResponseBody):
     content: list[ChatTokenLogprob] | None
 
 
+class ChatFunctionCallOut(ResponseBody):
+    name: str
+    arguments: str
+
+
+class ChatToolCallOut(ResponseBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCallOut
+
+
 class ChatReply(ResponseBody):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ChatToolCallOut] | None = None
 
 
 class ChatChoice(ResponseBody):
     index: int = 0
     message: ChatReply
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     session: SessionRef | None = Field(
         default=None, description="the session this choice was generated in, after its commit"
     )
@@ -263,9 +348,32 @@ class ChatCompletionResult(OpenAIResult):
     usage: CompletionUsage
 
 
+class ChatFunctionDelta(ResponseBody):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatToolCallDelta(ResponseBody):
+    """A piece of a streamed call: its first has the id, type and name, the rest argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChatFunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(ResponseBody):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChatToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -277,7 +385,7 @@ class ChatChunkChoice(ResponseBody):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     session: SessionRef | None = Field(
         default=None, description="the choice's session after its commit (in its last chunk)"
     )

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from model import LanguageModel
+from model.grammar import Grammars
 from model.tokenizer import Tokenizer
 
 from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
@@ -56,6 +57,7 @@ class Engine:
         self.lm = lm
         self.name = name
         self.tokenizer: Tokenizer = lm.tokenizer
+        self.grammars = Grammars(self.tokenizer)  # compiles a request's grammar (off this thread)
         self.fingerprint = lm.fingerprint
         self.scheduler = Scheduler(
             max_batch_size=max_batch_size,

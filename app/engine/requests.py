@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from model import ContextFull, State, StateError
+from model.grammar import Matcher
 from model.sampling import SamplingParams
 from model.state import Encoded, Persist
 
@@ -138,7 +139,8 @@ class Request:
     """Consume `prompt` into `start` (None: a fresh state), then sample up to `max_tokens`
     tokens, stopping early at EOS (unless `params.ignore_eos`), one of
     `params.stop_token_ids` or a `stop` string (neither before `params.min_tokens`);
-    encode the new state as `persist` asks (None: nothing to write)."""
+    encode the new state as `persist` asks (None: nothing to write). With a `grammar`,
+    only the tokens it allows are drawn (EOS once it is complete)."""
 
     start: State | Stored | Parsed | None
     prompt: list[int]
@@ -150,6 +152,7 @@ class Request:
     persist: Persist | None = None
     top_logprobs: int = 0  # alternatives per sampled token (and prompt token, with prompt_logprobs)
     tenant: str = ""  # who asks (an API key's owner, or a client's address): the scheduler's fairness
+    grammar: Matcher | None = None  # the output's grammar (compiled off the engine thread), its own copy
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: Finished | None = None

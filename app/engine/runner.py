@@ -7,7 +7,11 @@ stop matching, in the style of gpt-fast's `decode_one_token`. Rows with differen
 sampling controls share the step: the sampler (`model.sampling.draw`) applies each
 row's own, and what the penalties and min_tokens need of each row's request (a
 `model.sampling.Context`) is kept on the batch, built when the batch's membership
-changes and advanced in place each step. A step reads the device back once: the
+changes and advanced in place each step. A row with a grammar (`Request.grammar`) has the
+tokens it does not allow masked out of its logits before the draw, and its matcher is
+handed the token once read back; the other rows of the step are not touched, and the
+masks are computed in llguidance's threads, without the GIL (`model/grammar.py`). A
+step reads the device back once: the
 sampled ids, their log-probs and any alternatives together. A finished row's state is
 split out of the batch and encoded as its request asks (`model.state.encode`).
 
@@ -31,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from model import Execution, LanguageModel, State
+from model.grammar import fill as grammar_masks
+from model.grammar import mask_logits
 from model.sampling import Context, Draw, make_generator
 from model.sampling import draw as draw_tokens
 from model.state import STORAGE_DTYPES, encode
@@ -84,6 +90,8 @@ class Counters:
     load_seconds: float = 0.0  # turning parsed tensors into live states (the engine thread)
     parse_seconds: float = 0.0  # parsing and verifying stored bytes (the loader thread alone)
     encode_seconds: float = 0.0  # turning states into commit bytes
+    grammar_seconds: float = 0.0  # computing and applying grammar masks (the engine thread)
+    grammar_rows: int = 0  # constrained rows sampled
 
 
 class Runner:
@@ -224,6 +232,13 @@ class Runner:
         logits = self.lm.next_logits(batch)  # (B, V)
         finite = torch.isfinite(logits).all(-1)  # (B,)
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+        constrained = [i for i, r in enumerate(rows) if r.req.grammar is not None]
+        if constrained:
+            t0 = time.perf_counter()
+            masks = grammar_masks([rows[i].req.grammar for i in constrained], logits.shape[-1])  # type: ignore[misc]
+            logits = mask_logits(logits, constrained, masks)
+            self.counters.grammar_seconds += time.perf_counter() - t0
+            self.counters.grammar_rows += len(constrained)
         params = [r.req.params for r in rows]
         if self._context is None and any(p.uses_context for p in params):
             self._context = Context.of(
@@ -310,6 +325,8 @@ class Runner:
 
     def _on_token(self, r: Row, tid: int, logprob: float, top: Alternatives) -> None:
         r.ids.append(tid)
+        if r.req.grammar is not None:  # (before the next step's mask is asked of it)
+            r.req.grammar.consume(tid)
         p = r.req.params
         # min_tokens keeps EOS and stop ids from being drawn; stop strings wait for it here
         eos = tid == self.tokenizer.eos_id and not p.ignore_eos
