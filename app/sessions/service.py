@@ -48,6 +48,7 @@ from app.store import (
 from app.tenants import Tenants
 from app.transcript import Kind, Segment, lineage
 from model import State, StateError
+from model.grammar import Matcher
 from model.sampling import SamplingParams
 from model.state import Persist, peek
 
@@ -73,6 +74,7 @@ class Generation:
     keep_on_disconnect: bool = False
     logprobs: Logprobs = field(default_factory=Logprobs)
     started: float = field(default_factory=time.perf_counter)
+    grammar: Matcher | None = None  # the output's grammar, compiled; each run samples under a copy
 
 
 class SessionService(SessionReads):
@@ -277,6 +279,7 @@ class SessionService(SessionReads):
                 persist=self.persist_for(writer.meta),
             )
             req.prompt_logprobs, req.top_logprobs = gen.logprobs.prompt, gen.logprobs.top
+            req.grammar = gen.grammar.fork() if gen.grammar is not None else None
             self._submit(req)
         except BaseException:
             await self.release(writer, owner)
