@@ -97,8 +97,13 @@ class Settings(BaseSettings):
         description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), or "
         "int8 (int8 weights on CPU, for the families that have the path: LLaMA-architecture LLMs)",
     )
-    state_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of float tensors in stored states (float32 is exact)"
+    state_dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
+        "float32",
+        description="precision of a session's state. For a model whose state is a cache of keys and values "
+        "(LLaMA-architecture LLMs, Transformer-XL, RLT) the state itself keeps it: each position rounded as the "
+        "model appends it, so a text gives the same answer in one request or many, and its stored bytes are "
+        "x0.5 (bfloat16, float16) or about x0.26 (int8) of float32's. Any other model (Mamba, Mamba-2, the "
+        "hybrids) keeps float32 states and rounds them when stored (not int8): not exact across requests",
     )
     cpu_threads: int = Field(
         0,

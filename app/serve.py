@@ -135,15 +135,17 @@ def _load_model(settings: Settings) -> model.LanguageModel:
     import model
 
     try:
-        return model.load(
+        lm = model.load(
             settings.model,
             device=settings.device,
             precision=settings.precision,
             options=settings.model_options,
         )
+        lm.keep_states_in(settings.state_dtype)
+        return lm
     except FileNotFoundError as exc:
         raise SetupError(_no_model(exc)) from None
-    except ValueError as exc:  # a model option or precision the checkpoint cannot take
+    except ValueError as exc:  # a model option, precision or state dtype the checkpoint cannot take
         raise SetupError(str(exc)) from None
 
 

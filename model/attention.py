@@ -163,6 +163,12 @@ def _in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(H)], 1)
 
 
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """The softmax over keys in float32 at least (bf16 scores gain it; float64 keeps its own,
+    so a float64 test sees no float32 rounding it did not ask for)."""
+    return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(-1)
+
+
 def _apart(
     qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
 ) -> torch.Tensor:
@@ -172,7 +178,7 @@ def _apart(
     if qs is not None and sk is not None:
         Ks = sk[0].shape[2]
         scores = torch.cat([_masked(qs @ sk[0].transpose(-1, -2), masks[0], T), scores], -1)
-    p = scores.float().softmax(-1).to(win[1].dtype)
+    p = _softmax(scores).to(win[1].dtype)
     out = _in_place(p[..., Ks:], win[1])
     if sk is not None and Ks:
         B, kvh, gT, hd = out.shape
@@ -197,7 +203,7 @@ def _joined(qg: torch.Tensor, qs: torch.Tensor, win: Pair, sk: Pair, masks: Mask
         sink = masks[0] if masks[0] is not None else scores.new_zeros(B, 1, 1, T, Ks)
         wind = masks[1] if masks[1] is not None else scores.new_zeros(B, 1, 1, T, Kw)
         scores = _masked(scores, torch.cat([sink, wind], -1), T)
-    p = scores.float().softmax(-1).to(win[1].dtype)
+    p = _softmax(scores).to(win[1].dtype)
     return p @ torch.cat([sk[1], win[1]], 2)
 
 
@@ -274,10 +280,14 @@ def attend_stream(
     the sinks -> the attention's output (B, T, H*hd), and the chunk's first `span.n_new` keys
     and values (the rows that may become sinks, `next_sinks`)."""
     H, kvh = heads
-    k = rotate(k, span.cs, kvh)  # at absolute positions, as the cache keeps them
-    fresh = (k[:, : span.n_new], v[:, : span.n_new])
+    T = k.shape[1]
+    # the keys rotated at their absolute positions, appended as the cache keeps them (at the
+    # state's precision): the chunk attends to, and its sinks are, the stored rows
+    window = kv(rotate(k, span.cs, kvh), v)
+    stored = (window[0][:, -T:], window[1][:, -T:])
+    fresh = (stored[0][:, : span.n_new], stored[1][:, : span.n_new])
     q_sink = None
     if span.sinks:
         q_sink = rotate(q, span.cs_sink, H)
         sinks = (torch.cat([sinks[0], fresh[0]], 1), torch.cat([sinks[1], fresh[1]], 1))
-    return attend(rotate(q, span.cs, H), q_sink, kv(k, v), sinks, span, kvh), fresh
+    return attend(rotate(q, span.cs, H), q_sink, window, sinks, span, kvh), fresh

@@ -31,6 +31,8 @@ from torch import nn
 
 from .generation_config import GenerationConfig
 from .state import Arena, Declared, State, StateError, merge
+from .state import precision as grid
+from .state.blob import precision_of
 from .tokenizer import Tokenizer
 
 
@@ -89,6 +91,9 @@ class LanguageModel(nn.Module):
     # angles) and n_tokens plus any chunk stays far from int64's overflow. A family whose
     # positions are bounded tighter says so here.
     max_stream_tokens: ClassVar[int] = 2**53
+    # the precisions a family keeps its caches at, rounding each row as it is appended
+    # (`keep_states_in`): those whose state is a cache of keys and values say so
+    cache_precisions: ClassVar[tuple[str, ...]] = ("float32",)
 
     def __init__(self, config: Any):
         super().__init__()
@@ -98,6 +103,8 @@ class LanguageModel(nn.Module):
         # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
         self.generation_config = GenerationConfig()  # the checkpoint's recommended sampling (`load`)
+        # the precision of the states it makes and steps (`keep_states_in`)
+        self.state_precision = "float32"
         self.register_state_dict_post_hook(_contiguous_state)
 
     @classmethod
@@ -162,7 +169,36 @@ class LanguageModel(nn.Module):
         axes = self.time_axes()
         seq_dims = dict.fromkeys(axes, 2)
         fills = tuple(name for name, axis in axes.items() if axis.fills)
-        return State(self.family, self.fingerprint, tensors, seq_dims, self.persistent, arenas or {}, fills)
+        return State(
+            self.family,
+            self.fingerprint,
+            tensors,
+            seq_dims,
+            self.persistent,
+            arenas or {},
+            fills,
+            self.state_precision,
+        )
+
+    def keep_states_in(self, dtype: str) -> str:
+        """Serve states at `dtype` (`recur serve --state-dtype`). A family whose state is a
+        cache of keys and values (`cache_precisions`) makes it the precision of its states:
+        every row is rounded as it is appended, inside the step, so results stay the same
+        however a text is split into requests; then it returns "float32", what a commit
+        rounds to (nothing). Any other family keeps float32 states and returns `dtype`
+        itself: its states are rounded when stored, as a commit's dtype. Raises ValueError
+        for a dtype neither way can keep (int8 where the family has no cache)."""
+        grid.check(dtype)
+        if dtype in self.cache_precisions:
+            self.state_precision = dtype
+            return "float32"
+        if dtype == "int8":
+            raise ValueError(
+                f"the {self.family} family's state is not a cache of keys and values: it keeps float32 states, "
+                "stored as float32, bfloat16 or float16 (--state-dtype), not int8"
+            )
+        self.state_precision = "float32"
+        return dtype
 
     def new_state(self, batch_size: int = 1) -> State:
         """A state for `batch_size` streams that have consumed nothing: empty time axes,
@@ -227,16 +263,29 @@ class LanguageModel(nn.Module):
                 f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
             )
         t = declared.tensors
-        if set(t) != set(self.persistent):
-            raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(self.persistent)}")
+        axes, fixed = self.time_axes(), self.fixed_shapes()
+        # a state kept at a precision stores its caches (persistent time axes) in its form
+        precision = precision_of(header)
+        caches = [name for name in self.persistent if name in axes] if precision != "float32" else []
+        names = {
+            part
+            for name in self.persistent
+            for part in grid.packed_names(name, precision if name in caches else "float32")
+        }
+        if set(t) != names:
+            raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(names)}")
         dtype, shape = t["n_tokens"]
         if dtype != "I64" or len(shape) != 1:
             raise StateError("state n_tokens must be a non-negative int64 vector")
-        axes, fixed = self.time_axes(), self.fixed_shapes()
-        for name, (dtype, shape) in t.items():
+        for name in self.persistent:
             if name == "n_tokens":
                 continue
-            if dtype not in _STORED_FLOATS:
+            dtype, shape = t[name]
+            if name in caches:
+                shape, why = grid.declared_cache(name, t, precision)
+                if why:
+                    raise StateError(why)
+            elif dtype not in _STORED_FLOATS:
                 raise StateError(
                     f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}"
                 )
@@ -316,14 +365,23 @@ class LanguageModel(nn.Module):
         """Bytes (a snapshot, then any deltas in order) -> this model's verified persistent
         tensors on its device. No module runs, so any thread may parse while another runs the
         model. Raises StateError, clearly, for a state of another model, or truncated,
-        corrupted or malformed bytes."""
-        _, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
+        corrupted or malformed bytes.
+
+        A state kept at another precision than this model's (`state_precision`) is converted:
+        its caches rounded onto this model's grid (no change from a coarser grid into a
+        finer one, such as int8 or bfloat16 into float32), so stored sessions outlive a
+        change of --state-dtype; from there on it is exact at this model's precision."""
+        header, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
         on_gpu = self.device.type == "cuda"  # (pinned host memory lets the copy run asynchronously)
+        convert = precision_of(header) != self.state_precision
+        axes = self.time_axes()
         moved = {}
         for k, v in tensors.items():
             v = (v.pin_memory() if on_gpu else v).to(self.device, non_blocking=on_gpu)
             moved[k] = v.to(self.param_dtype) if v.is_floating_point() else v
+            if convert and k in axes:
+                moved[k] = grid.snap(moved[k], self.state_precision)
         return moved
 
     def stack_states(self, states: list[State]) -> State:

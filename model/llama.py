@@ -42,8 +42,10 @@ State, per stream (batch-first; everything persistent):
 and a cache, never stored: `next_logits` [B, V], the head's output at the last position,
 which a forward computes anyway (the head is a fifth of a small model's weights: a decode
 step that computed it twice would read them twice); a state loaded from bytes recomputes it.
-Early in a stream a position can be both in the window and a sink: the window part masks
-it. Rows shorter than the batch's longest are left-padded; a key's position (negative for
+At a state precision below float32 (`keep_states_in`: bfloat16, int8) every key and value
+is rounded as it is appended, and every query, its own chunk's included, attends to the
+rounded rows, which are the sinks too (`model.state.precision`). Early in a stream a
+position can be both in the window and a sink: the window part masks it. Rows shorter than the batch's longest are left-padded; a key's position (negative for
 padding) decides every mask. The state is bounded, 2 L (S + W) kvh hd + d floats, whatever
 the history, and a token's results never depend on where chunk or request boundaries fell.
 """
@@ -61,6 +63,7 @@ from .int8 import int8_linear
 from .mlp import SwiGLU
 from .rlt import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
+from .state.precision import PRECISIONS
 
 DEFAULT_SINKS = 4  # StreamingLLM's choice: four initial tokens hold the attention sink
 DEFAULT_WINDOW = 1024  # the W a checkpoint gets unless it was trained with a window (docs/MODEL_CARD.md)
@@ -154,6 +157,7 @@ class Llama(LanguageModel):
     config_class = LlamaConfig
     persistent = ("k", "v", "sink_k", "sink_v", "last_hidden", "n_tokens")  # all of it
     serving_options = ("sinks", "window", "tgt_len")
+    cache_precisions = PRECISIONS  # k, v and the sinks, rounded as appended (`model.state.precision`)
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)

@@ -26,8 +26,11 @@ State (batch-first; all persistent, nothing derived):
   mem_k/v [B, G, M, d]       memory entries, at most C-1 past positions
   swa_k/v [B, L_D, S, d]     per-decoder-layer window cache, at most W-1 past positions
   n_tokens [B]               absolute position of the next token (RoPE uses it)
-Keys are stored already rotated at their absolute position. Time axes are left-padded when
-streams of different lengths are batched; masks ignore the padding. Nothing in the state
+Keys are stored already rotated at their absolute position. At a state precision below
+float32 (`keep_states_in`) every cache row is rounded as it is appended and every query,
+its own chunk's included, reads the rounded rows (`model.state.precision`); s stays
+float32. Time axes are left-padded when streams of different lengths are batched; masks
+ignore the padding. Nothing in the state
 is detached: training back-propagates through s_t, the window caches and the encoder and
 memory entries into earlier segments until `recur train` truncates (`--bptt-segments`).
 
@@ -56,6 +59,7 @@ from torch import nn
 
 from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, StateError, kv_appender, unzip
+from .state.precision import PRECISIONS, snap
 
 # appends a layer's new keys and values to its cache, returns all of them (B, S+T, d)
 Pair = tuple[torch.Tensor, torch.Tensor]  # a key and a value
@@ -158,12 +162,14 @@ def _last_padded(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:, K - n :] if K >= n else torch.cat([x.new_zeros(x.shape[0], n - K, x.shape[2]), x], 1)
 
 
-def _shifting(window: Pair, shifted: list[Pair], new: list[Pair]) -> KV:
+def _shifting(window: Pair, shifted: list[Pair], new: list[Pair], precision: str) -> KV:
     """For a decoder layer stepping one token (`RLT.decode_token`): attend over the window's
-    keys and values then the new ones, and record the window the next token sees (the new
-    ones last, the oldest dropped) and the new ones."""
+    keys and values then the new ones (rounded to the state's precision, as the window cache
+    will keep them), and record the window the next token sees (the new ones last, the oldest
+    dropped) and the new ones."""
 
     def kv(k_new: torch.Tensor, v_new: torch.Tensor) -> Pair:
+        k_new, v_new = snap(k_new, precision), snap(v_new, precision)
         k, v = torch.cat([window[0], k_new], 1), torch.cat([window[1], v_new], 1)
         shifted.append((_dense(k[:, 1:]), _dense(v[:, 1:])))  # one layout every token
         new.append((k_new, v_new))
@@ -388,6 +394,8 @@ class RLT(LanguageModel):
     family = "rlt"
     config_class = RLTConfig
     persistent = ("s", "enc_k", "enc_v", "mem_k", "mem_v", "swa_k", "swa_v", "n_tokens")  # all of it
+    # every cache rounded as appended (`model.state.precision`); s stays float32
+    cache_precisions = PRECISIONS
 
     def __init__(self, config: RLTConfig):
         super().__init__(config)
@@ -673,7 +681,8 @@ class RLT(LanguageModel):
         new: list[Pair] = []
         for i, blk in enumerate(self.decoder):
             mk, mv = mems[i % self.config.memory_groups]
-            x = blk(x, cs, _shifting(window[i], shifted, new), win_ok, mk, mv, mem_ok, fixed=True)
+            kv = _shifting(window[i], shifted, new, self.state_precision)
+            x = blk(x, cs, kv, win_ok, mk, mv, mem_ok, fixed=True)
         return x, shifted, new
 
     def next_logits(self, state: State) -> torch.Tensor:

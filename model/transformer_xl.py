@@ -13,7 +13,9 @@ Two attention modes (config.attention):
     pretrained checkpoints, which were trained this way.
 
 Memory (Sec. 3.2): each layer keeps the last `mem_len` hidden states of its *input*,
-detached (StopGrad, Eq. h~ = [SG(m); h]). At inference the layer's keys and values for
+detached (StopGrad, Eq. h~ = [SG(m); h]). At a state precision below float32
+(`keep_states_in`) each row is rounded as it is appended (`model.state.precision`), and
+its keys and values are projected from the rounded row, in its own chunk too. At inference the layer's keys and values for
 the memory rows are also cached in the state, so a decode step projects one new row
 instead of re-projecting the whole memory; the cache is derived data and is rebuilt from
 the memory when a state is loaded from bytes. A decode step (one new token per stream, at
@@ -45,6 +47,7 @@ from torch import nn
 
 from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .state import Growth, State, kv_appender, unzip
+from .state.precision import PRECISIONS
 
 
 @dataclass
@@ -200,9 +203,12 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         u: torch.Tensor,
         v_bias: torch.Tensor,
         kv: KV | None,
+        stored: torch.Tensor | None = None,  # (B, T, d) h as the memory keeps it, if rounded
     ) -> torch.Tensor:
         """`kv(k_new, v_new)` appends the new keys and values to the cached ones and returns
-        all of them (B, M+T, H*dh); without it (training) memory is projected afresh."""
+        all of them (B, M+T, H*dh); without it (training) memory is projected afresh. Where
+        the memory keeps h rounded (a state precision below float32), the new keys and values
+        are projected from the rounded rows, as a state loaded from bytes projects them."""
         B, T, _ = h.shape
         H, dh = self.n_head, self.d_head
         if kv is None:
@@ -213,6 +219,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         else:
             x = self.layer_norm(h) if self.pre_lnorm else h
             q, k_new, v_new = self.qkv_net(x).chunk(3, -1)
+            if stored is not None:
+                k_new, v_new = self.project_kv(stored)
             k, v = kv(k_new, v_new)
         K = k.shape[1]
         qh = q.reshape(B, T, H, dh)
@@ -244,6 +252,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         u: torch.Tensor,
         v_bias: torch.Tensor,
         kv: KV,
+        stored: torch.Tensor | None = None,  # (B, 1, d) h as the memory keeps it, if rounded
     ) -> torch.Tensor:
         """`forward` for one new token per stream (inference): no relative shift (the one
         query's distances are the keys' order reversed), and every read of the cache and
@@ -252,6 +261,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         H, dh = self.n_head, self.d_head
         x = self.layer_norm(h) if self.pre_lnorm else h
         q, k_new, v_new = self.qkv_net(x).chunk(3, -1)  # (B, 1, H*dh)
+        if stored is not None:
+            k_new, v_new = self.project_kv(stored)
         k, v = kv(k_new, v_new)  # (B, K, H*dh)
         qh = q.view(B, H, dh)
         bd = torch.bmm((qh + v_bias).transpose(0, 1), rk.view(H, dh, -1)).transpose(0, 1)  # (B, H, K)
@@ -387,6 +398,8 @@ class TransformerXL(LanguageModel):
     family = "transformer-xl"
     config_class = TransformerXLConfig
     persistent = ("mem", "last_hidden", "n_tokens")  # k and v are rebuilt from mem on load
+    # mem rounded as appended (`model.state.precision`), the keys and values projected from it
+    cache_precisions = PRECISIONS
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -531,7 +544,7 @@ class TransformerXL(LanguageModel):
         tables = self._tables
         if K <= P and tables is not None and tables.rk[0].device == device:
             return tables
-        r = sinusoid(self._distances(max(K, P), device), cfg.d_model)  # (P, d)
+        r = sinusoid(self._distances(max(K, P), device), cfg.d_model).to(self.param_dtype)  # (P, d)
         tables = PositionTables([lay.dec_attn.r_net(r).t().contiguous().detach() for lay in self.blocks()])
         if K <= P:
             self._tables = tables
@@ -580,8 +593,10 @@ class TransformerXL(LanguageModel):
         cfg = self.config
         T, K, dev = h.shape[1], mem.shape[2] + h.shape[1], h.device
         tables = None if self.training else self._positions(K, dev)
+        rounded = grown["mem"].precision != "float32"
         for i, layer in enumerate(self.blocks()):
-            grown["mem"].append(i, h.detach())  # SG(h): the memory carries no gradient
+            kept = grown["mem"].append(i, h.detach())  # SG(h): the memory carries no gradient
+            stored = kept[:, -T:] if rounded else None  # h as the memory keeps it
             attn = layer.dec_attn
             u = attn.r_w_bias if cfg.untie_r else self.r_w_bias
             vb = attn.r_r_bias if cfg.untie_r else self.r_r_bias
@@ -590,9 +605,9 @@ class TransformerXL(LanguageModel):
             else:
                 kv = kv_appender(grown["k"], grown["v"], i)
                 if T == 1:  # a decode step
-                    h = attn.step(h, tables.rk[i][:, -K:], mask, u, vb, kv)
+                    h = attn.step(h, tables.rk[i][:, -K:], mask, u, vb, kv, stored)
                 else:
-                    h = attn(h, mem[:, i], tables.keys(i, K, cfg.n_head), mask, u, vb, kv)
+                    h = attn(h, mem[:, i], tables.keys(i, K, cfg.n_head), mask, u, vb, kv, stored)
             h = layer.pos_ff(h)
         return self.drop(h)
 

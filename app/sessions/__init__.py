@@ -100,7 +100,8 @@ def build(settings: Settings, store: Store, engine: Engine) -> SessionService:
         tenants,
         engine,
         HotCache(int(settings.hot_cache_mb * 2**20)),
-        state_dtype=settings.state_dtype,
+        # the model keeps the precision in its states where it can; else a commit rounds to it
+        state_dtype=engine.lm.keep_states_in(settings.state_dtype),
         delta_persistence=settings.delta_persistence,
         history_versions=settings.history_versions,
         prefix_reuse=settings.prefix_reuse,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .precision import snap
+
 ARENA_SLACK = 64  # spare rows an arena gets beyond the window it was made for
 HUGE_PAGE = 2 << 20  # bytes in a transparent huge page (x86-64, arm64)
 _MADV_HUGEPAGE = 14
@@ -116,11 +118,13 @@ class Arena:
 
 @dataclass(frozen=True)
 class Window:
-    """A time-axis tensor `rows` [B, L, M, D] (L layers or groups), and the arena it is the
-    newest window of, if any."""
+    """A time-axis tensor `rows` [B, L, M, D] (L layers or groups), the arena it is the
+    newest window of, if any, and the precision its new rows are rounded to as they are
+    appended (`model.state.precision`)."""
 
     rows: torch.Tensor
     arena: Arena | None = None
+    precision: str = "float32"
 
     def grow(self, T: int, in_place: bool, time_major: bool = False) -> Growth:
         """Make room for T new rows per layer, in place (`model.family.Execution`) or
@@ -138,7 +142,7 @@ class Growth:
     def __init__(self, window: Window, T: int, in_place: bool, time_major: bool = False):
         old = window.rows
         M = old.shape[2]
-        self.old, self.M, self.T = old, M, T
+        self.old, self.M, self.T, self.precision = old, M, T, window.precision
         self.arena: Arena | None = None
         self.joined: list[torch.Tensor | None] = [None] * old.shape[1]
         self.filled = [0] * old.shape[1]  # new rows appended so far, per layer
@@ -159,8 +163,10 @@ class Growth:
         arena.end += T  # claimed now: no other view of this arena can append to these rows
 
     def append(self, i: int, rows: torch.Tensor) -> torch.Tensor:
-        """Add n of layer i's new rows [B, n, D]; returns its old rows then every new row so
-        far [B, M+filled, D]."""
+        """Add n of layer i's new rows [B, n, D], rounded to the window's precision; returns its
+        old rows then every new row so far [B, M+filled, D], as stored: a query that attends
+        to them sees its own chunk's rows exactly as a later request will."""
+        rows = snap(rows, self.precision)
         n = rows.shape[1]
         filled = self.filled[i] = self.filled[i] + n
         if filled > self.T:

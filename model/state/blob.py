@@ -1,10 +1,16 @@
 """The byte format of a state, the single source of truth for it (`FORMAT_VERSION`).
 
 A safetensors file whose `__metadata__["recur"]` holds a JSON header
-    {"format": FORMAT_VERSION, "family", "fingerprint", "dtype", "shapes", "checksum",
-     "n_tokens", "delta": null | {"base_n_tokens", "lengths": {name: [dim, length]}}}
+    {"format": FORMAT_VERSION, "family", "fingerprint", "precision", "dtype", "shapes",
+     "checksum", "n_tokens", "delta": null | {"base_n_tokens", "lengths": {name: [dim, length]}}}
 `checksum` is a BLAKE2b digest over every tensor's name, dtype, shape and raw bytes, so
 flipped bits anywhere in the payload are caught, not just a malformed header.
+
+`precision` is the state's own (`model.state.precision`): a state kept at bfloat16 or int8
+stores its caches (its time-axis tensors) in that compact form, an int8 cache `k` as `k`
+and its exponents `k.exp`, from which they are rebuilt bit for bit. `dtype` is what its
+other float tensors are stored in (float32, unless an export asked for less). Format 1,
+which had no precision (float32), is still read.
 
 A *snapshot* (`delta` null) holds the whole persistent state. A *delta* holds only what
 changed since the stream had consumed `base_n_tokens` tokens: the rows appended to each
@@ -32,7 +38,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-FORMAT_VERSION = 1
+from . import precision as grid
+
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: before a state had a precision (float32 caches)
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -73,13 +82,18 @@ class Serialisable(Protocol):
     def fills(self) -> tuple[str, ...]: ...
     @property
     def n_tokens(self) -> torch.Tensor: ...
+    @property
+    def precision(self) -> str: ...
 
 
 def serialise(state: Serialisable, dtype: str | torch.dtype, since: int | None) -> bytes:
     """`state`'s persistent tensors as bytes: a snapshot (`since` None), or a delta of what
-    changed since it had consumed `since` tokens (`State.to_bytes`, `State.delta_bytes`)."""
+    changed since it had consumed `since` tokens (`State.to_bytes`, `State.delta_bytes`).
+    A state kept at a precision stores its caches in its compact form (`precision.pack`);
+    its other float tensors, and a float32 state's caches, are stored in `dtype`."""
     store_dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
     dtype_name = next(k for k, v in STORAGE_DTYPES.items() if v == store_dtype)
+    precision = grid.check(state.precision)
     tensors, lengths = {}, {}
     on_gpu = any(t.is_cuda for t in state.tensors.values())
     for name in state.persistent or tuple(state.tensors):
@@ -92,20 +106,25 @@ def serialise(state: Serialisable, dtype: str | torch.dtype, since: int | None) 
             else:  # a sliding window's last rows, up to all of them
                 new_rows = min(int(state.n_tokens[0]) - since, length)
             t = t.narrow(dim, length - new_rows, new_rows)
-            lengths[name] = [dim, length]
-        if t.is_floating_point():
-            t = t.to(store_dtype)
-        if on_gpu:  # device -> pinned host copies, all queued before one synchronise
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            tensors[name] = host.copy_(t, non_blocking=True)
+        if dim is not None and precision != "float32":
+            parts = grid.pack(name, t, precision)
         else:
-            tensors[name] = t.contiguous()
+            parts = {name: t.to(store_dtype) if t.is_floating_point() else t}
+        for part, p in parts.items():
+            if since is not None and dim is not None:
+                lengths[part] = [dim, length]
+            if on_gpu:  # device -> pinned host copies, all queued before one synchronise
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                tensors[part] = host.copy_(p, non_blocking=True)
+            else:
+                tensors[part] = p.contiguous()
     if on_gpu:
         torch.cuda.synchronize()
     header = {
         "format": FORMAT_VERSION,
         "family": state.family,
         "fingerprint": state.fingerprint,
+        "precision": precision,
         "dtype": dtype_name,
         "n_tokens": state.n_tokens.tolist(),
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
@@ -163,11 +182,21 @@ def peek(blob: bytes) -> Declared:
     if not isinstance(meta, dict) or not isinstance(meta.get("recur"), str):
         raise StateError("state blob has no recur header")
     header = _json_object(meta["recur"].encode(), "state header")
-    if header.get("format") != FORMAT_VERSION:
+    if header.get("format") not in READABLE_FORMATS:
         raise StateError(
-            f"unsupported state format {header.get('format')!r} (this build reads {FORMAT_VERSION})"
+            f"unsupported state format {header.get('format')!r} (this build reads "
+            f"{', '.join(map(str, READABLE_FORMATS))})"
+        )
+    if precision_of(header) not in grid.PRECISIONS:
+        raise StateError(
+            f"unknown state precision {header.get('precision')!r} (one of {', '.join(grid.PRECISIONS)})"
         )
     return Declared(header, tensors)
+
+
+def precision_of(header: dict) -> str:
+    """The precision a blob's header declares (format 1 had none: float32)."""
+    return header.get("precision", "float32") if header.get("format") != 1 else "float32"
 
 
 def read_blob(
@@ -211,7 +240,8 @@ def merge(
     snapshot: bytes, deltas: Iterable[bytes] = (), expect: Callable[[Declared], None] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Rebuild (header, tensors) of the state a snapshot plus its deltas, in order, describe
-    (each blob's declared tensors first checked by `expect`, as `read_blob` does)."""
+    (each blob's declared tensors first checked by `expect`, as `read_blob` does). An int8
+    state's caches come back as the float32 tensors it computed with (`precision.unpack`)."""
     header, tensors = read_blob(snapshot, expect)
     if header.get("delta") is not None:
         raise StateError("the first blob of a state must be a snapshot, not a delta")
@@ -222,6 +252,8 @@ def merge(
             raise StateError("expected a delta blob, got a snapshot")
         if (dh.get("family"), dh.get("fingerprint")) != (header.get("family"), header.get("fingerprint")):
             raise StateError("a delta belongs to a different model than its snapshot")
+        if precision_of(dh) != precision_of(header):
+            raise StateError("a delta holds a different precision than its snapshot")
         if delta.get("base_n_tokens") != tensors["n_tokens"].tolist()[0]:
             raise StateError(
                 f"delta starts at token {delta.get('base_n_tokens')}, the state is at {tensors['n_tokens'].tolist()}"
@@ -240,7 +272,25 @@ def merge(
             else:
                 tensors[name] = rows.to(base.dtype) if rows.is_floating_point() else rows
         header = {**header, "n_tokens": dh.get("n_tokens")}
-    return header, tensors
+    return header, _unpacked(tensors, precision_of(header))
+
+
+def _unpacked(tensors: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """Tensors as stored -> the state's: an int8 cache (the names with exponents) in float32."""
+    if precision != "int8":
+        return tensors
+    scales = {name for name in tensors if name.endswith(grid.SCALE_SUFFIX)}
+    out = {}
+    for name, t in tensors.items():
+        if name in scales:
+            continue
+        if name + grid.SCALE_SUFFIX in scales:
+            try:
+                t = grid.unpack(name, tensors, precision)
+            except RuntimeError as exc:  # shapes that do not match (a caller checked none)
+                raise StateError(f"state {name} and its exponents do not match: {exc}") from None
+        out[name] = t
+    return out
 
 
 def _json_object(raw: bytes, what: str) -> dict:

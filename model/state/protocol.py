@@ -38,6 +38,9 @@ class State:
     arenas: dict[str, Arena] = field(default_factory=dict, repr=False, compare=False)
     # the time-axis tensors that fill and then stop rather than slide (see the module's docstring)
     fills: tuple[str, ...] = ()
+    # the grid its persistent time-axis tensors (its caches) lie on, kept as each row is
+    # appended (`model.state.precision`): a property of the state, which its bytes record
+    precision: str = "float32"
 
     # -- basic properties -------------------------------------------------------------
     @property
@@ -53,13 +56,22 @@ class State:
         return self.tensors[name]
 
     def window(self, name: str) -> Window:
-        """The time-axis tensor `name` [B, L, M, D], ready to grow (see `Window`)."""
-        return Window(self.tensors[name], self.arenas.get(name))
+        """The time-axis tensor `name` [B, L, M, D], ready to grow (see `Window`): a cache that
+        is stored grows by rows rounded to the state's precision, a derived one by rows as given."""
+        precision = self.precision if name in self.persistent else "float32"
+        return Window(self.tensors[name], self.arenas.get(name), precision)
 
     def _holding(self, tensors: dict[str, torch.Tensor], arenas: dict[str, Arena] | None = None) -> State:
         """A state of the same model and layout holding `tensors` (new tensors: no arenas)."""
         return State(
-            self.family, self.fingerprint, tensors, self.seq_dims, self.persistent, arenas or {}, self.fills
+            self.family,
+            self.fingerprint,
+            tensors,
+            self.seq_dims,
+            self.persistent,
+            arenas or {},
+            self.fills,
+            self.precision,
         )
 
     def replace(self, **tensors: torch.Tensor) -> State:
@@ -116,6 +128,8 @@ class State:
         for s in states[1:]:
             if s.fingerprint != first.fingerprint:
                 raise StateError("cannot batch states of different models")
+            if s.precision != first.precision:
+                raise StateError(f"cannot batch a {s.precision} state with a {first.precision} one")
         out: dict[str, torch.Tensor] = {}
         arenas: dict[str, Arena] = {}
         for name in [n for n in first.tensors if all(n in s.tensors for s in states)]:

@@ -42,7 +42,7 @@ def test_every_setting_has_a_flag_and_an_env_var(monkeypatch):
 
 def test_bad_settings_are_refused():
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--state-dtype", "int8"])
+        build_parser().parse_args(["serve", "--state-dtype", "int4"])
     with pytest.raises(ValueError):
         _serve_settings(["--max-tokens", "0"])
 
