@@ -11,6 +11,7 @@ compatibility table.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from sse_starlette import ServerSentEvent
 from app.engine import Logprobs
 from app.sessions import Background, Begun, Generation, Render, Replay, Responses, Turn
 from app.store import new_object_id
+from model import tool_calls
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
@@ -41,6 +43,9 @@ from .errors import ApiError, ErrorType, classify, responses
 from .responses_schemas import (
     LOGPROBS,
     Deleted,
+    FunctionCallIn,
+    FunctionCallOutputIn,
+    InputItem,
     InputMessage,
     ItemList,
     ResponseCreate,
@@ -48,9 +53,11 @@ from .responses_schemas import (
     StreamEvent,
 )
 from .schemas import ErrorBody
-from .sse import respond, sse_json, stream_response
+from .sse import SHUTTING_DOWN, respond, sse_json, stream_response, until_stopped
+from .structured import Shape, tools_of
 
 router = APIRouter(prefix="/v1", tags=["responses"])
+log = logging.getLogger("recur.api")
 ERRORS = (*oai.ERRORS, ErrorType.object_not_found, ErrorType.unsupported, ErrorType.no_chat_template)
 EVENTS = stream_response(
     "stream=true: the Responses event sequence, each `event: TYPE` with `data: {event}`",
@@ -77,11 +84,7 @@ TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
 
 def unsupported(body: ResponseCreate) -> None:
     """400 naming the field, for what recur does not implement."""
-    fmt = body.text.format if body.text else None
     refused = [
-        ("tools", bool(body.tools), "tools (function calling) are not supported: send [] or nothing"),
-        ("tool_choice", body.tool_choice not in (None, "auto", "none"), "without tools, only auto or none"),
-        ("text.format", fmt is not None and fmt.type != "text", "only the text format is supported"),
         ("reasoning", any(v is not None for v in (body.reasoning or {}).values()), "reasoning is not supported"),
         ("prompt", body.prompt is not None, "stored prompts are not supported"),
         ("include", any(i != LOGPROBS for i in body.include or []), f"only {LOGPROBS!r} can be included"),
@@ -95,13 +98,41 @@ def unsupported(body: ResponseCreate) -> None:
             raise ApiError(ErrorType.unsupported, f"{name}: {why}")
 
 
-def input_items(body_input: str | list[InputMessage]) -> list[dict]:
+def shape(body: ResponseCreate) -> Shape:
+    """The reply's shape the body asks: its function tools, tool_choice and text.format."""
+    fmt = body.text.format if body.text else None
+    schema = None
+    if fmt is not None and fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.schema_ or {"type": "object"}
+    choice = body.tool_choice or "auto"
+    tools = tools_of([(t.name, t.description, t.parameters, t.strict) for t in body.tools or []])
+    return Shape(
+        tools,
+        choice if isinstance(choice, str) else choice.name,
+        body.parallel_tool_calls is not False,
+        schema,
+        bool(fmt and fmt.strict),
+    )
+
+
+def input_items(body_input: str | list[InputItem]) -> list[dict]:
     """The input as stored items, each with an id and its content as text parts."""
     messages = [InputMessage(role="user", content=body_input)] if isinstance(body_input, str) else body_input
     return [item(m) for m in messages]
 
 
-def item(m: InputMessage) -> dict:
+def item(m: InputItem) -> dict:
+    if isinstance(m, FunctionCallIn):
+        return {
+            "type": "function_call", "id": m.id or new_object_id("fc"), "call_id": m.call_id, "name": m.name,
+            "arguments": m.arguments, "status": "completed",
+        }  # fmt: skip
+    if isinstance(m, FunctionCallOutputIn):
+        output = m.output if isinstance(m.output, str) else "\n".join(p.text for p in m.output)
+        return {"type": "function_call_output", "id": m.id or new_object_id("fco"), "call_id": m.call_id,
+                "output": output, "status": "completed"}  # fmt: skip
     kind = "output_text" if m.role == "assistant" else "input_text"
     parts = (
         [{"type": kind, "text": m.content}]
@@ -126,10 +157,13 @@ class Renderer:
     settings: Any
     engine: Any
     instructions: str | None = None
+    shape: Shape | None = None  # the tools offered, shown as the template shows them
 
-    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    def __call__(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         first = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        text = self.template.render([*first, *messages], add_generation_prompt=generation_prompt)
+        tools = self.shape.offered if self.shape is not None else []
+        shown, variables = tool_calls.conversation(self.template, [*first, *messages], tools)
+        text = self.template.render(shown, variables, add_generation_prompt=generation_prompt)
         return in_vocabulary(self.engine, self.engine.tokenize(text)) if text else []
 
     def new(self, ids: list[int]) -> list[int]:
@@ -143,8 +177,14 @@ class Renderer:
         return ids
 
 
-def renderer(template: ChatTemplate, settings: Any, engine: Any, instructions: str | None = None) -> Render:
-    return Renderer(template, settings, engine, instructions)
+def renderer(
+    template: ChatTemplate,
+    settings: Any,
+    engine: Any,
+    instructions: str | None = None,
+    shape: Shape | None = None,
+) -> Render:
+    return Renderer(template, settings, engine, instructions, shape)
 
 
 @router.post(
@@ -167,6 +207,7 @@ async def create_response(
     engine = sessions.engine
     served_model(body.model, engine)
     unsupported(body)
+    reply_shape = shape(body)
     conversation = (
         body.conversation
         if isinstance(body.conversation, str) or body.conversation is None
@@ -186,14 +227,19 @@ async def create_response(
         sampling_params(body, engine, capped), capped, body.seed, list(template.stop),
         logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(), started=started,
     )  # fmt: skip
+    gen.grammar = await reply_shape.matcher(engine)
     framer = rf.Framer(
-        new_object_id("resp"), body, engine.name, engine.tokenizer.token_text if logprobs else None
+        new_object_id("resp"),
+        body,
+        engine.name,
+        engine.tokenizer.token_text if logprobs else None,
+        reply_shape,
     )
     if turn.background:
         await background.queue(framer.id, owner, framer.response("queued"))
     try:
         begun = await room.begin(
-            framer.id, turn, renderer(template, settings, engine, body.instructions), gen
+            framer.id, turn, renderer(template, settings, engine, body.instructions, reply_shape), gen
         )
     except BaseException:
         if turn.background:
@@ -208,13 +254,26 @@ async def create_response(
         )  # fmt: skip
         return framer.response("queued")
     if body.stream:
-        frames = _sse(rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b)))
+        events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b))
+        frames = _sse(until_stopped(events, lambda: _stopped(room, begun, framer)))
         return respond(_Closing(room, begun), frames, send_timeout=settings.stream_send_timeout)
     return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
 
 
 async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0) -> None:
     await room.finish(begun, body, rf.reply(body), body["output"], worker=worker, events=events)
+
+
+async def _stopped(room: Responses, begun: Begun, framer: rf.Framer) -> dict:
+    """The server is told to stop (Ctrl-C, SIGTERM) mid-stream: the response fails, as a
+    failure once streaming has begun does (kept as `failed` if stored; nothing of its state),
+    and its `response.failed` event, with code `not_ready`, ends the stream."""
+    failed = framer.response("failed", error={"code": ErrorType.not_ready.value, "message": SHUTTING_DOWN})
+    try:
+        await _keep(room, begun, failed)
+    except Exception as exc:  # (the event still goes out: the client learns why it ends)
+        log.warning("could not keep response %s as failed on shutdown: %s", begun.id, exc)
+    return {"type": "response.failed", "response": failed}
 
 
 async def _ended(room: Responses, begun: Begun, last: dict, events: int) -> None:
@@ -293,7 +352,8 @@ async def get_response(
             ErrorType.unsupported, "stream: only a background response's events are kept for replay"
         )
     replay = background.replay(response_id, owner, starting_after)  # (429 past the client's limit)
-    return respond(replay, _replayed(replay), send_timeout=settings.stream_send_timeout)
+    frames = until_stopped(_replayed(replay), lambda: _replay_stopped(replay))
+    return respond(replay, frames, send_timeout=settings.stream_send_timeout)
 
 
 async def _replayed(replay: Replay) -> AsyncIterator[ServerSentEvent | bytes]:
@@ -310,6 +370,19 @@ async def _replayed(replay: Replay) -> AsyncIterator[ServerSentEvent | bytes]:
         yield ServerSentEvent(data=sse_json(ev), event="error")
     finally:
         await replay.close()
+
+
+async def _replay_stopped(replay: Replay) -> ServerSentEvent:
+    """The server is told to stop mid-replay: OpenAI's `error` event (code `not_ready`) ends
+    it; the response goes on or fails on its own, and a replay from another replica
+    (`starting_after` the last event received) finds out which."""
+    ev = {
+        "type": "error",
+        "code": ErrorType.not_ready.value,
+        "message": SHUTTING_DOWN,
+        "sequence_number": replay.next,
+    }
+    return ServerSentEvent(data=sse_json(ev), event="error")
 
 
 @router.delete(

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -20,6 +20,7 @@ from . import errors
 from .error_types import ErrorType
 
 log = logging.getLogger("recur.api")
+T = TypeVar("T")
 
 # how long a stream has, once the server is told to stop, to send its final event before
 # sse_starlette cancels it (it needs a moment only: the event is written at once)
@@ -49,29 +50,42 @@ async def guarded(
     error frame with the usual error body, and nothing was committed. If the server is
     told to stop (Ctrl-C, SIGTERM) mid-stream, one `not_ready` error frame ends it, and the
     run ends as if its client had hung up. The run is closed either way."""
-    stopping = asyncio.ensure_future(_Stream.server_stopping())
+
+    async def stopped() -> ServerSentEvent:
+        return ServerSentEvent(
+            data=sse_json(errors.body(ErrorType.not_ready, SHUTTING_DOWN)), event=error_event
+        )
+
     try:
-        async for frame in _until(stopping, frames):
+        async for frame in until_stopped(frames, stopped):
             yield frame
-    except _Stopped:  # Ctrl-C or SIGTERM: the stream's last event says why it ends
-        body = errors.body(ErrorType.not_ready, SHUTTING_DOWN)
-        yield ServerSentEvent(data=sse_json(body), event=error_event)
     except Exception as exc:
         etype, message = errors.classify(exc)
         yield ServerSentEvent(data=sse_json(errors.body(etype, message)), event=error_event)
     finally:
-        stopping.cancel()
         with contextlib.suppress(BaseException):
             await run.close()
+
+
+async def until_stopped(items: AsyncIterator[T], last: Callable[[], Awaitable[T]]) -> AsyncIterator[T]:
+    """`items`; if the server is told to stop (Ctrl-C, SIGTERM) before they end, the item
+    being awaited is cancelled, `items` closed, and `last()`'s item ends them instead: a
+    stream's final event, saying why it ends (SHUTTING_DOWN)."""
+    stopping = asyncio.ensure_future(_Stream.server_stopping())
+    try:
+        async for item in _until(stopping, items):
+            yield item
+    except _Stopped:
+        yield await last()
+    finally:
+        stopping.cancel()
 
 
 class _Stopped(Exception):
     """The server was told to stop while a stream was live."""
 
 
-async def _until(
-    stopping: asyncio.Future, frames: AsyncIterator[ServerSentEvent]
-) -> AsyncIterator[ServerSentEvent]:
+async def _until(stopping: asyncio.Future, frames: AsyncIterator[T]) -> AsyncIterator[T]:
     """`frames` until they end or `stopping` is done, whichever comes first (the frame
     being awaited then is cancelled, `frames` closed, and _Stopped raised)."""
     it = aiter(frames)

@@ -55,6 +55,7 @@ SETTLING = 0.05  # seconds between reads while a response's last event is out an
 LAST = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 DIED = "the replica running this background response stopped before it ended"
 FAILED = "the background response failed as it ended: nothing was kept"
+STOPPED = "the server running this background response was stopped before it ended: nothing was kept"
 
 
 class Replay:
@@ -144,6 +145,7 @@ class Background:
         self._replays: collections.Counter[str] = collections.Counter()
         self.pace = Pace(replay_rate)  # bytes a second one client's replays send, together
         self._sweeper: asyncio.Task[None] | None = None
+        self._closing = False  # the server is stopping: a worker cancelled now fails its response
 
     async def queue(self, response_id: str, owner: str, body: dict) -> None:
         """Register a background response (status `queued`) before its worker starts."""
@@ -178,7 +180,9 @@ class Background:
             try:
                 kept = await self._keep_events(response_id, owner, session, events)
             except asyncio.CancelledError:
-                pass  # (cancelled on this replica, or stopped as its beat found)
+                # cancelled on this replica, or stopped as its beat found; or the server is
+                # stopping, and its response fails now, not a lease later
+                failed = self._closing
             except Exception:
                 log.exception("background response %s failed", response_id)
                 failed = True
@@ -231,7 +235,7 @@ class Background:
                     log.exception("background response %s failed as it ended", response_id)
                     failed = True
             if failed:
-                settled = await self._fail(response_id)
+                settled = await self._fail(response_id, STOPPED if self._closing else FAILED)
             await stop()
             await self._account(response_id, owner)
         except Exception:
@@ -252,12 +256,13 @@ class Background:
             return
         await self.tenants.recorded(owner, response_id, len(f["body"]) + int(f["events_bytes"] or 0), self.retention)
 
-    async def _fail(self, response_id: str) -> bool:
+    async def _fail(self, response_id: str, message: str) -> bool:
         """Mark a response whose worker failed (its final save, or a write to Redis raised)
-        as failed at once; False if that failed too, so the lease stays in the register and
-        the sweep fails it when it lapses."""
+        or was stopped with the server as failed at once, `message` its error's; False if
+        that failed too, so the lease stays in the register and the sweep fails it when it
+        lapses."""
         try:
-            if (await self.store.expire(response_id, FAILED, now=True)).status == "failed":
+            if (await self.store.expire(response_id, message, now=True)).status == "failed":
                 metrics.RESPONSES.labels("failed").inc()
             return True
         except Exception:
@@ -324,18 +329,33 @@ class Background:
         self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def close(self) -> None:
+        """Stop the sweep and the workers (the server is stopping; Redis is still up): each
+        response still running fails now, with `response.failed` last among its events."""
+        self._closing = True
         tasks = [t for t in (self._sweeper, *self.workers.values()) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sweep(self) -> None:
+        """Sweep every half lease. Redis away: one line when it goes (never a traceback),
+        then quiet retries, and one line when it answers again."""
+        away = False
         while True:
             await asyncio.sleep(self.lease / 2)
             try:
                 await self.sweep()
-            except StoreError:
-                log.warning("could not sweep the background responses' leases", exc_info=True)
+            except StoreError as exc:
+                if not away:
+                    log.warning(
+                        "cannot sweep the background responses' leases, retrying every %g s: %s",
+                        self.lease / 2, exc,
+                    )  # fmt: skip
+                away = True
+                continue
+            if away:
+                log.info("the sweep of the background responses' leases runs again")
+                away = False
 
     async def sweep(self) -> None:
         """Fail each background response whose worker's lease lapsed, and delete the session

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx
 
+import model
+from model.chat_template import play_script
 from tests.app.sse_client import events
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, TINY, RedisProcess, free_port
 
 
 def _env() -> dict[str, str]:
@@ -146,3 +148,117 @@ def test_a_second_server_on_the_same_data_dir_fails_at_once(tiny_model_dir, tmp_
     finally:
         os.killpg(again.pid, signal.SIGTERM)
         again.wait(timeout=60)
+
+
+def _chat_model(path: Path) -> Path:
+    """A tiny byte-level model with the play-script template: it can answer Responses, and
+    its turn stop (a blank line) comes seldom from random weights, so an answer runs on."""
+    model.init(path, seed=0, chat_template=play_script(), **TINY)
+    return path
+
+
+def test_ctrl_c_ends_live_responses_streams_with_their_final_events(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    chat = _chat_model(tmp_path / "model")
+    proc = _serve(chat, tmp_path, "--port", str(port), "--max-tokens", "200000")
+    stderr: list[str] = []
+    long = {"input": "Good morrow.", "max_output_tokens": 150_000, "temperature": 1}
+    streamed: list[tuple[str, dict]] = []
+    replayed: list[tuple[str, dict]] = []
+    try:
+        _ready(url, proc)
+        threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True).start()  # type: ignore[union-attr]
+        # a background response, and a replay of its events that follows it live
+        bg = httpx.post(url + "/v1/responses", json={**long, "background": True, "seed": 1}).json()
+
+        def replay() -> None:
+            params = {"stream": "true"}
+            with httpx.stream("GET", f"{url}/v1/responses/{bg['id']}", params=params, timeout=60) as r:
+                replayed.extend(events(r))
+
+        follower = threading.Thread(target=replay, daemon=True)
+        follower.start()
+        with httpx.stream(
+            "POST", url + "/v1/responses", json={**long, "stream": True, "seed": 0}, timeout=60
+        ) as r:
+            for name, data in events(r):
+                streamed.append((name, data))
+                if len(streamed) == 24:  # both live: Ctrl-C, as the terminal sends it, to the group
+                    os.killpg(proc.pid, signal.SIGINT)
+        follower.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the stream's last event is `response.failed`, as any failure once streaming has begun
+    name, data = streamed[-1]
+    assert name == "response.failed", streamed[-3:]
+    error = data["response"]["error"]
+    assert error["code"] == "not_ready" and "shutting down" in error["message"]
+    assert [n for n, _ in streamed[4:-1]] == ["response.output_text.delta"] * (len(streamed) - 5)
+    # the replay's is OpenAI's `error` event: the response itself goes on, or fails, on its own
+    name, data = replayed[-1]
+    assert name == "error" and data["code"] == "not_ready", replayed[-3:]
+    time.sleep(0.5)  # (the reader thread's last read)
+    assert "Traceback" not in "".join(stderr)
+    # after a restart: both responses are kept as failed (the background one's by its worker as
+    # the server stopped, with `response.failed` last among its events), Redis having outlived them
+    port = free_port()
+    again = _serve(chat, tmp_path, "--port", str(port))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _ready(url, again)
+        foreground = httpx.get(f"{url}/v1/responses/{streamed[-1][1]['response']['id']}").json()
+        assert foreground["status"] == "failed" and foreground["error"]["code"] == "not_ready"
+        background = httpx.get(f"{url}/v1/responses/{bg['id']}").json()
+        assert background["status"] == "failed" and "was stopped" in background["error"]["message"]
+        with httpx.stream(
+            "GET", f"{url}/v1/responses/{bg['id']}", params={"stream": "true"}, timeout=60
+        ) as r:
+            kept = list(events(r))
+        assert kept[-1][0] == "response.failed" and len(kept) > len(replayed) - 1
+    finally:
+        os.killpg(again.pid, signal.SIGTERM)
+        again.wait(timeout=60)
+
+
+def test_redis_that_dies_at_runtime_is_one_line_then_the_server_serves_again(tiny_model_dir, tmp_path):
+    """Redis going away while the server runs: the background responses' sweep (every half
+    lease) says so in one line, retries quietly, never prints a traceback, and says so again
+    once Redis is back; the server serves again."""
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    redis = RedisProcess(redis_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ("--port", str(port), "--redis-url", redis.url, "--response-lease-seconds", "0.4")
+    proc = _serve(tiny_model_dir, tmp_path, *flags)
+    stderr: list[str] = []
+    try:
+        _ready(url, proc)
+        threading.Thread(target=lambda: stderr.extend(iter(proc.stderr.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        redis.proc.kill()  # as a crash would: no goodbye
+        redis.proc.wait()
+
+        def said(text: str) -> list[str]:
+            return [line for line in list(stderr) if text in line]
+
+        deadline = time.monotonic() + 60
+        while not said("cannot sweep") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # five more sweep periods, with Redis still away
+        assert len(said("cannot sweep")) == 1, "".join(stderr)
+        assert httpx.post(url + "/v1/sessions", json={"prompt": "abc"}).status_code == 503
+        redis = RedisProcess(redis_dir, port=redis.port)  # back, on the same port
+        deadline = time.monotonic() + 60
+        while not said("runs again") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert said("runs again"), "".join(stderr)
+        assert httpx.post(url + "/v1/sessions", json={"prompt": "abc"}).status_code == 201
+        assert "Traceback" not in "".join(stderr), "".join(stderr)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        redis.stop()
