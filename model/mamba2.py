@@ -30,31 +30,8 @@ class Mamba2Config(SSMConfig):
         self.dt_limit = self.ssd().dt_limit  # checked, and JSON's list made a tuple
 
     def ssd(self) -> SSDConfig:
-        """Every layer's SSD mixer's shape."""
-        return SSDConfig(
-            d_model=self.d_model,
-            d_state=self.d_state,
-            d_conv=self.d_conv,
-            expand=self.expand,
-            head_dim=self.head_dim,
-            n_groups=self.n_groups,
-            chunk_size=self.chunk_size,
-            dt_limit=self.dt_limit,
-            bias=self.bias,
-            conv_bias=self.conv_bias,
-            norm_eps=self.norm_eps,
-        )
-
-
-class Mamba2Mixer(SSDMixer):
-    """The SSD mixer, built from the family's config (as Mamba's model builds its mixers)."""
-
-    def __init__(self, cfg: Mamba2Config):
-        super().__init__(cfg.ssd())
-
-    @staticmethod
-    def state_shapes(cfg: Mamba2Config) -> tuple[int, tuple[int, ...]]:  # type: ignore[override]
-        return SSDMixer.state_shapes(cfg.ssd())
+        """Every layer's SSD mixer's shape: the fields of the same names."""
+        return SSDConfig.of(self)
 
 
 class Mamba2(Mamba):
@@ -62,4 +39,4 @@ class Mamba2(Mamba):
 
     family = "mamba2"
     config_class = Mamba2Config
-    mixer_class = Mamba2Mixer
+    mixer_class = SSDMixer

@@ -37,34 +37,11 @@ class Mamba2HybridConfig(HybridConfig):
         self.dt_limit = self.ssd().dt_limit  # checked, and JSON's list made a tuple
 
     def ssd(self) -> SSDConfig:
-        """The recurrent layers' SSD mixer's shape."""
-        return SSDConfig(
-            d_model=self.d_model,
-            d_state=self.d_state,
-            d_conv=self.d_conv,
-            expand=self.expand,
-            conv_bias=self.conv_bias,
-            bias=self.ssm_bias,
-            norm_eps=self.norm_eps,
-            head_dim=self.ssm_head_dim,
-            n_groups=self.n_groups,
-            chunk_size=self.chunk_size,
-            dt_limit=self.dt_limit,
-        )
-
-
-class HybridMamba2Mixer(SSDMixer):
-    """The SSD mixer, built from the hybrid's config (as `Hybrid` builds its mixers)."""
-
-    def __init__(self, cfg: Mamba2HybridConfig):
-        super().__init__(cfg.ssd())
-
-    @staticmethod
-    def state_shapes(cfg: Mamba2HybridConfig) -> tuple[int, tuple[int, ...]]:  # type: ignore[override]
-        return SSDMixer.state_shapes(cfg.ssd())
+        """The recurrent layers' SSD mixer's shape (head_dim is the attention's here)."""
+        return SSDConfig.of(self, head_dim=self.ssm_head_dim, bias=self.ssm_bias)
 
 
 class Mamba2Hybrid(Hybrid):
     family = "mamba2-hybrid"
     config_class = Mamba2HybridConfig
-    mixer_class = HybridMamba2Mixer
+    mixer_class = SSDMixer

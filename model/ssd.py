@@ -1,7 +1,7 @@
 """Mamba-2's SSD layer (Dao and Gu, 2024): the recurrent mixer that the `mamba2` family
 (`model/mamba2.py`, every layer one) and the `mamba2-hybrid` family (`model/mamba2_hybrid.py`,
 with attention among them) share. A layer, not a family: it knows neither model, and
-neither family's config; each builds it from an `SSDConfig`.
+neither family's config: each config gives the layer's shape as an `SSDConfig` (`ssd()`).
 
 Read top to bottom: the layer's config, SSD's chunked algorithm, the gated norm, the mixer.
 
@@ -27,7 +27,8 @@ names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj) are the checkpoints' 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,14 @@ class SSDConfig:
         if self.chunk_size < 1 or not 0 <= lo <= (math.inf if hi is None else hi):
             raise ValueError("chunk_size must be >= 1 and dt_limit an interval of non-negative numbers")
 
+    @classmethod
+    def of(cls, config: object, **renamed: Any) -> SSDConfig:
+        """The shape a family's config gives: each field its field of the same name, but
+        those that `renamed` gives (the config names them otherwise, or not at all)."""
+        return cls(
+            **{f.name: getattr(config, f.name) for f in fields(cls) if f.name not in renamed}, **renamed
+        )
+
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
@@ -73,6 +82,12 @@ class SSDConfig:
     @property
     def n_heads(self) -> int:
         return self.d_inner // self.head_dim
+
+
+class HasSSD(Protocol):
+    """A family's config, which gives its SSD layers' shape."""
+
+    def ssd(self) -> SSDConfig: ...
 
 
 # -- SSD: the chunked algorithm (Sec. 6, Listing 1) ----------------------------------------
@@ -136,8 +151,11 @@ class GatedRMSNorm(RMSNorm):
 
 # -- the mixer ------------------------------------------------------------------------------
 class SSDMixer(SSMMixer):
-    def __init__(self, cfg: SSDConfig):
+    """Built, as a family's model builds its mixers, from the family's config."""
+
+    def __init__(self, config: HasSSD):
         super().__init__()
+        cfg = config.ssd()
         D, N, G, H = cfg.d_inner, cfg.d_state, cfg.n_groups, cfg.n_heads
         self.d_inner, self.N, self.G, self.H, self.P = D, N, G, H, cfg.head_dim
         self.chunk_size, self.dt_limit = cfg.chunk_size, cfg.dt_limit
@@ -153,7 +171,8 @@ class SSDMixer(SSMMixer):
         self.out_proj = nn.Linear(D, cfg.d_model, bias=cfg.bias)
 
     @staticmethod
-    def state_shapes(cfg: SSDConfig) -> tuple[int, tuple[int, ...]]:
+    def state_shapes(config: HasSSD) -> tuple[int, tuple[int, ...]]:
+        cfg = config.ssd()
         return cfg.d_inner + 2 * cfg.n_groups * cfg.d_state, (cfg.n_heads, cfg.head_dim, cfg.d_state)
 
     def reset_ssm(self) -> None:
