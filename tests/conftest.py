@@ -41,6 +41,16 @@ SSM_TINY: dict[str, dict] = {
     "mamba": dict(n_layer=2, d_model=16, d_state=4, tgt_len=8),
     "mamba2": dict(n_layer=2, d_model=16, d_state=8, head_dim=8, n_groups=2, chunk_size=3, tgt_len=8),
 }
+# tiny hybrids, one attention layer of one 8-wide key/value head among two recurrent ones;
+# recurrent chunks of 3 and a serving chunk of 8. Their attention (exact by default, up to
+# 4,096 tokens) is a serving option: tests/app/test_hybrid_api.py serves each its own way
+_HYBRID = dict(n_head=2, n_kv_head=1, head_dim=8, d_ff=32, d_model=16, chunk_size=3, tgt_len=8)
+HYBRID_TINY: dict[str, dict] = {
+    "gdn-hybrid": dict(
+        _HYBRID, pattern="rra", rope_dim=4, n_k_heads=1, n_v_heads=2, k_head_dim=8, v_head_dim=8
+    ),
+    "mamba2-hybrid": dict(_HYBRID, pattern="rar", rope_dim=0, d_state=8, ssm_head_dim=8, n_groups=2),
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -275,12 +285,12 @@ class ServerProcess:
 
 
 def tiny_model_of(family: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model of `family`: the session's Transformer-XL, or a tiny RLT, Mamba or Mamba-2
-    made here."""
+    """A tiny model of `family`: the session's Transformer-XL, or a tiny RLT, Mamba, Mamba-2 or
+    hybrid made here."""
     if family == "transformer-xl":
         return tiny_model_dir
     path = tmp_path_factory.mktemp(family) / "tiny"  # the same name, so the tests read alike
-    write_sensitive(path, family=family, seed=0, **(RLT_TINY if family == "rlt" else SSM_TINY[family]))
+    write_sensitive(path, family=family, seed=0, **{"rlt": RLT_TINY, **SSM_TINY, **HYBRID_TINY}[family])
     return path
 
 

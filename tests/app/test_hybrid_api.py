@@ -1,9 +1,11 @@
 """The hybrids served through the unchanged session server, over real HTTP (issue 43).
 
-Two tiny hybrids whose state matters (tests/sensitive.py): a Gated DeltaNet one served with
-exact attention, and a Mamba-2 one served with bounded attention (2 sinks and a window of 24,
-so the texts here slide it). The server knows nothing of the family: every route gives them
-the invariants it gives the others. Requests in any chunking score alike (the prompts cross
+Two tiny hybrids whose state matters (tests/conftest.py's HYBRID_TINY, made sensitive by
+tests/sensitive.py; tests/app/test_served_models.py holds them, served so, to its bar): a
+Gated DeltaNet one served with exact attention, and a Mamba-2 one served with bounded
+attention (2 sinks and a window of 24, so the texts here slide it). The server knows
+nothing of the family: every route gives them the invariants it gives the others
+(tests/app/session_walk.py, tests/app/boundaries.py). Requests in any chunking score alike (the prompts cross
 the serving chunk of 8 and the recurrent layers' chunks of 3); the history, fork, rollback,
 export and import continue exactly; a state of another family, layer pattern or shape is
 refused on import with 422; the OpenAI routes and the Responses API work unchanged; and a
@@ -25,9 +27,15 @@ import model
 from model.chat_template import play_script
 from tests.app.boundaries import assert_scored_alike, create
 from tests.app.servers import serve
-from tests.app.sse_client import generate as stream_generate
-from tests.conftest import ServerProcess
-from tests.sensitive import MATTERS, write_sensitive
+from tests.app.session_walk import (
+    assert_a_streamed_generation_is_the_generation,
+    assert_history_fork_rollback_export_and_import_continue_exactly,
+    assert_the_openai_routes_answer,
+    greedy,
+    ok,
+)
+from tests.conftest import HYBRID_TINY, ServerProcess
+from tests.sensitive import write_sensitive
 
 A, B = "key-hybrid-a", "key-hybrid-b"
 SETTINGS = {
@@ -37,19 +45,10 @@ SETTINGS = {
     "max_prompt_tokens": 400,
     "stateless_session_ttl": 600,
 }
-ATTENTION = dict(n_head=2, n_kv_head=1, head_dim=8, d_ff=32, d_model=16, chunk_size=3, tgt_len=8)
-# (family, its tiny config, the serving options)
+# (the served name: its family, the serving options)
 HYBRIDS = {
-    "gdn-exact": (
-        "gdn-hybrid",
-        dict(ATTENTION, pattern="rra", rope_dim=4, n_k_heads=1, n_v_heads=2, k_head_dim=8, v_head_dim=8),
-        "attention=exact,max_context=1024",
-    ),
-    "mamba2-bounded": (
-        "mamba2-hybrid",
-        dict(ATTENTION, pattern="rar", rope_dim=0, d_state=8, ssm_head_dim=8, n_groups=2),
-        "attention=bounded,sinks=2,window=24",
-    ),
+    "gdn-exact": ("gdn-hybrid", "attention=exact,max_context=1024"),
+    "mamba2-bounded": ("mamba2-hybrid", "attention=bounded,sinks=2,window=24"),
 }
 TEXT = "Now is the winter of our discontent made glorious summer — ça va? — by this sun of York."
 
@@ -58,9 +57,9 @@ TEXT = "Now is the winter of our discontent made glorious summer — ça va? —
 def server(
     request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    family, config, options = HYBRIDS[request.param]
+    family, options = HYBRIDS[request.param]
     path = tmp_path_factory.mktemp(request.param) / "tiny"
-    write_sensitive(path, family=family, seed=0, chat_template=play_script(), **config)
+    write_sensitive(path, family=family, seed=0, chat_template=play_script(), **HYBRID_TINY[family])
     yield from serve(path, redis_url, tmp_path_factory, model_options=options, **SETTINGS)
 
 
@@ -74,46 +73,6 @@ def served(server: ServerProcess) -> model.LanguageModel:
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with server.client(headers={"Authorization": f"Bearer {A}"}) as c:
         yield c
-
-
-def ok(r: httpx.Response, status: int = 200) -> dict:
-    assert r.status_code == status, r.text
-    return r.json()
-
-
-def greedy(http: httpx.Client, sid: str, n: int = 12) -> dict:
-    body = {"stream": False, "max_tokens": n, "temperature": 0, "logprobs": True}
-    return ok(http.post(f"/v1/sessions/{sid}/generate", json=body))
-
-
-def ids(generated: dict) -> list[int]:
-    return [t["id"] for t in generated["tokens"]]
-
-
-def test_the_served_model_feels_every_part_of_its_state(served):
-    """Zeroing each part of the state that holds anything (the recurrent matrices, the conv
-    windows, the attention's keys, values and, bounded, sinks) after 40 tokens moves some
-    log-prob of the next 20 by at least MATTERS."""
-    tokens = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, state = served(tokens[:, :40], served.new_state(1))
-
-        def logprobs(st: model.State) -> torch.Tensor:
-            rest, _ = served(tokens[:, 40:], st)
-            return torch.cat([served.next_logits(st)[:, None], rest], 1).log_softmax(-1)
-
-        kept = {n: state[n] for n in served.persistent}  # as a state read from Redis holds it
-
-        def zeroed(name: str) -> model.State:
-            return served.rebuild_state(
-                {n: torch.zeros_like(t) if n == name else t.clone() for n, t in kept.items()}
-            )
-
-        base = logprobs(zeroed(""))
-        parts = [n for n, t in kept.items() if t.is_floating_point() and t.numel()]
-        moved = {n: (logprobs(zeroed(n)) - base).abs().max().item() for n in parts}
-    assert {"ssm", "conv", "k", "v"} <= set(moved)
-    assert all(change >= MATTERS for change in moved.values()), moved
 
 
 @pytest.mark.parametrize("cuts", [[1], [5, 6, 7, 30], list(range(3, 90, 11))])
@@ -143,34 +102,11 @@ def test_the_state_grows_with_exact_attention_only(http, served):
 
 
 def test_a_streamed_generation_is_the_generation(http):
-    s = create(http, prompt="ROMEO:")
-    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
-    tokens, final, data = stream_generate(http, s["id"], max_tokens=15, temperature=0)
-    assert final == "done", data
-    assert [t["id"] for t in tokens] == ids(greedy(http, twin["id"], 15))
+    assert_a_streamed_generation_is_the_generation(http)
 
 
 def test_history_fork_rollback_export_and_import_continue_exactly(http):
-    s = create(http, prompt="ROMEO: " + TEXT)
-    v1 = greedy(http, s["id"])
-    v2 = greedy(http, s["id"])
-    kept = {v["version"]: v["n_tokens"] for v in ok(http.get(f"/v1/sessions/{s['id']}/versions"))["versions"]}
-    assert kept[1] == v1["session"]["n_tokens"] and kept[2] == v2["session"]["n_tokens"]
-    fork = ok(http.post(f"/v1/sessions/{s['id']}/fork", json={"version": 1}), 201)
-    assert fork["n_tokens"] == v1["session"]["n_tokens"] and ids(greedy(http, fork["id"])) == ids(v2)
-    back = ok(http.post(f"/v1/sessions/{s['id']}/rollback", json={"version": 1}))
-    assert back["version"] == 3 and back["n_tokens"] == v1["session"]["n_tokens"]
-    again = greedy(http, s["id"])
-    assert ids(again) == ids(v2)
-    assert [t["logprob"] for t in again["tokens"]] == pytest.approx(
-        [t["logprob"] for t in v2["tokens"]], abs=1e-5
-    )
-    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
-    blob = http.get(f"/v1/sessions/{s['id']}/state").content
-    r = http.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
-    imported = ok(r, 201)
-    assert imported["n_tokens"] == twin["n_tokens"]
-    assert ids(greedy(http, imported["id"])) == ids(greedy(http, twin["id"]))
+    assert_history_fork_rollback_export_and_import_continue_exactly(http, "ROMEO: " + TEXT)
 
 
 def _forged(served: model.LanguageModel, lm: model.LanguageModel) -> bytes:
@@ -185,12 +121,12 @@ def test_a_state_of_another_family_pattern_or_shape_is_refused_on_import(http, s
     """Refused by its header (another family; another model's fingerprint, which covers the
     pattern), or, its header forged to claim this model, by its shapes (another count of
     recurrent or attention layers, another width)."""
-    family, config, _ = HYBRIDS["mamba2-bounded" if served.family == "gdn-hybrid" else "gdn-exact"]
+    family = "mamba2-hybrid" if served.family == "gdn-hybrid" else "gdn-hybrid"
     options = {k: getattr(served.config, k) for k in ("attention", "max_context", "sinks", "window")}
     mine = {f.name: getattr(served.config, f.name) for f in dataclasses.fields(served.config)}
     reordered = {**mine, "pattern": served.config.pattern[::-1]}
     foreign = {
-        "family": model.build(family, {**config, **options}).new_state(1).to_bytes(),
+        "family": model.build(family, {**HYBRID_TINY[family], **options}).new_state(1).to_bytes(),
         "pattern, same layer counts": model.build(served.family, reordered).new_state(1).to_bytes(),
         "pattern": _forged(served, model.build(served.family, {**mine, "pattern": "rrar"})),
         "shape": _forged(served, model.build(served.family, {**mine, "d_model": 24})),
@@ -205,17 +141,9 @@ def test_a_state_of_another_family_pattern_or_shape_is_refused_on_import(http, s
 
 def test_the_openai_routes_and_the_responses_api(server):
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key=A, max_retries=0, timeout=120)
+    assert_the_openai_routes_answer(oa)
     card = oa.models.list().data[0]
     assert card.model_extra is not None and card.model_extra["family"] in ("gdn-hybrid", "mamba2-hybrid")
-    done = oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, logprobs=1)
-    chunks = list(
-        oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-    chat = oa.chat.completions.create(
-        model=card.id, messages=[{"role": "user", "content": "Good morrow."}], max_tokens=8, temperature=0
-    )
-    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
     greedy_out = {"temperature": 0, "max_output_tokens": 12}
     first = oa.responses.create(model=card.id, input="Good morrow, fair lady.", **greedy_out)
     second = oa.responses.create(

@@ -18,10 +18,10 @@ import torch
 
 import model
 from tests.app.test_hybrid_api import HYBRIDS
-from tests.conftest import SSM_TINY, TINY, tiny_model_of
+from tests.conftest import HYBRID_TINY, SSM_TINY, TINY, tiny_model_of
 from tests.sensitive import MATTERS, sensitive_model, write_sensitive
 
-FAMILIES = ["transformer-xl", "rlt", "mamba", "mamba2"]
+FAMILIES = ["transformer-xl", "rlt", "mamba", "mamba2", "gdn-hybrid", "mamba2-hybrid"]
 
 
 def changes(lm: model.LanguageModel, length: int = 40, cut: int = 20) -> dict[str, float]:
@@ -79,8 +79,8 @@ def test_the_served_tiny_llm_feels_every_part_of_its_state(tiny_gguf: Path):
 @pytest.mark.parametrize("name", list(HYBRIDS))
 def test_the_served_hybrids_feel_every_part_of_their_state(name, tmp_path):
     """The hybrids of tests/app/test_hybrid_api.py, as served (their attention options)."""
-    family, config, options = HYBRIDS[name]
-    write_sensitive(tmp_path / "tiny", family=family, seed=0, **config)
+    family, options = HYBRIDS[name]
+    write_sensitive(tmp_path / "tiny", family=family, seed=0, **HYBRID_TINY[family])
     assert_state_matters(model.load(tmp_path / "tiny", options=options))
 
 

@@ -23,7 +23,12 @@ from model.chat_template import play_script
 from model.replay import replay_transcript, transcript_rollout
 from tests.app.boundaries import assert_scored_alike, create
 from tests.app.servers import serve
-from tests.app.sse_client import generate as stream_generate
+from tests.app.session_walk import (
+    assert_a_streamed_generation_is_the_generation,
+    assert_history_fork_rollback_export_and_import_continue_exactly,
+    assert_the_openai_routes_answer,
+    ok,
+)
 from tests.conftest import SSM_TINY, ServerProcess
 from tests.sensitive import write_sensitive
 
@@ -56,20 +61,6 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-def ok(r: httpx.Response, status: int = 200) -> dict:
-    assert r.status_code == status, r.text
-    return r.json()
-
-
-def greedy(http: httpx.Client, sid: str, n: int = 12) -> dict:
-    body = {"stream": False, "max_tokens": n, "temperature": 0, "logprobs": True}
-    return ok(http.post(f"/v1/sessions/{sid}/generate", json=body))
-
-
-def ids(generated: dict) -> list[int]:
-    return [t["id"] for t in generated["tokens"]]
-
-
 @pytest.mark.parametrize("cuts", [[1], [5, 6, 7, 30], list(range(3, 90, 11))])
 def test_scores_are_the_same_in_one_request_or_many(http, cuts):
     assert_scored_alike(http, list(TEXT.encode()), cuts, max_tokens=20)
@@ -82,67 +73,30 @@ def test_the_state_is_one_size_from_the_first_token(http):
         ok(http.post(f"/v1/sessions/{s['id']}/score", json={"prompt": TEXT, "commit": True}))
         sizes.add(ok(http.get(f"/v1/sessions/{s['id']}"))["state_bytes"])
     assert len(sizes) == 1
-
-
-def test_a_streamed_generation_is_the_generation(http):
-    s = create(http, prompt="ROMEO:")
-    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
-    tokens, final, data = stream_generate(http, s["id"], max_tokens=15, temperature=0)
-    assert final == "done", data
-    assert [t["id"] for t in tokens] == ids(greedy(http, twin["id"], 15))
-
-
-def test_history_fork_rollback_export_and_import_continue_exactly(http):
-    s = create(http, prompt="ROMEO:")
-    v1 = greedy(http, s["id"])
-    v2 = greedy(http, s["id"])
-    # the history: each kept version, and a past one exported whole
-    kept = {v["version"]: v["n_tokens"] for v in ok(http.get(f"/v1/sessions/{s['id']}/versions"))["versions"]}
-    assert kept[1] == v1["session"]["n_tokens"] and kept[2] == v2["session"]["n_tokens"]
+    # a past version exports whole, as large as the latest
     past = http.get(f"/v1/sessions/{s['id']}/state", params={"version": 1})
     assert past.status_code == 200 and len(past.content) == len(
         http.get(f"/v1/sessions/{s['id']}/state").content
     )
-    fork = ok(http.post(f"/v1/sessions/{s['id']}/fork", json={"version": 1}), 201)
-    assert fork["n_tokens"] == v1["session"]["n_tokens"] and ids(greedy(http, fork["id"])) == ids(v2)
-    back = ok(http.post(f"/v1/sessions/{s['id']}/rollback", json={"version": 1}))
-    assert back["version"] == 3 and back["n_tokens"] == v1["session"]["n_tokens"]
-    again = greedy(http, s["id"])
-    assert ids(again) == ids(v2)
-    assert [t["logprob"] for t in again["tokens"]] == pytest.approx(
-        [t["logprob"] for t in v2["tokens"]], abs=1e-5
-    )
-    # export, import: the state format itself, verified, continuing as a fork of the original
-    twin = ok(http.post(f"/v1/sessions/{s['id']}/fork"), 201)
-    blob = http.get(f"/v1/sessions/{s['id']}/state").content
-    r = http.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
-    imported = ok(r, 201)
-    assert imported["n_tokens"] == twin["n_tokens"]
-    assert ids(greedy(http, imported["id"])) == ids(greedy(http, twin["id"]))
+
+
+def test_a_streamed_generation_is_the_generation(http):
+    assert_a_streamed_generation_is_the_generation(http)
+
+
+def test_history_fork_rollback_export_and_import_continue_exactly(http):
+    assert_history_fork_rollback_export_and_import_continue_exactly(http, "ROMEO:")
 
 
 def test_the_openai_routes(server):
     oa = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert_the_openai_routes_answer(oa)
     card = oa.models.list().data[0]
     assert (
         card.model_extra is not None
         and card.model_extra["family"] == model.load(server.model_dir, device="cpu").family
     )
     assert card.model_extra["context_window"] is None  # no attention window: not d_conv's few tokens
-    done = oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, logprobs=1)
-    chunks = list(
-        oa.completions.create(model=card.id, prompt="ROMEO:", max_tokens=10, temperature=0, stream=True)
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-    assert done.usage is not None and done.usage.completion_tokens == 10
-    chat = oa.chat.completions.create(
-        model=card.id, messages=[{"role": "user", "content": "Good morrow."}], max_tokens=8, temperature=0
-    )
-    assert (
-        chat.choices[0].message.role == "assistant"
-        and chat.usage is not None
-        and chat.usage.prompt_tokens > 0
-    )
 
 
 def test_the_transcript_replays_to_ratio_one(server, http):
