@@ -191,6 +191,11 @@ def test_the_list_shows_each_sessions_model_and_a_chats_first_user_message(
     t = button(theirs)[0]
     assert t.get_attribute("data-model") == other and f"(a {other} session)" in t.text
     assert button(chat) and button(raw)
+    # opened, it says whose it is, and offers no Generate the server would refuse
+    t.click()
+    _shown(d, theirs)
+    assert "not the served model" in d.find_element("id", "info").text
+    assert d.find_element("id", "generate").get_attribute("disabled")
 
 
 def test_a_model_without_a_chat_template_gets_a_note(browser, other_server):
