@@ -7,7 +7,8 @@ messages with `tool_calls` and the `tool` role) is given them as they are. One t
 (SmolLM2's, which only writes roles and contents) gets them in the system prompt its model
 was taught function calling with (SmolLM2's model card: the tools as JSON in `<tools>`, the
 calls as a JSON list in `<tool_call>`), its assistant's calls written as that text and its
-tool results as messages of the `tool` role.
+tool results as messages of the `tool` role, in `<tool_response>` tags (Hermes' format:
+without them SmolLM2-135M calls the tool again rather than answer from its result).
 
 Either way a reply calls tools by writing
 
@@ -34,6 +35,7 @@ from .chat_template import ChatTemplate
 from .grammar import JSON_OPTIONS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 
 # SmolLM2's function-calling prompt (its model card), the tools where `{tools}` is
 SYSTEM_PROMPT = """You are an expert in composing functions. You are given a question and a set of possible functions.
@@ -140,6 +142,10 @@ def _written(m: Mapping[str, Any]) -> dict[str, Any]:
     content = str(m.get("content") or "")
     if calls:
         content = f"{content}{calls_text(calls)}"
+    if (
+        m["role"] == "tool"
+    ):  # (Hermes' tag: what SmolLM2 answers from, where a bare result makes it call again)
+        content = f"{RESULT_OPEN}{content}{RESULT_CLOSE}"
     out = {"role": str(m["role"]), "content": content}
     if m.get("name"):
         out["name"] = str(m["name"])

@@ -17,10 +17,12 @@ from typing import Any
 from app.engine import TokenEvent
 from app.sessions import Begun
 from app.store import new_object_id
+from model.tool_calls import ToolCall
 
 from . import errors
 from .openai_framing import StopText
 from .responses_schemas import ResponseCreate
+from .structured import HeldText, Shape, call_id
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Framer:
     body: ResponseCreate
     model: str
     token_text: Callable[[int], str] | None  # with logprobs: the text of a token id
+    shape: Shape = field(default_factory=Shape)
     top: int = 0
     created_at: int = field(default_factory=lambda: int(time.time()))
     item_id: str = field(default_factory=lambda: new_object_id("msg"))
@@ -48,8 +51,9 @@ class Framer:
             "previous_response_id": b.previous_response_id,
             "conversation": {"id": conversation} if conversation else None,
             "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
-            "tool_choice": b.tool_choice if isinstance(b.tool_choice, str) else "auto", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": b.truncation or "disabled",
+            "tool_choice": _dump(b.tool_choice) or "auto", "tools": [_dump(t) for t in b.tools or []],
+            "text": {"format": _dump(b.text.format) if b.text and b.text.format else {"type": "text"}},
+            "truncation": b.truncation or "disabled",
             "background": bool(b.background), "store": b.store is not False, "user": b.user, "reasoning": None,
             **extra,
         }  # fmt: skip
@@ -68,6 +72,10 @@ class Framer:
             "role": "assistant",
             "content": parts,
         }
+
+    def call(self, status: str, name: str, arguments: str, ids: tuple[str, str]) -> dict:
+        return {"type": "function_call", "id": ids[0], "call_id": ids[1], "name": name,
+                "arguments": arguments, "status": status}  # fmt: skip
 
     def logprobs(self, events: Sequence[TokenEvent]) -> list[dict]:
         assert self.token_text is not None
@@ -93,9 +101,21 @@ def usage(begun: Begun) -> dict:
     }
 
 
-def reply(body: dict) -> str:
-    """A Response object's reply text."""
-    return "".join(p["text"] for item in body["output"] for p in item["content"])
+def _dump(value: Any) -> Any:
+    return value.model_dump(by_alias=True, exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+def reply(body: dict) -> dict[str, Any]:
+    """A Response object's output as the message a chat template reads (HF's convention):
+    its text, and its calls as `tool_calls`."""
+    output = body["output"]
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in output
+        if i["type"] == "function_call"
+    ]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 async def events(
@@ -110,22 +130,40 @@ async def events(
     keeps it before the last event goes out. With `catch`, a failure is the
     `response.failed` event (a stream's status is sent already), its body kept by `end` as
     well (a stored response that failed mid-stream is retrieved as `failed`); else it is
-    raised."""
+    raised.
+
+    A reply that may call tools holds its text back from `<tool_call>` on (`HeldText`), and
+    opens its message item only once it has text to show; its calls follow, one
+    `function_call` item each (added, its arguments' delta and done, done), as OpenAI
+    streams them. A reply that makes no call has its message item, empty or not."""
     f = framer
     first = "queued" if f.body.background else "in_progress"
     yield {"type": "response.created", "response": f.response(first)}
     yield {"type": "response.in_progress", "response": f.response("in_progress")}
-    yield {"type": "response.output_item.added", "output_index": 0, "item": f.item("in_progress", [])}
     at = {"item_id": f.item_id, "output_index": 0, "content_index": 0}
-    yield {"type": "response.content_part.added", **at, "part": f.part("", None)}
+    opening = [
+        {"type": "response.output_item.added", "output_index": 0, "item": f.item("in_progress", [])},
+        {"type": "response.content_part.added", **at, "part": f.part("", None)},
+    ]
+    held = HeldText(f.shape)
+    calls: list[ToolCall] = []
     try:
         async for ev in begun.run.stream():
-            text = stop.feed(ev)
+            text = held.feed(stop.feed(ev))
             lp = f.logprobs([ev]) if f.token_text is not None else None
             if text or lp:
+                for o in opening:
+                    yield o
+                opening = []
                 yield {"type": "response.output_text.delta", **at, "delta": text, "logprobs": lp or []}
-        if rest := stop.finish():
-            yield {"type": "response.output_text.delta", **at, "delta": rest, "logprobs": []}
+        tail = held.feed(stop.finish())
+        rest, calls = held.finish()
+        if tail + rest or (opening and not calls):
+            for o in opening:
+                yield o
+            opening = []
+        if tail + rest:
+            yield {"type": "response.output_text.delta", **at, "delta": tail + rest, "logprobs": []}
     except Exception as exc:
         if not catch:
             raise
@@ -135,16 +173,34 @@ async def events(
             await end(failed)
         yield {"type": "response.failed", "response": failed}
         return
-    text = stop.text if stop.cut is None else stop.text[: stop.cut]
-    all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None
     incomplete = begun.run.finish_reason == "length"
     status = "incomplete" if incomplete else "completed"
-    item = f.item(status, [f.part(text, all_lp)])
-    yield {"type": "response.output_text.done", **at, "text": text, "logprobs": all_lp or []}
-    yield {"type": "response.content_part.done", **at, "part": f.part(text, all_lp)}
-    yield {"type": "response.output_item.done", "output_index": 0, "item": item}
+    output = []
+    if not opening:  # the message was opened: it closes
+        text = held.text[: held.sent]
+        all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None
+        item = f.item(status, [f.part(text, all_lp)])
+        yield {"type": "response.output_text.done", **at, "text": text, "logprobs": all_lp or []}
+        yield {"type": "response.content_part.done", **at, "part": f.part(text, all_lp)}
+        yield {"type": "response.output_item.done", "output_index": 0, "item": item}
+        output.append(item)
+    for k in calls:
+        n, ids = len(output), (new_object_id("fc"), call_id())
+        place = {"item_id": ids[0], "output_index": n}
+        added = f.call("in_progress", k.name, "", ids)
+        yield {"type": "response.output_item.added", "output_index": n, "item": added}
+        yield {"type": "response.function_call_arguments.delta", **place, "delta": k.arguments}
+        yield {
+            "type": "response.function_call_arguments.done",
+            **place,
+            "arguments": k.arguments,
+            "name": k.name,
+        }
+        done = f.call("completed", k.name, k.arguments, ids)
+        yield {"type": "response.output_item.done", "output_index": n, "item": done}
+        output.append(done)
     details = {"reason": "max_output_tokens"} if incomplete else None
-    body = f.response(status, [item], usage=usage(begun), incomplete_details=details)
+    body = f.response(status, output, usage=usage(begun), incomplete_details=details)
     if end is not None:
         await end(body)
     yield {"type": f"response.{status}", "response": body}

@@ -44,17 +44,53 @@ class InputMessage(RequestBody):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-Input = Text | Annotated[list[InputMessage], Field(max_length=1024)]
+class FunctionCallIn(RequestBody):
+    """A call a response made (`function_call`), as a client sends it back."""
+
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    arguments: Text
+    id: Annotated[str, Field(max_length=128)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputIn(RequestBody):
+    """A call's result (`function_call_output`): text, or text parts."""
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(max_length=256)]
+    output: Text | Annotated[list[InputText | OutputTextIn], Field(max_length=256)]
+    id: Annotated[str, Field(max_length=128)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = InputMessage | FunctionCallIn | FunctionCallOutputIn
+Input = Text | Annotated[list[InputItem], Field(max_length=1024)]
 
 
 class TextFormat(RequestBody):
-    type: Annotated[str, Field(max_length=64)] = Field(
-        description="only `text`", json_schema_extra={"enum": ["text"]}
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text; json_object (any JSON object); json_schema (JSON valid against `schema`): a grammar "
+        "makes the answer so"
     )
-    name: str | None = None
+    name: str | None = Field(None, max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
+
+
+class FunctionTool(RequestBody):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(RequestBody):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
 
 
 class TextConfig(RequestBody):
@@ -88,7 +124,8 @@ class ResponseCreate(SamplingFields):
     What recur refuses (400 `unsupported`, responses.py) the schema states too, so that no
     client (nor a fuzzer) takes it for valid: a field's other values (`tools` with entries,
     another `include`, ...), and the combinations below: `conversation` with
-    `previous_response_id`; `background: true` or `conversation` with `store: false`."""
+    `previous_response_id`; `background: true` or `conversation` with `store: false`.
+    Function tools are served (`tools` of type `function`); hosted tools are not."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": REFUSED})
 
@@ -119,13 +156,15 @@ class ResponseCreate(SamplingFields):
     safety_identifier: Annotated[str, Field(max_length=256)] | None = Field(None, description="ignored")
     prompt_cache_key: Annotated[str, Field(max_length=256)] | None = Field(None, description="ignored")
     service_tier: Annotated[str, Field(max_length=32)] | None = Field(None, description="ignored")
-    parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = Field(None, ge=0)
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = Field(
-        None, description="only []", json_schema_extra={"maxItems": 0}
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
+    max_tool_calls: int | None = Field(None, ge=0, description="accepted, ignored")
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = Field(
+        None, description="function tools (hosted tools are not served)"
     )
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description="only `auto` or `none`", json_schema_extra={"enum": ["auto", "none", None]}
+    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = Field(
+        None,
+        description="auto (the default): text or calls; required: calls (grammar-constrained); a named "
+        "function: a call of it; none: text, the tools not shown",
     )
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = Field(
@@ -139,11 +178,11 @@ class ResponseCreate(SamplingFields):
 
 
 class ItemsCreate(RequestBody):
-    items: Annotated[list[InputMessage], Field(max_length=1024)]
+    items: Annotated[list[InputItem], Field(max_length=1024)]
 
 
 class ConversationCreate(RequestBody):
-    items: Annotated[list[InputMessage], Field(max_length=1024)] | None = None
+    items: Annotated[list[InputItem], Field(max_length=1024)] | None = None
     metadata: Metadata | None = None
 
 
@@ -182,7 +221,26 @@ class OutputMessage(ResponseBody):
     content: list[OutputText]
 
 
-class Item(ResponseBody):
+class FunctionCallOut(ResponseBody):
+    """A call a response made: its `arguments` are JSON text."""
+
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class FunctionCallOutputOut(ResponseBody):
+    type: Literal["function_call_output"]
+    id: str
+    call_id: str
+    output: str | list[ContentText | OutputText]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class MessageItem(ResponseBody):
     """A stored message item (a response's input, or a conversation's)."""
 
     type: Literal["message"]
@@ -190,6 +248,9 @@ class Item(ResponseBody):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: list[ContentText | OutputText]
+
+
+Item = MessageItem | FunctionCallOut | FunctionCallOutputOut
 
 
 class InputTokensDetails(ResponseBody):
@@ -220,7 +281,7 @@ class IncompleteDetails(ResponseBody):
 
 
 class TextOut(ResponseBody):
-    format: dict[str, str]
+    format: dict[str, Any]
 
 
 class ResponseObject(ResponseBody):
@@ -229,7 +290,7 @@ class ResponseObject(ResponseBody):
     created_at: int
     status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | FunctionCallOut]
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -242,7 +303,7 @@ class ResponseObject(ResponseBody):
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     tools: list[Any]
     text: TextOut
     truncation: str
@@ -259,17 +320,20 @@ class StreamEvent(ResponseBody):
         "response.created", "response.queued", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.completed",
-        "response.incomplete", "response.failed", "error",
+        "response.incomplete", "response.failed", "error", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
     ]  # fmt: skip
     sequence_number: int
     response: ResponseObject | None = None
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | None = None
+    item: OutputMessage | FunctionCallOut | None = None
     part: OutputText | None = None
     delta: str | None = None
     text: str | None = None
+    arguments: str | None = Field(None, description="response.function_call_arguments.done: the call's whole")
+    name: str | None = None
     logprobs: list[TokenLogprob] | None = None
     # `error`, the last event of a cancelled response (code `cancelled`) or of a replay that
     # failed once begun (code: the error's type)

@@ -17,7 +17,7 @@ import time
 from app import prefixes
 from app.store import ObjectNotFound, ResponseStore, SessionNotFound, new_object_id
 
-from .responses import Render, dumps, message
+from .responses import Render, dumps, messages
 from .service import SessionService
 
 
@@ -32,7 +32,7 @@ class Conversations:
         with them; returns its fields."""
         conversation_id = new_object_id("conv")
         meta = await self.service.create(
-            render.new(render([message(i) for i in items], False)), self.retention, owner
+            render.new(render(messages(items), False)), self.retention, owner
         )
         record = {
             "created_at": str(int(time.time())),
@@ -91,7 +91,7 @@ class Conversations:
         """Append items: the conversation's session prefills just them (see the module)."""
         names = ["session", "version", "n_tokens"]
         items, f = await self.store.items(conversation_id, owner, names)
-        ids = render([message(i) for i in [*items, *new] if i.get("type", "message") == "message"], False)
+        ids = render(messages([*items, *new]), False)
         tokens, n = self.service.with_bos(ids), int(f["n_tokens"])
         held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
         try:

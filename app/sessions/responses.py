@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from app import metrics, prefixes
 from app.store import ObjectNotFound, ResponseStore, SessionBusy, SessionNotFound, StoreError, VersionGone
@@ -43,7 +43,7 @@ log = logging.getLogger("recur.responses")
 class Render(Protocol):
     """The caller's rendering of a conversation, and its bound on what a turn prefills."""
 
-    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    def __call__(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         """Messages (role and content, as chat templates read them) and whether the
         assistant's turn opens after them -> the token ids they render to (no BOS), the
         whole conversation's: no bound on its length."""
@@ -63,12 +63,47 @@ class NotContinuable(Exception):
     """A response or conversation that cannot be continued as asked (400)."""
 
 
-def message(item: dict) -> dict[str, str]:
-    """A message item as a chat template reads it: its role, and its content's text parts
-    joined by newlines (as the chat route joins a message's parts)."""
-    content = item.get("content", "")
-    text = content if isinstance(content, str) else "\n".join(str(p.get("text", "")) for p in content)
-    return {"role": str(item["role"]), "content": text}
+def message(item: dict) -> dict[str, Any]:
+    """An item as a chat template reads it (HF's convention): a message's role, and its
+    content's text parts joined by newlines (as the chat route joins a message's parts); a
+    `function_call` as an assistant's message with `tool_calls`; a `function_call_output`
+    as a `tool` message."""
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call = {"name": str(item["name"]), "arguments": str(item.get("arguments") or "{}")}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": str(item["call_id"]), "type": "function", "function": call}],
+        }
+    if kind == "function_call_output":
+        return {
+            "role": "tool",
+            "tool_call_id": str(item["call_id"]),
+            "content": _text(item.get("output", "")),
+        }
+    return {"role": str(item["role"]), "content": _text(item.get("content", ""))}
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))  # type: ignore[attr-defined]
+
+
+def messages(items: list[dict]) -> list[dict[str, Any]]:
+    """Items as a chat template reads them (`message`), an assistant's message and the calls
+    that follow it (parallel calls are items of their own) made one message, as the model
+    wrote them in one reply."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        m = message(item)
+        last = out[-1] if out else None
+        if m.get("tool_calls") and last is not None and last["role"] == "assistant":
+            out[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), *m["tool_calls"]]}
+        else:
+            out.append(m)
+    return out
 
 
 def body_of(raw: str) -> dict:
@@ -114,7 +149,7 @@ class Begun:
     id: str
     turn: Turn
     run: Run
-    context: list[dict[str, str]]  # the conversation before the reply, as the template read it
+    context: list[dict[str, Any]]  # the conversation before the reply, as the template read it
     input_tokens: int  # the whole input's tokens (BOS not counted)
     cached: int  # of those, the ones its starting state already held: not prefilled
     made: bool  # the session is the response's own (a fork or a new one)
@@ -140,7 +175,7 @@ class Responses:
         starting session found (see the module). The caller owns `Begun.run`, and calls
         `finish` after its commit (or `discard`)."""
         context, base = await self._context(turn)
-        ids = render(context + [message(i) for i in turn.input], True)
+        ids = render(context + messages(turn.input), True)
         session, rest, made, expected = await self._session(turn, base, ids)
         try:
             rest = render.new(rest)
@@ -152,21 +187,21 @@ class Responses:
                 await self._forget(turn.owner, session)
             raise
         replaced = base.session if turn.conversation and base and made else None
-        return Begun(response_id, turn, run, context + [message(i) for i in turn.input], len(ids),
+        return Begun(response_id, turn, run, context + messages(turn.input), len(ids),
                      len(ids) - len(rest), made, replaced)  # fmt: skip
 
     async def finish(
         self,
         begun: Begun,
         body: dict,
-        reply: str,
+        reply: dict[str, Any],
         output: list[dict],
         *,
         worker: bool = False,
         events: int = 0,
     ) -> bool:
-        """Keep a committed response: its record (`body`, the API's Response object), and
-        with a conversation, its input and `output` items appended to it. Not stored, its
+        """Keep a committed response: its record (`body`, the API's Response object, and
+        `reply`, its output as a message the template reads), and with a conversation, its input and `output` items appended to it. Not stored, its
         sessions are deleted. `worker`: a background worker's, kept only while the response
         is active (else discarded: False); `events`: the bytes of its kept events, counted
         in the key's quota with the record."""
@@ -182,7 +217,7 @@ class Responses:
         record = {
             "status": status,
             "body": dumps(body),
-            "context": dumps([*begun.context, {"role": "assistant", "content": reply}]),
+            "context": dumps([*begun.context, reply]),
             "input": dumps(turn.input),
             "session": meta.id,
             "version": str(meta.version),
@@ -252,7 +287,7 @@ class Responses:
             await self._forget(owner, session)
 
     # -- the starting state -------------------------------------------------------------------
-    async def _context(self, turn: Turn) -> tuple[list[dict[str, str]], Base | None]:
+    async def _context(self, turn: Turn) -> tuple[list[dict[str, Any]], Base | None]:
         """The conversation a response continues (as the template reads it) and the stored
         state that consumed it, if any."""
         if turn.previous is not None:
@@ -268,7 +303,7 @@ class Responses:
             items, f = await self.store.items(
                 turn.conversation, turn.owner, ["session", "version", "n_tokens"]
             )
-            context = [message(i) for i in items if i.get("type", "message") == "message"]
+            context = messages(items)
             return context, Base(f["session"], int(f["version"]), int(f["n_tokens"]))
         return [], None
 
