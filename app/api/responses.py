@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from sse_starlette import ServerSentEvent
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.engine import Logprobs
 from app.sessions import Background, Begun, Generation, Render, Replay, Responses, Turn
@@ -45,6 +45,7 @@ from .responses_schemas import (
     Deleted,
     FunctionCallIn,
     FunctionCallOutputIn,
+    FunctionTool,
     InputItem,
     InputMessage,
     ItemList,
@@ -84,7 +85,11 @@ TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
 
 def unsupported(body: ResponseCreate) -> None:
     """400 naming the field, for what recur does not implement."""
+    hosted = [str(t.get("type")) for t in body.tools or [] if isinstance(t, dict)]
     refused = [
+        ("tools", "function" in hosted, "a function tool has a name (letters, digits, _ . -; at most 64) and may "
+         "have a description, parameters (a JSON schema) and strict, nothing else"),
+        ("tools", bool(hosted), f"only function tools are served, not {', '.join(hosted)}"),
         ("reasoning", any(v is not None for v in (body.reasoning or {}).values()), "reasoning is not supported"),
         ("prompt", body.prompt is not None, "stored prompts are not supported"),
         ("include", any(i != LOGPROBS for i in body.include or []), f"only {LOGPROBS!r} can be included"),
@@ -107,7 +112,13 @@ def shape(body: ResponseCreate) -> Shape:
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.schema_ or {"type": "object"}
     choice = body.tool_choice or "auto"
-    tools = tools_of([(t.name, t.description, t.parameters, t.strict) for t in body.tools or []])
+    tools = tools_of(
+        [
+            (t.name, t.description, t.parameters, t.strict)
+            for t in body.tools or []
+            if isinstance(t, FunctionTool)
+        ]
+    )
     return Shape(
         tools,
         choice if isinstance(choice, str) else choice.name,
@@ -254,10 +265,17 @@ async def create_response(
         )  # fmt: skip
         return framer.response("queued")
     if body.stream:
-        events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b))
-        frames = _sse(until_stopped(events, lambda: _stopped(room, begun, framer)))
-        return respond(_Closing(room, begun), frames, send_timeout=settings.stream_send_timeout)
+        return _streamed(room, begun, framer, stop, settings.stream_send_timeout)
     return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
+
+
+def _streamed(
+    room: Responses, begun: Begun, framer: rf.Framer, stop: oai.StopText, send_timeout: float
+) -> EventSourceResponse:
+    """The response's events, streamed; a server told to stop first ends them (`_stopped`)."""
+    events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b))
+    frames = _sse(until_stopped(events, lambda: _stopped(room, begun, framer)))
+    return respond(_Closing(room, begun), frames, send_timeout=send_timeout)
 
 
 async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0) -> None:
