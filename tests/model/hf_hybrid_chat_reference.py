@@ -28,9 +28,11 @@ from __future__ import annotations
 import json
 
 import torch
-from hf_cases import build, main  # (this folder: the script's own, first on its path)
-from hf_hybrid_reference import GRANITE, KINDS, QWEN
+from hf_cases import main  # (this folder: the script's own, first on its path)
+from hf_hybrid_reference import random_model
 from transformers import AutoTokenizer
+
+EOS = 2  # the tokenizer's <|im_end|>, ChatML's turn stop (tests/model/llama_files.py)
 
 
 def greedy(model, prompt: list[int], n: int, eos: int) -> dict:
@@ -49,11 +51,7 @@ def greedy(model, prompt: list[int], n: int, eos: int) -> dict:
 
 
 def run_case(out, case: dict) -> None:
-    config_class, model_class = KINDS[case["kind"]]
-    cfg = config_class(**case["config"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg._attn_implementation = "eager"
-    special = QWEN if case["kind"].startswith("qwen") else GRANITE
-    model, _ = build(case, lambda: model_class(cfg), special)
+    model, _ = random_model(case, eos_token_id=EOS)
     target = out / case["name"]
     model.save_pretrained(target)
     model = model.double()
@@ -66,8 +64,8 @@ def run_case(out, case: dict) -> None:
         ]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tok(text)["input_ids"]
-        reply = greedy(model, prompt, chat["max_new_tokens"], cfg.eos_token_id)
-        shown = reply["ids"][:-1] if reply["ids"][-1] == cfg.eos_token_id else reply["ids"]
+        reply = greedy(model, prompt, chat["max_new_tokens"], EOS)
+        shown = reply["ids"][:-1] if reply["ids"][-1] == EOS else reply["ids"]
         replies[chat["name"]] = {"prompt_ids": prompt, **reply, "text": tok.decode(shown)}
     (target / "chat_reference.json").write_text(json.dumps(replies))
 

@@ -90,12 +90,18 @@ def logits_through_cache(model, ids: torch.Tensor, prompt: int, chunk: int) -> t
     return torch.cat(out, 1)
 
 
-def run_case(out, case: dict) -> None:
+def random_model(case: dict, eos_token_id: int = 0):
+    """The case's model (its kind, its config; BOS 1), perturbed its kind's way, in eval mode;
+    and the generator to draw its inputs from."""
     config_class, model_class = KINDS[case["kind"]]
-    cfg = config_class(**case["config"], bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    cfg = config_class(**case["config"], bos_token_id=1, eos_token_id=eos_token_id, pad_token_id=0)
     cfg._attn_implementation = "eager"
-    special = QWEN if case["kind"].startswith("qwen") else GRANITE
-    model, gen = build(case, lambda: model_class(cfg), special)
+    return build(case, lambda: model_class(cfg), QWEN if case["kind"].startswith("qwen") else GRANITE)
+
+
+def run_case(out, case: dict) -> None:
+    model, gen = random_model(case)
+    cfg = model.config
     target = out / case["name"]
     model.save_pretrained(target)
     save_tokenizer(target, cfg.vocab_size)
