@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,12 +230,16 @@ def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argpars
 
 def _convert_main(args) -> int:
     source = next((source for source in args.sources if source[0](args.src)), None)
-    if source is not None:
-        _, convert_with, flags = source
-        lm = convert_with(args.src, args.dst, **{k: getattr(args, k) for k in flags})
-    else:
-        overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
-        lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
+    try:
+        if source is not None:
+            _, convert_with, flags = source
+            lm = convert_with(args.src, args.dst, **{k: getattr(args, k) for k in flags})
+        else:
+            overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
+            lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
+    except (ValueError, FileNotFoundError) as exc:  # what the readers refuse, and why: no traceback
+        print(f"recur convert: {exc}", file=sys.stderr)
+        return 2
     n = sum(p.numel() for p in lm.parameters())
     print(json.dumps({"dir": args.dst, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))
     return 0

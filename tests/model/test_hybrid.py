@@ -5,12 +5,15 @@ attention modes' state sizes, exact attention's bound, and the state bytes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import model
+from app.cli import main as recur_cli
 from model.gdn_hybrid import delta_chunks, delta_step
 from model.hybrid import ContextFull
 from model.state import ARENA_SLACK, StateError
@@ -152,7 +155,7 @@ def test_state_bytes_round_trip_and_other_shapes_are_refused(family, mode):
 
 
 @pytest.mark.parametrize(("arch", "name"), [("qwen35", "Qwen3.5"), ("granitehybrid", "Granite-4.0-H")])
-def test_a_hybrids_gguf_is_refused_naming_what_is_missing(tmp_path, arch, name):
+def test_a_hybrids_gguf_is_refused_naming_what_is_missing(tmp_path, capsys, arch, name):
     import gguf
 
     path = tmp_path / f"{arch}.gguf"
@@ -163,5 +166,13 @@ def test_a_hybrids_gguf_is_refused_naming_what_is_missing(tmp_path, arch, name):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=f"a {name} hybrid .*recur convert HF_DIR.*lacks the mapping"):
+    names_it = (
+        f"a {name} hybrid .*recur convert HF_DIR.*lacks the mapping of llama.cpp's recurrent-layer tensors"
+    )
+    with pytest.raises(ValueError, match=names_it):
         model.load(path, device="cpu")
+    # `recur convert` says the same, without a traceback, and writes nothing
+    assert recur_cli(["convert", str(path), str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert re.match(f"recur convert: .*{names_it}", said) and "Traceback" not in said
+    assert not (tmp_path / "out").exists()
