@@ -97,8 +97,8 @@ def test_the_state_grows_with_exact_attention_only(http, served):
     per_token = 2 * served.config.n_attention * served.config.n_kv_head * served.config.head_dim * 4
     if served.config.attention == "exact":
         assert all(abs(g - per_token * len(TEXT.encode())) < 64 for g in grown), (grown, per_token)
-    else:
-        assert grown == [0, 0]
+    else:  # (but for the header's few bytes, which may count the tokens)
+        assert all(abs(g) < 64 for g in grown), grown
 
 
 def test_a_streamed_generation_is_the_generation(http):
