@@ -57,9 +57,9 @@ def _open(driver, server: ServerProcess, sid: str | None = None, key: str = KEY)
     from selenium.webdriver.common.keys import Keys
 
     driver.get(server.url + "/")
-    field = driver.find_element("id", "api-key")
-    field.clear()  # (the tab's sessionStorage may have kept an earlier test's key)
-    field.send_keys(key, Keys.TAB)  # the change event
+    # (the tab's sessionStorage may keep an earlier test's key: forgotten, with no change event)
+    driver.execute_script("sessionStorage.clear(); document.getElementById('api-key').value = '';")
+    driver.find_element("id", "api-key").send_keys(key, Keys.TAB)  # the change event
     _wait(driver, lambda d: _attr(d, "sessions", "data-state") == "loaded" and "error" not in _status(d))
     if sid is not None:
         _wait(driver, lambda d: d.find_elements("css selector", f'#sessions button[data-id="{sid}"]'))
