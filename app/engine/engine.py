@@ -21,10 +21,11 @@ from model.grammar import Grammars
 from model.tokenizer import Tokenizer
 
 from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
+from .encoder import Encoder
 from .loader import Loader
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request, Stored
-from .runner import Counters, Runner
+from .runner import Counters, Done, Runner
 from .scheduler import NO_FAIRNESS, PREFILL_TOKENS_PER_STEP, Fairness, Scheduler
 from .watchdog import Watchdog
 
@@ -73,6 +74,9 @@ class Engine:
         self.runner = Runner(lm, self.tokenizer, self.decode_step, self.outbox)
         # stored states are parsed off this thread
         self.loader = Loader(lm, self.scheduler.deliver, self.runner.counters)
+        # and finished states encoded off it, once their step's events are out
+        self.encoder = Encoder(self.runner.seal)
+        self._done: list[tuple[Request, Done]] = []  # this step's finished rows, to seal
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self.watchdog = Watchdog(step_deadline)  # a step past it fails its requests
         serialise_tracing()  # a trace elsewhere in the process (a compile) never meets a step
@@ -89,6 +93,7 @@ class Engine:
         self.loader.close()
         self.scheduler.close()
         self._thread.join(timeout=10)
+        self.encoder.close()
 
     @property
     def vocab_size(self) -> int:
@@ -128,8 +133,7 @@ class Engine:
                         for row in self.scheduler.drop_all():
                             self.outbox.put(row.req, Failed.of(exc))
                         self.runner.reset()
-                self.outbox.flush()
-                self.scheduler.publish()
+                self.publish()
                 self.trimmer.worked()
 
     def _receive(self) -> bool:
@@ -169,10 +173,19 @@ class Engine:
         self._drop_failed()
         for row in s.take_done():
             try:
-                out.put(row.req, r.finish(row))
+                self._done.append((row.req, r.finish(row)))
             except Exception as exc:
                 out.put(row.req, Failed.of(exc))
         self._drop_failed()
+
+    def publish(self) -> None:
+        """The end of a step: its events go to the event loop, then its finished rows to the
+        encoder thread (so each outcome follows its request's last token)."""
+        self.outbox.flush()
+        self.scheduler.publish()
+        done, self._done = self._done, []
+        for req, row in done:
+            self.encoder.submit(req, row)
 
     def _drop_failed(self) -> None:
         """The rows whose own part of a step failed leave, each with its error; the others

@@ -210,6 +210,16 @@ def _deliver(batch: list[tuple[Request, Event]]) -> None:
         req.events.put_nowait(event)
 
 
+def deliver(req: Request, event: Event) -> None:
+    """Hand one event to its request's event loop, from a thread of the engine's other than
+    its own (the encoder's), once the engine thread has handed out all the request's others."""
+    req.sent += 1
+    try:
+        req.loop.call_soon_threadsafe(_deliver, [(req, event)])
+    except RuntimeError:  # the loop has closed: nobody is listening any more
+        req.cancel()
+
+
 class Outbox:
     """The events of one engine step, handed to the event loop together at its end: one
     wake-up of the loop per step, not one per token (with 16 streams the loop would

@@ -79,6 +79,14 @@ class Row:
         return not self.pending and self.finish_reason is None and self.req.max_tokens > 0
 
 
+@dataclass(frozen=True)
+class Done:
+    """A row that has left the batch, with its own state: what `Runner.seal` reads."""
+
+    row: Row
+    state: State
+
+
 @dataclass
 class Counters:
     """What the runner has done, for the metrics (read from other threads, never reset)."""
@@ -89,7 +97,7 @@ class Counters:
     max_batch: int = 0
     load_seconds: float = 0.0  # turning parsed tensors into live states (the engine thread)
     parse_seconds: float = 0.0  # parsing and verifying stored bytes (the loader thread alone)
-    encode_seconds: float = 0.0  # turning states into commit bytes
+    encode_seconds: float = 0.0  # turning states into commit bytes (the encoder thread alone)
     grammar_seconds: float = 0.0  # computing and applying grammar masks (the engine thread)
     grammar_rows: int = 0  # constrained rows sampled
 
@@ -354,16 +362,22 @@ class Runner:
         self.outbox.put(r.req, TokenEvent(len(r.ids) - 1, tid, text, logprob, top, stop_text))
 
     # -- the end -----------------------------------------------------------------------------
-    def finish(self, r: Row) -> Finished:
-        """The outcome of a row that is done: its own state (owning its memory, as a cache
-        keeps it) and the bytes its commit must write."""
+    def finish(self, r: Row) -> Done:
+        """A row that is done leaves the batch with its own state (owning its memory, as a
+        cache keeps it). Its outcome is sealed (`seal`) off the engine thread."""
         if r in self._members:
             self._unbatch()
         if id(r) in self._failed:
             raise self._failed.pop(id(r))[1]
-        if not r.state.finite():
+        return Done(r, r.state.compact())
+
+    def seal(self, done: Done) -> Finished:
+        """The outcome of a finished row: checked finite, with the bytes its commit must
+        write. Runs on the encoder thread (`app/engine/encoder.py`): it reads the row's own
+        state, which no step touches any more, and runs no module."""
+        r, state = done.row, done.state
+        if not state.finite():
             raise NonFinite("this step made the session's state non-finite: it was not committed")
-        state = r.state.compact()
         encoded = None
         if r.req.persist is not None:
             t0 = time.perf_counter()

@@ -76,8 +76,8 @@ class Stepper:
         self.engine.loader.drain()  # (stored starts are parsed on the loader thread, then delivered)
         self.s.receive(wait=False)
         self.engine._step(self.s.admit())
-        self.engine.outbox.flush()
-        self.s.publish()
+        self.engine.publish()
+        self.engine.encoder.drain()  # (finished states are encoded on the encoder thread)
         for _ in range(3):
             await asyncio.sleep(0)  # the events reach their readers
 
