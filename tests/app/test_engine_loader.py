@@ -1,5 +1,5 @@
-"""A stored starting state is parsed off the engine thread (issue 39): while its bytes are
-being read and verified, the engine goes on stepping every other request.
+"""A stored starting state is parsed, and a finished one encoded, off the engine thread
+(issue 39): while either is in progress, the engine goes on stepping every other request.
 
 The model's own `read_state` runs here, gated by an event the test holds: while the gate is
 shut, a parse is in progress for as long as the test likes. A fresh request must run to its
@@ -54,3 +54,44 @@ def test_the_engine_steps_on_while_a_stored_state_is_parsed():
     ungated, parsed, fresh = asyncio.run(go())
     assert parsed == ungated and len(fresh) == 6
     assert threads and all(name.startswith("recur-loader") for name in threads), threads
+
+
+def test_the_engine_steps_on_while_a_finished_state_is_encoded():
+    """The other end (app/engine/encoder.py): a done request's state is checked and encoded
+    on the encoder thread. The test holds one encoding open; another request's tokens all
+    come meanwhile (on an engine that encoded on its own thread, none would), and each
+    outcome follows once the gate opens, the held one with the tokens it gets ungated."""
+    lm = sensitive_model("transformer-xl", TINY)
+    gate, sealing, threads = threading.Event(), threading.Event(), []
+
+    async def go() -> tuple[list[int], list[int], int]:
+        engine = engine_for(lm, cpu_threads=1)
+        seal = engine.encoder._seal
+
+        def gated(done):
+            threads.append(threading.current_thread().name)
+            sealing.set()
+            assert gate.wait(60), "the test never opened the gate"
+            return seal(done)
+
+        engine.start()
+        try:
+            start = stored(await new_session(engine, [5, 6, 7]))
+            ungated = (await greedy(engine, start, [8], max_tokens=6).finished()).token_ids
+            engine.encoder._seal = gated
+            held = greedy(engine, start, [8], max_tokens=6)
+            assert await asyncio.to_thread(sealing.wait, 30)
+            # the encoding is held: a fresh request's every token comes all the same
+            bos = engine.tokenizer.bos_id
+            fresh = engine.submit(Request(None, [bos, 9, 10], SamplingParams(temperature=0.0), None, 6, []))
+            tokens = [await asyncio.wait_for(fresh.__anext__(), timeout=60) for _ in range(6)]
+            assert held.result is None and fresh.result is None  # (their outcomes wait their turn)
+            gate.set()
+            return ungated, (await held.finished()).token_ids, len(tokens)
+        finally:
+            gate.set()
+            engine.stop()
+
+    ungated, held, fresh = asyncio.run(go())
+    assert held == ungated and fresh == 6
+    assert threads and all(name.startswith("recur-encoder") for name in threads), threads
