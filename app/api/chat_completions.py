@@ -167,24 +167,25 @@ async def create_chat_completion(
         return oai.stream(choices, framer, include_usage, settings.stream_send_timeout)
     await oai.complete(choices, request)
     response.headers.update(oai.session_header(choices))
-    entries = []
-    for c in choices.items:
-        content, calls = reply_shape.read(c.text.whole(c.run.tokens))
-        out = [
-            ChatToolCallOut(id=call_id(), function=ChatFunctionCallOut(name=k.name, arguments=k.arguments))
-            for k in calls
-        ]
-        entries.append(
-            ChatChoice(
-                index=c.index,
-                message=ChatReply(content=content or None if calls else content, tool_calls=out or None),
-                logprobs=_logprobs(c.run.tokens, framer.logprobs) if framer.logprobs else None,
-                finish_reason="tool_calls" if calls else c.finish_reason,
-                session=c.ref(),
-            )
-        )
+    entries = [_choice(c, reply_shape, framer.logprobs) for c in choices.items]
     return ChatCompletionResult(
         **framer.head, choices=entries, usage=choices.usage(), session=entries[0].session
+    )
+
+
+def _choice(c: oai.Choice, reply_shape: Shape, token_text: Callable[[int], str] | None) -> ChatChoice:
+    """A committed choice, not streamed: its text, or its text and its calls."""
+    content, calls = reply_shape.read(c.text.whole(c.run.tokens))
+    out = [
+        ChatToolCallOut(id=call_id(), function=ChatFunctionCallOut(name=k.name, arguments=k.arguments))
+        for k in calls
+    ]
+    return ChatChoice(
+        index=c.index,
+        message=ChatReply(content=(content or None) if calls else content, tool_calls=out or None),
+        logprobs=_logprobs(c.run.tokens, token_text) if token_text else None,
+        finish_reason="tool_calls" if calls else c.finish_reason,
+        session=c.ref(),
     )
 
 

@@ -233,12 +233,7 @@ async def create_response(
         bool(body.background),
     )
     logprobs = LOGPROBS in (body.include or [])
-    capped = reply_bound(body.max_output_tokens, settings, engine)
-    gen = Generation(
-        sampling_params(body, engine, capped), capped, body.seed, list(template.stop),
-        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(), started=started,
-    )  # fmt: skip
-    gen.grammar = await reply_shape.matcher(engine)
+    gen = await _generation(body, settings, engine, template, reply_shape, logprobs, started)
     framer = rf.Framer(
         new_object_id("resp"),
         body,
@@ -267,6 +262,30 @@ async def create_response(
     if body.stream:
         return _streamed(room, begun, framer, stop, settings.stream_send_timeout)
     return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
+
+
+async def _generation(
+    body: ResponseCreate,
+    settings: Any,
+    engine: Any,
+    template: ChatTemplate,
+    reply_shape: Shape,
+    logprobs: bool,
+    started: float,
+) -> Generation:
+    """What the response samples, and how: the body's controls, the template's turn stop,
+    and the reply's grammar (compiled in a worker thread)."""
+    capped = reply_bound(body.max_output_tokens, settings, engine)
+    gen = Generation(
+        sampling_params(body, engine, capped),
+        capped,
+        body.seed,
+        list(template.stop),
+        logprobs=Logprobs(top=body.top_logprobs or 0) if logprobs else Logprobs(),
+        started=started,
+    )
+    gen.grammar = await reply_shape.matcher(engine)
+    return gen  # fmt: skip
 
 
 def _streamed(

@@ -132,10 +132,8 @@ async def events(
     well (a stored response that failed mid-stream is retrieved as `failed`); else it is
     raised.
 
-    A reply that may call tools holds its text back from `<tool_call>` on (`HeldText`), and
-    opens its message item only once it has text to show; its calls follow, one
-    `function_call` item each (added, its arguments' delta and done, done), as OpenAI
-    streams them. A reply that makes no call has its message item, empty or not."""
+    A reply that may call tools holds back its text from `<tool_call>` on (`HeldText`) and
+    opens its message item once it has text; its calls follow as `function_call` items."""
     f = framer
     first = "queued" if f.body.background else "in_progress"
     yield {"type": "response.created", "response": f.response(first)}
@@ -146,7 +144,6 @@ async def events(
         {"type": "response.content_part.added", **at, "part": f.part("", None)},
     ]
     held = HeldText(f.shape)
-    calls: list[ToolCall] = []
     try:
         async for ev in begun.run.stream():
             text = held.feed(stop.feed(ev))
@@ -158,12 +155,10 @@ async def events(
                 yield {"type": "response.output_text.delta", **at, "delta": text, "logprobs": lp or []}
         tail = held.feed(stop.finish())
         rest, calls = held.finish()
-        if tail + rest or (opening and not calls):
-            for o in opening:
-                yield o
-            opening = []
-        if tail + rest:
-            yield {"type": "response.output_text.delta", **at, "delta": tail + rest, "logprobs": []}
+        last = [{"type": "response.output_text.delta", **at, "delta": tail + rest, "logprobs": []}]
+        for o in [*opening, *last] if tail + rest else opening if not calls else []:
+            yield o
+        opening = opening if calls and not tail + rest else []
     except Exception as exc:
         if not catch:
             raise
@@ -173,34 +168,43 @@ async def events(
             await end(failed)
         yield {"type": "response.failed", "response": failed}
         return
-    incomplete = begun.run.finish_reason == "length"
+    incomplete, output = begun.run.finish_reason == "length", []
     status = "incomplete" if incomplete else "completed"
-    output = []
-    if not opening:  # the message was opened: it closes
-        text = held.text[: held.sent]
-        all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None
-        item = f.item(status, [f.part(text, all_lp)])
-        yield {"type": "response.output_text.done", **at, "text": text, "logprobs": all_lp or []}
-        yield {"type": "response.content_part.done", **at, "part": f.part(text, all_lp)}
-        yield {"type": "response.output_item.done", "output_index": 0, "item": item}
-        output.append(item)
-    for k in calls:
-        n, ids = len(output), (new_object_id("fc"), call_id())
-        place = {"item_id": ids[0], "output_index": n}
-        added = f.call("in_progress", k.name, "", ids)
-        yield {"type": "response.output_item.added", "output_index": n, "item": added}
-        yield {"type": "response.function_call_arguments.delta", **place, "delta": k.arguments}
-        yield {
-            "type": "response.function_call_arguments.done",
-            **place,
-            "arguments": k.arguments,
-            "name": k.name,
-        }
-        done = f.call("completed", k.name, k.arguments, ids)
-        yield {"type": "response.output_item.done", "output_index": n, "item": done}
-        output.append(done)
+    closing = [] if opening else _message_done(f, begun, status, held.text[: held.sent], output)
+    for ev in [*closing, *_calls_done(f, calls, output)]:
+        yield ev
     details = {"reason": "max_output_tokens"} if incomplete else None
     body = f.response(status, output, usage=usage(begun), incomplete_details=details)
     if end is not None:
         await end(body)
     yield {"type": f"response.{status}", "response": body}
+
+
+def _message_done(f: Framer, begun: Begun, status: str, text: str, output: list[dict]) -> list[dict]:
+    """The events that close the reply's message item (appended to `output`)."""
+    at = {"item_id": f.item_id, "output_index": 0, "content_index": 0}
+    all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None
+    item = f.item(status, [f.part(text, all_lp)])
+    output.append(item)
+    return [
+        {"type": "response.output_text.done", **at, "text": text, "logprobs": all_lp or []},
+        {"type": "response.content_part.done", **at, "part": f.part(text, all_lp)},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+    ]
+
+
+def _calls_done(f: Framer, calls: list[ToolCall], output: list[dict]) -> list[dict]:
+    """Each call's events, a `function_call` item after the others (appended to `output`)."""
+    events = []
+    for k in calls:
+        n, ids = len(output), (new_object_id("fc"), call_id())
+        place = {"item_id": ids[0], "output_index": n}
+        done = f.call("completed", k.name, k.arguments, ids)
+        events += [
+            {"type": "response.output_item.added", "output_index": n, "item": f.call("in_progress", k.name, "", ids)},
+            {"type": "response.function_call_arguments.delta", **place, "delta": k.arguments},
+            {"type": "response.function_call_arguments.done", **place, "arguments": k.arguments, "name": k.name},
+            {"type": "response.output_item.done", "output_index": n, "item": done},
+        ]  # fmt: skip
+        output.append(done)
+    return events

@@ -158,8 +158,8 @@ class ResponseCreate(SamplingFields):
     service_tier: Annotated[str, Field(max_length=32)] | None = Field(None, description="ignored")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
     max_tool_calls: int | None = Field(None, ge=0, description="accepted, ignored")
-    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = Field(
-        None, description="function tools (hosted tools are not served)"
+    tools: Annotated[list[FunctionTool | dict[str, Any]], Field(max_length=128)] | None = Field(
+        None, description="function tools (hosted tools are refused: 400)"
     )
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = Field(
         None,

@@ -240,13 +240,7 @@ class Runner:
         logits = self.lm.next_logits(batch)  # (B, V)
         finite = torch.isfinite(logits).all(-1)  # (B,)
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        constrained = [i for i, r in enumerate(rows) if r.req.grammar is not None]
-        if constrained:
-            t0 = time.perf_counter()
-            masks = grammar_masks([rows[i].req.grammar for i in constrained], logits.shape[-1])  # type: ignore[misc]
-            logits = mask_logits(logits, constrained, masks)
-            self.counters.grammar_seconds += time.perf_counter() - t0
-            self.counters.grammar_rows += len(constrained)
+        logits = _constrained(rows, logits, self.counters)
         params = [r.req.params for r in rows]
         if self._context is None and any(p.uses_context for p in params):
             self._context = Context.of(
@@ -412,6 +406,20 @@ class Runner:
         """Forget the batch (after a failed step, whose rows have all left)."""
         self._batch, self._members, self._context = None, [], None
         self._failed = {}
+
+
+def _constrained(rows: list[Row], logits: torch.Tensor, counters: Counters) -> torch.Tensor:
+    """`logits` with each constrained row's disallowed tokens at -inf (its grammar's mask,
+    computed with every other constrained row's in llguidance's threads); others untouched."""
+    constrained = [i for i, r in enumerate(rows) if r.req.grammar is not None]
+    if not constrained:
+        return logits
+    t0 = time.perf_counter()
+    masks = grammar_masks([rows[i].req.grammar for i in constrained], logits.shape[-1])  # type: ignore[misc]
+    logits = mask_logits(logits, constrained, masks)
+    counters.grammar_seconds += time.perf_counter() - t0
+    counters.grammar_rows += len(constrained)
+    return logits
 
 
 Held = tuple[int, Row, int, float, Alternatives]  # a first token: its row's index in the batch, and it
