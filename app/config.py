@@ -307,25 +307,27 @@ class Settings(BaseSettings):
         )
 
     def load_tenants(self) -> dict[str, Quota]:
-        """Every configured key with its quota (the file is read now). A line of the keys
-        file is `KEY [sessions=N] [state_mb=X] [requests_per_second=X] [tokens_per_second=X]`.
-        Raises ValueError with a clear message."""
+        """Every configured key with its quota (the file is read now). Raises ValueError with
+        a clear message."""
         default = self.quota()
         keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
         tenants = {k: default for k in keys if k}
         if self.api_keys_file is not None:
-            try:
-                lines = self.api_keys_file.read_text().splitlines()
-            except OSError as exc:
-                raise ValueError(
-                    f"cannot read the API key file {self.api_keys_file}: {exc.strerror}"
-                ) from None
-            from_file = [ln.split() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-            if not from_file:  # never let an empty file silently leave /v1 open
-                raise ValueError(f"the API key file {self.api_keys_file} holds no keys")
-            for key, *overrides in from_file:
-                tenants[key] = _override(default, overrides, self.api_keys_file)
+            tenants.update(_read_key_file(self.api_keys_file, default))
         return tenants
+
+
+def _read_key_file(path: Path, default: Quota) -> dict[str, Quota]:
+    """A key file's keys with their quotas: a line is `KEY [sessions=N] [state_mb=X]
+    [requests_per_second=X] [tokens_per_second=X]`; blank lines and # comments are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    from_file = [ln.split() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    if not from_file:  # never let an empty file silently leave /v1 open
+        raise ValueError(f"the API key file {path} holds no keys")
+    return {key: _override(default, overrides, path) for key, *overrides in from_file}
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class Engine:
         # stored states are parsed off this thread
         self.loader = Loader(lm, self.scheduler.deliver, self.runner.counters)
         # and finished states encoded off it, once their step's events are out
-        self.encoder = Encoder(self.runner.seal)
+        self.encoder = Encoder(lm, self.runner.counters)
         self._done: list[tuple[Request, Done]] = []  # this step's finished rows, to seal
         self.trimmer = MallocTrimmer(malloc_trim_interval)
         self.watchdog = Watchdog(step_deadline)  # a step past it fails its requests

@@ -13,7 +13,7 @@ handed the token once read back; the other rows of the step are not touched, and
 masks are computed in llguidance's threads, without the GIL (`model/grammar.py`). A
 step reads the device back once: the
 sampled ids, their log-probs and any alternatives together. A finished row's state is
-split out of the batch and encoded as its request asks (`model.state.encode`).
+split out of the batch, and the encoder thread encodes it (`app/engine/encoder.py`).
 
 The rows' states are kept stacked between decode steps (`lm.stack_states`) and split
 (`lm.split_state`) only when the batch's membership changes. Batching changes no
@@ -39,7 +39,6 @@ from model.grammar import fill as grammar_masks
 from model.grammar import mask_logits
 from model.sampling import Context, Draw, make_generator
 from model.sampling import draw as draw_tokens
-from model.state import STORAGE_DTYPES, encode
 from model.tokenizer import StreamDecoder, Tokenizer
 
 from .compiler import DecodeStep
@@ -47,7 +46,6 @@ from .requests import (
     Alternatives,
     EmptyContext,
     EngineError,
-    Finished,
     FinishReason,
     NonFinite,
     Outbox,
@@ -81,7 +79,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Done:
-    """A row that has left the batch, with its own state: what `Runner.seal` reads."""
+    """A row that has left the batch, with its own state: what `Encoder.seal` reads."""
 
     row: Row
     state: State
@@ -358,49 +356,12 @@ class Runner:
     # -- the end -----------------------------------------------------------------------------
     def finish(self, r: Row) -> Done:
         """A row that is done leaves the batch with its own state (owning its memory, as a
-        cache keeps it). Its outcome is sealed (`seal`) off the engine thread."""
+        cache keeps it). Its outcome is sealed off the engine thread (`Encoder.seal`)."""
         if r in self._members:
             self._unbatch()
         if id(r) in self._failed:
             raise self._failed.pop(id(r))[1]
         return Done(r, r.state.compact())
-
-    def seal(self, done: Done) -> Finished:
-        """The outcome of a finished row: checked finite, with the bytes its commit must
-        write. Runs on the encoder thread (`app/engine/encoder.py`): it reads the row's own
-        state, which no step touches any more, and runs no module."""
-        r, state = done.row, done.state
-        if not state.finite():
-            raise NonFinite("this step made the session's state non-finite: it was not committed")
-        encoded = None
-        if r.req.persist is not None:
-            t0 = time.perf_counter()
-            encoded = encode(state, r.req.persist)
-            state = self._as_stored(state, r.req.persist.dtype)
-            self.counters.encode_seconds += time.perf_counter() - t0
-        return Finished(
-            r.text,
-            r.finish_reason or "length",
-            r.ids,
-            r.prompt_logprobs,
-            state,
-            encoded,
-            r.loaded,
-            r.prompt_top,
-        )
-
-    def _as_stored(self, state: State, dtype: str) -> State:
-        """`state` exactly as a replica that loads its stored bytes gets it: stored in a
-        narrower dtype than it computes in (bfloat16, say), its float tensors are rounded
-        through that dtype and its caches rebuilt from them. The session's next request
-        then continues the same way whichever replica serves it, hot or from Redis."""
-        stored = STORAGE_DTYPES[dtype]
-        kept = {name: state.tensors[name] for name in state.persistent}
-        if all(t.dtype == stored for t in kept.values() if t.is_floating_point()):
-            return state
-        return self.lm.rebuild_state(
-            {name: t.to(stored).to(t.dtype) if t.is_floating_point() else t for name, t in kept.items()}
-        )
 
     def reset(self) -> None:
         """Forget the batch (after a failed step, whose rows have all left)."""

@@ -66,7 +66,7 @@ def test_the_engine_steps_on_while_a_finished_state_is_encoded():
 
     async def go() -> tuple[list[int], list[int], int]:
         engine = engine_for(lm, cpu_threads=1)
-        seal = engine.encoder._seal
+        seal = engine.encoder.seal
 
         def gated(done):
             threads.append(threading.current_thread().name)
@@ -78,7 +78,7 @@ def test_the_engine_steps_on_while_a_finished_state_is_encoded():
         try:
             start = stored(await new_session(engine, [5, 6, 7]))
             ungated = (await greedy(engine, start, [8], max_tokens=6).finished()).token_ids
-            engine.encoder._seal = gated
+            engine.encoder.seal = gated  # type: ignore[method-assign]
             held = greedy(engine, start, [8], max_tokens=6)
             assert await asyncio.to_thread(sealing.wait, 30)
             # the encoding is held: a fresh request's every token comes all the same
