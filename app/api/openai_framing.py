@@ -278,7 +278,7 @@ class Framer(Protocol):
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> BaseModel: ...
     def opening(self, choice: Choice) -> BaseModel | None: ...
     def token(self, choice: Choice, event: TokenEvent | None, text: str) -> BaseModel | None: ...
-    def closing(self, choice: Choice) -> BaseModel | list[BaseModel]: ...
+    def closing(self, choice: Choice) -> BaseModel | Sequence[BaseModel]: ...
 
 
 def stream(
@@ -306,10 +306,11 @@ async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> Asyn
             if rest and (f := frame(framer.token(c, None, rest))) is not None:
                 yield f
             closing = framer.closing(c)
-            for entry in closing[:-1] if isinstance(closing, list) else []:
+            entries = [closing] if isinstance(closing, BaseModel) else list(closing)
+            for entry in entries[:-1]:
                 if (f := frame(entry)) is not None:
                     yield f
-            f = frame(closing[-1] if isinstance(closing, list) else closing)
+            f = frame(entries[-1])
         if f is not None:
             yield f
     if include_usage:

@@ -168,11 +168,11 @@ async def events(
             await end(failed)
         yield {"type": "response.failed", "response": failed}
         return
-    incomplete, output = begun.run.finish_reason == "length", []
+    incomplete, output = begun.run.finish_reason == "length", list[dict]()
     status = "incomplete" if incomplete else "completed"
     closing = [] if opening else _message_done(f, begun, status, held.text[: held.sent], output)
-    for ev in [*closing, *_calls_done(f, calls, output)]:
-        yield ev
+    for done in [*closing, *_calls_done(f, calls, output)]:
+        yield done
     details = {"reason": "max_output_tokens"} if incomplete else None
     body = f.response(status, output, usage=usage(begun), incomplete_details=details)
     if end is not None:
