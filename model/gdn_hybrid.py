@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hybrid import Hybrid, HybridConfig
-from .mamba import SSMMixer, causal_conv, init_dt_bias
+from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
 from .rlt import RMSNorm, rms_norm
 
 

@@ -6,7 +6,7 @@ their recurrent mixer.
 Read top to bottom: config, the attention layer, the block, the model.
 
 The architecture. The config's `pattern` names each layer's mixer, one letter a layer: `r`
-a recurrent mixer (`SSMMixer`'s interface, `model/mamba.py`: a causal convolution and a
+a recurrent mixer (`SSMMixer`'s interface, `model/recurrent_mixer.py`: a causal convolution and a
 matrix-valued state), `a` grouped-query attention over the stream's stored keys and values
 (`model/attention.py`). Every layer is a pre-norm block
     x = x + m * Mixer(RMSNorm(x)),   x = x + m * SwiGLU(RMSNorm(x))
@@ -46,8 +46,8 @@ from torch import nn
 
 from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import ContextFull, Execution, LanguageModel, TimeAxis, init_weights
-from .mamba import SSMMixer
 from .mlp import SwiGLU
+from .recurrent_mixer import SSMMixer
 from .rlt import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
 

@@ -1,7 +1,8 @@
 """Mamba (Gu and Dao, 2023): a selective state-space model, and what Mamba-2 shares with it.
 
-Read top to bottom: config, the causal convolution, the selective scan, the mixer, the
-block, the model. `model/mamba2.py` swaps the mixer for Mamba-2's SSD layer and keeps the
+Read top to bottom: config, the selective scan, the mixer, the block, the model. The
+causal convolution and the mixer's interface are every recurrent mixer's
+(`model/recurrent_mixer.py`). `model/mamba2.py` swaps the mixer for Mamba-2's SSD layer and keeps the
 rest (block, model, state).
 
 Notation follows the paper (b: batch, T: time, D = expand * d_model channels, N = d_state):
@@ -39,13 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .family import Execution, LanguageModel, TimeAxis, init_weights
+from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
 from .rlt import RMSNorm, rms_norm
 from .state import State
 
@@ -87,20 +89,6 @@ class MambaConfig(SSMConfig):
     @property
     def rank(self) -> int:
         return self.dt_rank or math.ceil(self.d_model / 16)
-
-
-# -- the causal convolution ---------------------------------------------------------------
-def causal_conv(x: torch.Tensor, window: torch.Tensor, conv: nn.Conv1d) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depthwise causal convolution over a stream: x (b, T, C) the new inputs, window
-    (b, K-1, C) the K-1 inputs before them (zeros before the stream's start) -> its output
-    (b, T, C) and the window after x. y_t = bias + sum_k w_k * x_{t-K+1+k}."""
-    K, T = conv.kernel_size[0], x.shape[1]
-    xx = torch.cat([window.to(x.dtype), x], 1)  # (b, K-1+T, C)
-    w = conv.weight[:, 0]  # (C, K)
-    y = xx[:, :T] * w[:, 0] if conv.bias is None else torch.addcmul(conv.bias, xx[:, :T], w[:, 0])
-    for k in range(1, K):
-        y = torch.addcmul(y, xx[:, k : k + T], w[:, k])
-    return y, xx[:, xx.shape[1] - (K - 1) :]
 
 
 # -- the selective scan (Eq. 2a) ----------------------------------------------------------
@@ -157,34 +145,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Ten
     return _scan_from(a, b, h0)
 
 
-def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
-    """x with softplus(x) = y (for y > 0)."""
-    return y + torch.log(-torch.expm1(-y))
-
-
-def init_dt_bias(bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> None:
-    """The paper's Delta init: softplus(bias) log-uniform in [dt_min, dt_max]."""
-    with torch.no_grad():
-        dt = torch.exp(torch.rand_like(bias) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        bias.copy_(inverse_softplus(dt.clamp(min=floor)))
-
-
 # -- the mixer: Algorithm 2 (S6) inside the Mamba block -----------------------------------
-class SSMMixer(nn.Module):
-    """A block's sequence mixer: (u, conv window, h) -> (output, window', h') (`forward`)."""
-
-    out_proj: nn.Linear
-
-    @staticmethod
-    def state_shapes(cfg: Any) -> tuple[int, tuple[int, ...]]:
-        """(conv channels, one layer's SSM state shape)."""
-        raise NotImplementedError
-
-    def reset_ssm(self) -> None:
-        """Initialise the SSM's own parameters (after GPT-2's init of the linear layers)."""
-        raise NotImplementedError
-
-
 class MambaMixer(SSMMixer):
     def __init__(self, cfg: MambaConfig):
         super().__init__()

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mamba import SSMMixer, causal_conv, init_dt_bias
+from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
 from .rlt import RMSNorm
 
 
