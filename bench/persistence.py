@@ -23,8 +23,9 @@ from harness import Redis, emit, model_dir
 from prometheus_client import REGISTRY
 
 import model
+from app.assembly import build_engine, build_sessions, build_tenants
 from app.config import Settings
-from app.sessions import Generation, build, build_engine
+from app.sessions import Generation
 from app.store import Store
 from model.sampling import SamplingParams
 
@@ -44,7 +45,7 @@ async def run_config(lm, url: str, name: str, kw: dict, history: int, requests: 
     settings = Settings(redis_url=url, key_prefix=f"bench-{secrets.token_hex(4)}:", cpu_threads=0, **kw)
     engine = build_engine(settings, lm, "bench")
     store = Store.from_settings(settings)
-    sessions = build(settings, store, engine)
+    sessions = build_sessions(settings, store, engine, build_tenants(settings, store))
     engine.start()
     meta = await sessions.create(list(b"x" * (history - 1)), 600, "")
     rows = []

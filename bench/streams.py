@@ -542,9 +542,9 @@ async def score_gap(client: httpx.AsyncClient, server: Server, text: str, reps: 
     """A `score` of `text` three ways, in turn each round (best of `reps` rounds): over HTTP
     (wall; the server process's CPU), through an `Engine` in this process (no HTTP, no
     sessions, no Redis) and through `lm.consume` (wall; CPU)."""
+    from app.assembly import build_engine
     from app.config import Settings
     from app.engine.requests import Request
-    from app.sessions import build_engine
 
     torch.set_num_threads(1)
     lm = model.load("shakespeare-rlt", device="cpu")

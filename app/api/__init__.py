@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 
 import model
-from app import metrics as service_metrics
-from app import sessions as sessions_service
+from app.assembly import assembled
 from app.config import Settings
-from app.store import Store
 
 from . import (
     chat_completions,
@@ -37,11 +33,6 @@ from .middleware import BodyLimit, BrowserGuard, RequestContext
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def model_name(name_or_dir: str) -> str:
-    """The name sessions record: a shipped name as given, a checkpoint directory's basename."""
-    return Path(name_or_dir).name or str(name_or_dir)
-
-
 def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> FastAPI:
     """The ASGI app. `lm` may be preloaded (the CLI does, to fail before starting anything)."""
     if not settings.redis_url:
@@ -49,44 +40,20 @@ def create_app(settings: Settings, lm: model.LanguageModel | None = None) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store.from_settings(settings)
-        loaded = (
-            lm
-            if lm is not None
-            else await asyncio.to_thread(
-                model.load,
-                settings.model,
-                device=settings.device,
-                precision=settings.precision,
-                options=settings.model_options,
-            )
-        )
-        # the checkpoint's chat template, checked now: a broken one fails the start, not a chat
-        app.state.chat_template = await asyncio.to_thread(model.checkpoint.chat_template, settings.model)
-        engine = sessions_service.build_engine(settings, loaded, model_name(settings.model))
-        engine.start()
-        sessions = sessions_service.build(settings, store, engine)
-        store.connection.watch_memory(settings.storage_guard)
-        app.state.store = store
-        app.state.sessions = sessions
-        app.state.stateful = sessions_service.build_stateful(settings, store, sessions)
-        app.state.stateful[2].start()  # the sweep of background responses' lapsed leases
-        service_metrics.bind_engine(engine, sessions.cache)
-        try:
-            yield
-        finally:
-            await app.state.stateful[2].close()
-            app.state.sessions = None
-            await asyncio.to_thread(engine.stop)
-            await store.close()
+        async with assembled(settings, lm) as services:
+            app.state.services = services
+            try:
+                yield
+            finally:
+                app.state.services = None  # (routes answer not_ready while it closes)
 
     return _assemble(settings, lifespan)
 
 
 def _import_limit(app: FastAPI) -> int:
     """The largest state import the app takes now (before the model is loaded, none)."""
-    sessions = app.state.sessions
-    return sessions.import_limit if sessions is not None else 0
+    services = app.state.services
+    return services.sessions.import_limit if services is not None else 0
 
 
 def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
@@ -101,10 +68,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.sessions = None
-    app.state.store = None
-    app.state.stateful = None
-    app.state.chat_template = None
+    app.state.services = None  # (app/assembly.py, once the lifespan has built them)
     app.state.api_keys = [k.encode() for k in settings.load_api_keys()]
     errors.install(app)
     app.add_middleware(

@@ -30,7 +30,7 @@ from model import tool_calls
 from model.chat_template import ChatTemplate
 
 from . import openai_framing as oai
-from .deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids
+from .deps import OwnerDep, ServicesDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids
 from .errors import ApiError, ErrorType
 from .openai_schemas import (
     ChatChoice,
@@ -55,9 +55,9 @@ from .structured import HeldText, Shape, call_id, tools_of
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def chat_template(request: Request) -> ChatTemplate:
+def chat_template(services: ServicesDep) -> ChatTemplate:
     """The served checkpoint's chat template (read at startup), or 400."""
-    template: ChatTemplate | None = request.app.state.chat_template
+    template = services.chat_template
     if template is None:
         raise ApiError(
             ErrorType.no_chat_template,

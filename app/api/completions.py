@@ -41,6 +41,7 @@ from . import openai_framing as oai
 from .deps import (
     EngineDep,
     OwnerDep,
+    ServicesDep,
     SessionIdHeader,
     SessionsDep,
     SettingsDep,
@@ -64,7 +65,7 @@ _STARTED = time.time()
 
 
 @router.get("/models", response_model=ModelList, summary="The served model (OpenAI format)")
-async def list_models(engine: EngineDep, request: Request) -> ModelList:
+async def list_models(engine: EngineDep, services: ServicesDep) -> ModelList:
     lm = engine.lm
     card = ModelCard(
         id=engine.name,
@@ -73,7 +74,7 @@ async def list_models(engine: EngineDep, request: Request) -> ModelList:
         vocab_size=engine.vocab_size,
         context_window=lm.context_window,
         precision=lm.precision,
-        chat_template=request.app.state.chat_template is not None,
+        chat_template=services.chat_template is not None,
         sampling_defaults=SamplingDefaults(**dataclasses.asdict(lm.generation_config)),
     )
     return ModelList(data=[card])

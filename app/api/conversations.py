@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from app.sessions import Conversations
 from model.chat_template import ChatTemplate
 
 from .chat_completions import chat_template
-from .deps import OwnerDep, SessionsDep, SettingsDep
+from .deps import OwnerDep, ServicesDep, SessionsDep, SettingsDep
 from .errors import ErrorType, responses
 from .responses import PageDep, PageQuery, item, page, renderer
 from .responses_schemas import (
@@ -34,8 +34,8 @@ WRITES = responses(
 )  # fmt: skip
 
 
-def conversations_room(request: Request) -> Conversations:
-    return request.app.state.stateful[1]
+def conversations_room(services: ServicesDep) -> Conversations:
+    return services.conversations
 
 
 RoomDep = Annotated[Conversations, Depends(conversations_room)]

@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from app import logs
+from app.assembly import Services
 from app.config import Settings
 from app.engine import Engine
 from app.sessions import SessionService
@@ -32,11 +33,15 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_sessions(request: Request) -> SessionService:
-    sessions = getattr(request.app.state, "sessions", None)
-    if sessions is None:
+def get_services(request: Request) -> Services:
+    services: Services | None = request.app.state.services
+    if services is None:
         raise ApiError(ErrorType.not_ready, "the model is not loaded yet")
-    return sessions
+    return services
+
+
+def get_sessions(services: Annotated[Services, Depends(get_services)]) -> SessionService:
+    return services.sessions
 
 
 def get_engine(sessions: Annotated[SessionService, Depends(get_sessions)]) -> Engine:
@@ -183,7 +188,7 @@ async def authenticate(request: Request) -> str:
 async def check_rate(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
     """The tenant's request rate, shared by all replicas: 429 quota_exceeded past it, with
     Retry-After. (Its token rate: `Tenants.starting`, once a route knows its max_tokens.)"""
-    await get_sessions(request).tenants.check_rate(owner)
+    await get_services(request).tenants.check_rate(owner)
 
 
 async def bind_client(request: Request, owner: Annotated[str, Depends(authenticate)]) -> None:
@@ -202,6 +207,7 @@ async def bind_session(request: Request) -> None:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+ServicesDep = Annotated[Services, Depends(get_services)]
 SessionsDep = Annotated[SessionService, Depends(get_sessions)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 IfMatchDep = Annotated[int | None, Depends(if_match)]

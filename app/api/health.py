@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from .deps import get_sessions
+from .deps import get_services
 from .errors import ErrorType, responses
 from .schemas import Health, Ready
 
@@ -23,9 +23,9 @@ async def healthz() -> Health:
     responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready, ErrorType.engine_stalled),
 )
 async def readyz(request: Request) -> Ready:
-    sessions = get_sessions(request)  # 503 until the model is loaded
+    services = get_services(request)  # 503 until the model is loaded
+    sessions, store = services.sessions, services.store
     sessions.engine.watchdog.check()  # 503 while a step has run past its deadline
-    store = request.app.state.store
     await store.ping()
     full = store.connection.memory_full  # the storage guard's last reading
     return Ready(

@@ -77,8 +77,8 @@ def install(app: FastAPI, routers: Routers) -> None:
             description=app.description,
             routes=app.routes,
         )
-        sessions = app.state.sessions
-        vocab = sessions.engine.vocab_size if sessions is not None else None
+        services = app.state.services
+        vocab = services.engine.vocab_size if services is not None else None
         build(doc, routers, app.state.settings, vocab, keys=bool(app.state.api_keys))
         if vocab is not None:  # before the model is loaded, the token ids have no bound yet
             app.openapi_schema = doc

@@ -31,6 +31,7 @@ from . import responses_framing as rf
 from .chat_completions import chat_template
 from .deps import (
     OwnerDep,
+    ServicesDep,
     SessionsDep,
     SettingsDep,
     in_vocabulary,
@@ -70,12 +71,12 @@ EVENTS = stream_response(
 )
 
 
-def responses_room(request: Request) -> Responses:
-    return request.app.state.stateful[0]
+def responses_room(services: ServicesDep) -> Responses:
+    return services.responses
 
 
-def background_room(request: Request) -> Background:
-    return request.app.state.stateful[2]
+def background_room(services: ServicesDep) -> Background:
+    return services.background
 
 
 ResponsesDep = Annotated[Responses, Depends(responses_room)]

@@ -29,7 +29,7 @@ from app.transcript import conversation
 from model.chat_template import ChatTemplate
 
 from .chat_completions import chat_template
-from .deps import IfMatchDep, OwnerDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
+from .deps import IfMatchDep, OwnerDep, ServicesDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
 from .disconnect import HangupDep, until_disconnect
 from .errors import ApiError, ErrorType, responses
 from .schemas import (
@@ -154,7 +154,7 @@ async def create_session(
     responses=responses(ErrorType.redis_unavailable, ErrorType.invalid_request),
 )
 async def list_sessions(
-    request: Request,
+    services: ServicesDep,
     sessions: SessionsDep,
     owner: OwnerDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page, at most")] = 50,
@@ -179,7 +179,7 @@ async def list_sessions(
     ] = None,
 ) -> SessionList:
     page = await sessions.listing(owner, "" if cursor == "0" else cursor, limit, ephemeral)
-    preview = _Preview(sessions.engine, request.app.state.chat_template)
+    preview = _Preview(sessions.engine, services.chat_template)
     return SessionList(
         sessions=[preview(s) for s in page.sessions if model is None or s.meta.model == model],
         next_cursor=page.cursor or None,
@@ -500,6 +500,7 @@ async def generate(
     session_id: str,
     body: Generate,
     request: Request,
+    services: ServicesDep,
     sessions: SessionsDep,
     settings: SettingsDep,
     expected: IfMatchDep,
@@ -516,7 +517,7 @@ async def generate(
         keep_on_disconnect=body.stream and body.on_disconnect == "commit",
         logprobs=Logprobs(top=body.top_logprobs),
     )
-    async with sessions.tenants.starting(owner, 1, max_tokens) as admitted:
+    async with services.tenants.starting(owner, 1, max_tokens) as admitted:
         run = await sessions.generate(session_id, ids, gen, expected=expected, owner=owner)
     admitted(run)
     token = _Token(engine.tokenizer.token_text, body.logprobs or body.top_logprobs > 0)
@@ -539,13 +540,14 @@ async def generate_get(
     session_id: str,
     query: Annotated[GenerateQuery, Query()],
     request: Request,
+    services: ServicesDep,
     sessions: SessionsDep,
     settings: SettingsDep,
     expected: IfMatchDep,
     owner: OwnerDep,
 ) -> EventSourceResponse:
     body = Generate(**query.model_dump(exclude={"access_token"}), stream=True)
-    response = await generate(session_id, body, request, sessions, settings, expected, owner)
+    response = await generate(session_id, body, request, services, sessions, settings, expected, owner)
     assert isinstance(response, EventSourceResponse)
     return response
 

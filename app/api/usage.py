@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from app.store import tenant_of
 
-from .deps import OwnerDep, SessionsDep
+from .deps import OwnerDep, ServicesDep
 from .errors import ErrorType, responses
 from .schemas import Limits, TenantUsage
 
@@ -21,9 +21,9 @@ router = APIRouter(prefix="/v1", tags=["quotas"])
     summary="What the caller's key holds, and its limits",
     responses=responses(ErrorType.redis_unavailable),
 )
-async def usage(sessions: SessionsDep, owner: OwnerDep) -> TenantUsage:
-    held = await sessions.tenants.usage(owner)
-    limits = Limits(**dataclasses.asdict(sessions.tenants.quota_of(owner)))
+async def usage(services: ServicesDep, owner: OwnerDep) -> TenantUsage:
+    held = await services.tenants.usage(owner)
+    limits = Limits(**dataclasses.asdict(services.tenants.quota_of(owner)))
     return TenantUsage(
         tenant=tenant_of(owner), sessions=held.sessions, state_bytes=held.state_bytes, limits=limits
     )

@@ -3,9 +3,9 @@ a score and a generation are each one `Request`."""
 
 from __future__ import annotations
 
+from app.assembly import build_engine
 from app.config import Settings
 from app.engine import Engine, Finished, Request, Stored
-from app.sessions import build_engine
 from model.sampling import SamplingParams
 from model.state import Persist
 

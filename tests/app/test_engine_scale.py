@@ -12,9 +12,10 @@ import torch
 from prometheus_client import REGISTRY
 
 import model
+from app.assembly import build_engine, build_sessions, build_tenants
 from app.config import Settings
 from app.engine import QueueFull, Stored
-from app.sessions import Generation, build, build_engine
+from app.sessions import Generation
 from app.store import Store
 from model.sampling import SamplingParams
 from model.state import merge, read_blob
@@ -41,7 +42,7 @@ class Replica:
         s = Settings(redis_url=redis_url, key_prefix=prefix, **settings)
         self.engine = build_engine(s, lm, "tiny")
         self.store = Store.from_settings(s)
-        self.sessions = build(s, self.store, self.engine)
+        self.sessions = build_sessions(s, self.store, self.engine, build_tenants(s, self.store))
         self.engine.start()
         self.bytes_read: list[float] = []
         self.commits: list[str] = []
