@@ -156,12 +156,15 @@ def test_hot_cache_confirms_versions_across_replicas(lm, redis_url):
 def test_a_narrower_stored_dtype_continues_the_same_on_every_replica(redis_url):
     """Stored as bfloat16, a state continues exactly as Redis holds it whichever replica
     serves it: hot in the committing replica's cache (rounded through bfloat16, its caches
-    rebuilt), or read back from Redis by another replica, or by a fork."""
+    rebuilt), or read back from Redis by another replica, or by a fork. (A Mamba state,
+    which a commit rounds: a key/value cache keeps its precision itself, as it is
+    appended, tests/app/test_state_precision_api.py.)"""
     prefix = f"scale-{secrets.token_hex(4)}:"
     bf16 = dict(state_dtype="bfloat16")
     # the trained model: a random tiny one barely reads its state, so rounding it would
     # move its log-probs by less than fp32 rounding does
-    lm = model.load("shakespeare", device="cpu")
+    lm = model.load("shakespeare-mamba", device="cpu")
+    assert lm.keep_states_in("bfloat16") == "bfloat16"  # rounded when stored
 
     async def serve(order: str, **settings):
         replicas = {name: Replica(lm, redis_url, prefix, **bf16, **settings) for name in sorted(set(order))}
