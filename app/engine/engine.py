@@ -150,33 +150,25 @@ class Engine:
         return s.receive(wait=s.idle)
 
     def _step(self, admitted: list[Request]) -> None:
+        """Schedule, execute, update (as vLLM's engine core steps): the scheduler decides,
+        the runner runs its plan, and the scheduler takes the outcome. One bad row never
+        fails the batch: a row whose own part failed leaves alone, with its error."""
         s, r, out = self.scheduler, self.runner, self.outbox
         for req in admitted:
             try:
                 s.add(r.load(req))
             except Exception as exc:  # a damaged or inconsistent stored state, say
                 out.put(req, Failed.of(exc))
-        for size, rows in s.prefill_groups():
-            try:
-                r.prefill(rows, size)  # (a row that fails alone is failed alone: below)
-            except Exception as exc:
-                log.exception("prefill failed")
-                s.drop(rows)
-                for row in rows:
-                    out.put(row.req, Failed.of(exc))
-        self._drop_failed()
-        s.prefilled()
-        s.publish()  # before any token of this step is sent
-        rows = s.decode_batch()
-        if rows:
-            r.decode(rows)
-        self._drop_failed()
-        for row in s.take_done():
+        plan = s.schedule()
+        failed = r.execute(plan)
+        for row, error in failed:
+            log.warning("a request failed alone: %s", error)
+            out.put(row.req, Failed.of(error))
+        for row in s.update([row for row, _ in failed]):
             try:
                 self._done.append((row.req, r.finish(row)))
             except Exception as exc:
                 out.put(row.req, Failed.of(exc))
-        self._drop_failed()
 
     def publish(self) -> None:
         """The end of a step: its events go to the event loop, then its finished rows to the
@@ -186,11 +178,3 @@ class Engine:
         done, self._done = self._done, []
         for req, row in done:
             self.encoder.submit(req, row)
-
-    def _drop_failed(self) -> None:
-        """The rows whose own part of a step failed leave, each with its error; the others
-        go on (one bad row never fails the batch)."""
-        for row, exc in self.runner.take_failed():
-            log.warning("a request failed alone: %s", exc)
-            self.scheduler.drop([row])
-            self.outbox.put(row.req, Failed.of(exc))

@@ -25,6 +25,7 @@ loop; it imports only `model/` and the engine's own modules.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from .requests import (
     TokenEvent,
 )
 
+log = logging.getLogger("recur.engine")
+
 
 @dataclass(eq=False)  # rows are compared by identity
 class Row:
@@ -75,6 +78,15 @@ class Row:
     def decoding(self) -> bool:
         """Its prompt is consumed and it still samples tokens."""
         return not self.pending and self.finish_reason is None and self.req.max_tokens > 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One engine step as the scheduler chose it (`Scheduler.schedule`), which the runner
+    executes (`Runner.execute`): as vLLM's `SchedulerOutput`."""
+
+    prefill: list[tuple[int, list[Row]]]  # (chunk length, the rows that consume a chunk that long)
+    decode: list[Row]  # the rows that sample a token: those decoding, then those this prefill readies
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,22 @@ class Runner:
         state = self.lm.rebuild_state(parsed.tensors).compact()
         self.counters.load_seconds += time.perf_counter() - t0
         return state
+
+    def execute(self, plan: Plan) -> list[tuple[Row, Exception]]:
+        """Run one step: the plan's prompt chunks, then one decode step for its decoding rows
+        (less any whose chunk failed). Returns the rows whose own part failed, each with its
+        error; the others went on."""
+        for size, rows in plan.prefill:
+            try:
+                self.prefill(rows, size)  # (a row that fails alone is failed alone)
+            except Exception as exc:  # (its retry of each row alone raised)
+                log.exception("prefill failed")
+                for r in rows:
+                    self._fail(r, exc)
+        rows = [r for r in plan.decode if id(r) not in self._failed]
+        if rows:
+            self.decode(rows)
+        return self.take_failed()
 
     # -- prefill -----------------------------------------------------------------------------
     def prefill(self, rows: list[Row], size: int) -> None:

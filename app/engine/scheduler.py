@@ -48,7 +48,7 @@ import threading
 from dataclasses import dataclass
 
 from .requests import QueueFull, Request
-from .runner import Row
+from .runner import Plan, Row
 
 _STOP = object()  # the inbox item that ends the engine thread
 # a client whose last request just ended still counts as active for this many steps: one that
@@ -227,6 +227,25 @@ class Scheduler:
     def add(self, row: Row) -> None:
         self._place(row)
 
+    def schedule(self) -> Plan:
+        """This step's plan: the prompt chunks (`prefill_groups`), and the rows that sample a
+        token, those decoding and then those whose prompt this step's chunk ends (they
+        sample in the same step, as they did when their prompt ended before it)."""
+        groups = self.prefill_groups()
+        self._decoding = [r for r in self._decoding if not r.req.cancelled]
+        ends = {
+            id(r) for size, rows in groups for r in rows if size == len(r.pending) and r.req.max_tokens > 0
+        }
+        self.publish()  # (before any token of this step is sent)
+        return Plan(groups, [*self._decoding, *(r for r in self._prefilling if id(r) in ends)])
+
+    def update(self, failed: list[Row]) -> list[Row]:
+        """Take the step's outcome: the rows that failed leave, the rows whose prompt is
+        consumed move on (to decoding, or done); returns the rows that are done, leaving."""
+        self.drop(failed)
+        self.prefilled()
+        return self.take_done()
+
     def prefill_groups(self) -> list[tuple[int, list[Row]]]:
         """This step's prompt chunks: (chunk length, the rows that consume one that long).
         While rows decode, at most `prefill_tokens_per_step` tokens in all; the rows served
@@ -250,11 +269,6 @@ class Scheduler:
         rows, self._prefilling = self._prefilling, []
         for r in rows:
             self._place(r)
-
-    def decode_batch(self) -> list[Row]:
-        """The rows that sample a token in this step."""
-        self._decoding = [r for r in self._decoding if not r.req.cancelled]
-        return list(self._decoding)
 
     def take_done(self) -> list[Row]:
         """Rows that have finished, leaving the scheduler."""
