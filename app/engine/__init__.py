@@ -3,6 +3,7 @@
 HTTP response or speaks to Redis."""
 
 from .engine import Engine
+from .fairness import Fairness
 from .requests import (
     Alternatives,
     EmptyContext,
@@ -17,7 +18,6 @@ from .requests import (
     Stored,
     TokenEvent,
 )
-from .scheduler import Fairness
 from .watchdog import EngineStalled
 
 __all__ = [

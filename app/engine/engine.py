@@ -22,11 +22,12 @@ from model.tokenizer import Tokenizer
 
 from .compiler import MODEL_LOCK, DecodeStep, serialise_tracing
 from .encoder import Encoder
+from .fairness import NO_FAIRNESS, Fairness
 from .loader import Loader
 from .malloc import MallocTrimmer
 from .requests import Failed, Outbox, Request, Stored
 from .runner import Counters, Done, Runner
-from .scheduler import NO_FAIRNESS, PREFILL_TOKENS_PER_STEP, Fairness, Scheduler
+from .scheduler import PREFILL_TOKENS_PER_STEP, Scheduler
 from .watchdog import Watchdog
 
 log = logging.getLogger("recur.engine")

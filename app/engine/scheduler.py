@@ -22,14 +22,10 @@ their prompt tokens by `max_queued_tokens`; past either, `submit` raises QueueFu
 once (the API's 429). One tenant's requests may fill only `Fairness.queue_share` of
 either, so a tenant flooding the queue never shuts another out of it.
 
-Fairness between tenants (`Request.tenant`: an API key, or a client's address). Each
-tenant waits in its own line, and admission takes from the line of the tenant with the
-fewest rows running. A tenant alone may fill the batch. While a tenant with little work
-(less than `Fairness.batch_share` of the batch) is active beside it (or was, within the
-last LINGER_STEPS steps), a tenant holds at most that share: past it, its newest rows are parked, their states kept (a recurrent
-state is small, so parking costs nothing to resume), at the front of its line. So one
-tenant's flood never makes another's steps much longer than they are alone. Tenants that
-all have much work split the batch evenly.
+Fairness between tenants (`Request.tenant`: an API key, or a client's address): each
+tenant waits in its own line, and admission takes from the one that `Shares`
+(app/engine/fairness.py) names; a tenant past its share beside a lighter one has its
+newest rows parked, their states kept, at the front of its line.
 
 A stream whose client does not read: once `Fairness.buffer_tokens` of its tokens wait
 unread, its row is paused (out of the batch, its state kept) until its client has read
@@ -45,31 +41,16 @@ import collections
 import math
 import queue
 import threading
-from dataclasses import dataclass
 
+from .fairness import NO_FAIRNESS, Fairness, Shares
 from .requests import QueueFull, Request
 from .runner import Plan, Row
 
 _STOP = object()  # the inbox item that ends the engine thread
-# a client whose last request just ended still counts as active for this many steps: one that
-# sends request after request is not met by a batch that another client filled in between
-LINGER_STEPS = 50
 # prompt tokens one step consumes while other rows decode (`Settings.prefill_tokens_per_step`):
 # on the shipped models about as long as a 16-row decode step takes, so a prompt arriving
 # at most doubles the decoding streams' inter-token latency while it is consumed
 PREFILL_TOKENS_PER_STEP = 32
-
-
-@dataclass(frozen=True)
-class Fairness:
-    """How the scheduler shares the engine between tenants (see the module docstring)."""
-
-    batch_share: float = 1.0  # of max_batch_size, a tenant's while a lighter one is active
-    queue_share: float = 1.0  # of the queue's requests and tokens, one tenant's at most
-    buffer_tokens: int = 0  # unread tokens past which a stream is paused (0: never)
-
-
-NO_FAIRNESS = Fairness()  # one line for all, whole batch, never paused
 
 
 class Scheduler:
@@ -91,22 +72,19 @@ class Scheduler:
         self.segment_len = segment_len
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.fairness = fairness
-        self._share = max(1, math.floor(fairness.batch_share * max_batch_size))  # rows
+        self.shares = Shares(fairness, max_batch_size)
         self._queue_lock = threading.Lock()
         self.queued_requests = 0
         self.queued_tokens = 0
         self._queued_by: collections.Counter[str] = collections.Counter()  # requests, by tenant
         self._tokens_by: collections.Counter[str] = collections.Counter()  # their prompt tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # each tenant's line: parked rows (to resume) first, then its requests in arrival order
-        self._lines: dict[str, collections.deque[Request | Row]] = {}
+        self._lines = self.shares.lines  # each tenant's: parked rows (to resume) first, then its requests
         self._prefilling: list[Row] = []
         self._decoding: list[Row] = []
         self._done: list[Row] = []
         self._paused: list[Row] = []  # streams whose clients do not read
         self._num_running = 0
-        self._steps = 0  # admissions so far: the scheduler's clock
-        self._seen: dict[str, int] = {}  # each client's last step with work
 
     # -- the event loop's side ---------------------------------------------------------------
     @property
@@ -197,13 +175,11 @@ class Scheduler:
         self._resume_read()
         running = collections.Counter(r.req.tenant for r in self._running())
         waiting = {t for t, line in self._lines.items() if line}
-        self._steps += 1
-        for t in waiting | set(running):
-            self._seen[t] = self._steps
+        self.shares.tick(running, waiting)
         self._park_past_share(running, waiting)
         out: list[Request] = []
         while sum(running.values()) < self.max_batch_size:
-            tenant = self._next_tenant(running, waiting)
+            tenant = self.shares.next_tenant(running, waiting)
             if tenant is None:
                 break
             item = self._lines[tenant].popleft()
@@ -308,42 +284,18 @@ class Scheduler:
         else:
             self._done.append(row)
 
-    # -- fairness ------------------------------------------------------------------------------
+    # -- fairness (app/engine/fairness.py decides; the rows are the scheduler's) ----------------
     def _running(self) -> list[Row]:
         return [*self._prefilling, *self._decoding, *self._done]
-
-    def _active(self, running: collections.Counter[str], waiting: set[str]) -> set[str]:
-        """The clients with work, and those that had some within LINGER_STEPS."""
-        self._seen = {t: at for t, at in self._seen.items() if self._steps - at <= LINGER_STEPS}
-        return waiting | {t for t, n in running.items() if n} | set(self._seen)
-
-    def _next_tenant(self, running: collections.Counter[str], waiting: set[str]) -> str | None:
-        """The waiting tenant with the fewest rows running, among those under their cap."""
-        active = self._active(running, waiting)
-        allowed = [t for t in waiting if running[t] < self._cap(t, running, active)]
-        return min(allowed, key=lambda t: running[t], default=None)
-
-    def _cap(self, tenant: str, running: collections.Counter[str], active: set[str]) -> int:
-        """The most rows `tenant` may hold now: the whole batch alone; its share while a
-        lighter tenant (one that wants less than a share) is active; else an even split."""
-        others = active - {tenant}
-        if not others:
-            return self.max_batch_size
-        if any(self._wants(t, running) < self._share for t in others):
-            return self._share
-        return max(self._share, self.max_batch_size // len(active))
-
-    def _wants(self, tenant: str, running: collections.Counter[str]) -> int:
-        return running[tenant] + len(self._lines.get(tenant, ()))
 
     def _park_past_share(self, running: collections.Counter[str], waiting: set[str]) -> None:
         """Rows of a tenant past its cap go back to the front of its line, newest first
         out: a row still consuming its prompt before one that is decoding."""
-        active = self._active(running, waiting)
+        active = self.shares.active(running, waiting)
         if len(active) < 2:
             return
         for tenant in list(running):
-            excess = running[tenant] - self._cap(tenant, running, active)
+            excess = running[tenant] - self.shares.cap(tenant, running, active)
             if excess <= 0:
                 continue
             mine = [r for r in (*self._decoding, *self._prefilling) if r.req.tenant == tenant]

@@ -86,7 +86,7 @@ class Stepper:
 
 
 def test_a_flood_fills_the_batch_alone_and_holds_its_share_beside_another(lm_and_start):
-    from app.engine.scheduler import LINGER_STEPS
+    from app.engine.fairness import LINGER_STEPS
 
     lm, start = lm_and_start
 
