@@ -16,7 +16,7 @@ distance between the query and the key. A window key is seen at its true distanc
 most W); a sink at distance min(p, S + W) - j, as if the query stood right after the cache
 [sinks; window]. Keys are stored rotated at their absolute position j; the query is rotated
 twice, at p for the window and at min(p, S + W) for the sinks. Angles are computed in
-float64 from int64 positions (`model.rlt.rope_angles`). A rotation may cover only the first
+float64 from int64 positions (`model/rotary.py`). A rotation may cover only the first
 dimensions of each head (partial RoPE, Qwen3-Next's), or none (NoPE, Granite-4.0-H's).
 
 Rows shorter than the batch's longest are left-padded; a key's position (negative for
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import TimeAxis
-from .rlt import Rope, apply_rope, rope_angles
+from .rotary import Rope, rope_angles, rotate
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # keys and values
 # appends a layer's new keys and values to its window, returns all of them (B, M+T, kvh*hd)
@@ -44,20 +44,6 @@ def kv_axes(layers: int, width: int, sinks: int, window: int) -> dict[str, TimeA
     win = TimeAxis(layers, width, window)
     sink = TimeAxis(layers, width, sinks, fills=True)
     return {"k": win, "v": win, "sink_k": sink, "sink_v": sink}
-
-
-def rotate(x: torch.Tensor, cs: Rope | None, n_head: int) -> torch.Tensor:
-    """`apply_rope` on the first cs-width dimensions of each head of x (B, T, n_head*hd),
-    the others passed through (partial RoPE); x itself where there is no rotation (NoPE)."""
-    if cs is None:
-        return x
-    B, T, D = x.shape
-    hd, r = D // n_head, cs[0].shape[-1]
-    if r == hd:
-        return apply_rope(x, cs, n_head)
-    xh = x.view(B, T, n_head, hd)
-    turned = apply_rope(xh[..., :r].reshape(B, T, n_head * r), cs, n_head).view(B, T, n_head, r)
-    return torch.cat([turned, xh[..., r:]], -1).view(B, T, D)
 
 
 # -- positions and masks ------------------------------------------------------------------

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hybrid import Hybrid, HybridConfig
+from .norms import RMSNorm, rms_norm
 from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
-from .rlt import RMSNorm, rms_norm
 
 
 @dataclass

@@ -47,8 +47,8 @@ from torch import nn
 from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import ContextFull, Execution, LanguageModel, TimeAxis, init_weights
 from .mlp import SwiGLU
+from .norms import RMSNorm, rms_norm
 from .recurrent_mixer import SSMMixer
-from .rlt import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
 
 MODES = ("exact", "bounded")

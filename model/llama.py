@@ -29,7 +29,7 @@ cache [sinks; window]. So no distance ever exceeds S + W, and a session of any l
 within the positions the model was trained on (`trained_context`). Keys are stored rotated
 at their absolute position j; the query is rotated twice, at p for the window and at
 min(p, S + W) for the sinks. Angles are computed in float64 from int64 positions
-(`model.rlt.rope_angles`), so a key millions of tokens deep is rotated as exactly as the
+(`model.rotary.rope_angles`), so a key millions of tokens deep is rotated as exactly as the
 tenth (no fp32 angle drift), and window scores see exact distances.
 
 State, per stream (batch-first; everything persistent):
@@ -61,7 +61,7 @@ from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .int8 import int8_linear
 from .mlp import SwiGLU
-from .rlt import RMSNorm, rms_norm
+from .norms import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
 from .state.precision import PRECISIONS
 

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import Execution, LanguageModel, TimeAxis, init_weights
+from .norms import RMSNorm, rms_norm
 from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
-from .rlt import RMSNorm, rms_norm
 from .state import State
 
 

@@ -1,6 +1,7 @@
 """The Recurrent Looped Transformer, RLT-1 (Zhang, Feng and Qin, 2026), and its RLT-0 variant.
 
-Read top to bottom: config, RoPE and masks, attention, blocks, the model.
+Read top to bottom: config, masks, attention, blocks, the model (RoPE and RMSNorm are the
+layers room's: `model/rotary.py`, `model/norms.py`).
 
 Notation follows the report:
   e_t               causal encoder output at position t (L_E pre-norm blocks, RoPE on q, k)
@@ -58,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import Execution, LanguageModel, TimeAxis, init_weights
+from .norms import RMSNorm, rms_norm
+from .rotary import Rope, apply_rope, rope_angles
 from .state import Growth, State, StateError, kv_appender, unzip
 from .state.precision import PRECISIONS, snap
 
@@ -97,30 +100,6 @@ class RLTConfig:
 
 
 # -- positions and masks ------------------------------------------------------------------
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, T, 1, hd), see `apply_rope`
-
-
-def rope_angles(pos: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
-    """Absolute positions (B, T) -> cos, sin (B, T, 1, hd) in `dtype`, the sines of the first
-    half negated (`apply_rope`). Angles are computed in float64, so a position gets the same
-    rotation whichever chunk it arrives in, even far into a long session."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
-    ang = pos.to(torch.float64)[..., None] * inv_freq  # (B, T, hd/2)
-    cos, sin = ang.cos(), ang.sin()
-    return torch.cat([cos, cos], -1)[:, :, None].to(dtype), torch.cat([-sin, sin], -1)[:, :, None].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cs: Rope, n_head: int) -> torch.Tensor:
-    """Rotate each head of x (B, T, n_head*hd) by its position, rotate-half form:
-    [x1; x2] -> [x1 cos - x2 sin; x2 cos + x1 sin] = x cos + [x2; x1] (signed sin)."""
-    B, T, D = x.shape
-    hd = D // n_head
-    xh = x.view(B, T, n_head, hd)
-    swapped = xh.roll(hd // 2, -1)  # [x2; x1]
-    cos, sin = cs if cs[0].dtype == x.dtype else (cs[0].to(x.dtype), cs[1].to(x.dtype))
-    return torch.addcmul(xh * cos, swapped, sin).view(B, T, D)
-
-
 def window_mask(
     q0: int, T: int, k0: int, K: int, span: int, first_valid: torch.Tensor, padded: bool
 ) -> torch.Tensor | None:
@@ -182,30 +161,6 @@ def window_appender(k: Growth, v: Growth, i: int, span: int) -> KV:
     """For decoder layer i stepping one token: append its key and value to the window cache,
     get back the last `span` of them."""
     return lambda k_new, v_new: (k.append(i, k_new)[:, -span:], v.append(i, v_new)[:, -span:])
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm, holding its eps as a tensor for `rms_norm`."""
-
-    eps_tensor: torch.Tensor
-
-    def __init__(self, d: int, eps: float):
-        super().__init__(d, eps=eps)
-        self.register_buffer("eps_tensor", torch.tensor(eps), persistent=False)
-
-    def reset_buffers(self) -> None:
-        """Make eps_tensor again (`LanguageModel.without_init` leaves buffers uninitialised)."""
-        self.eps_tensor = torch.tensor(self.eps if self.eps is not None else 0.0, device=self.weight.device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self)
-
-
-def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * w with mean(x^2) = |x|^2 / d: five small kernels where
-    nn.RMSNorm's CPU path runs seven, and no module call (a decode step runs fourteen norms)."""
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x * torch.rsqrt(torch.addcmul(norm.eps_tensor, n, n, value=1 / x.shape[-1])) * norm.weight
 
 
 def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:

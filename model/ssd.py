@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norms import RMSNorm
 from .recurrent_mixer import SSMMixer, causal_conv, init_dt_bias
-from .rlt import RMSNorm
 
 
 @dataclass

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import model
 from model.checkpoint import build
 from model.llama import Llama
-from model.rlt import apply_rope, rope_angles
+from model.rotary import apply_rope, rope_angles
 from model.state import StateError
 
 from .conftest import assert_any_chunking_agrees, run_chunks
