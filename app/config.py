@@ -242,8 +242,8 @@ class Settings(BaseSettings):
     max_concurrent_imports: int = Field(
         2,
         ge=1,
-        description="state imports one replica reads and parses at once; more get 429 queue_full at once, "
-        "before their bodies are read (so imports bound the memory they take)",
+        description="state imports one replica reads and parses at once, one client at most half of them (at "
+        "least 1); more get 429 queue_full at once, before their bodies are read (imports bound their memory)",
     )
     log_format: LogFormat = Field(
         "auto",

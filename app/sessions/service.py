@@ -28,6 +28,7 @@ more than about one snapshot's worth of deltas.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -45,7 +46,7 @@ from app.store import (
     Writer,
     new_session_id,
 )
-from app.tenants import Tenants
+from app.tenants import CLIENT, Tenants
 from app.transcript import Kind, Segment, lineage
 from model import State, StateError
 from model.grammar import Matcher
@@ -101,7 +102,7 @@ class SessionService(SessionReads):
         self.stateless_ttl = stateless_ttl
         self.import_limit = import_limit  # bytes: the largest state a client may import
         self.max_imports = max_imports  # imports in progress at once on this replica
-        self._imports = 0
+        self._imports: collections.Counter[str] = collections.Counter()  # by client
 
     # -- new sessions -------------------------------------------------------------------------
     async def create(
@@ -123,16 +124,24 @@ class SessionService(SessionReads):
     ) -> SessionMeta:
         """A new session, owned by `owner`, holding an exported state that `body` reads.
         Before a byte of it is read: a place among this replica's imports in progress
-        (QueueFull past `max_imports`) and one in the tenant's quota for its `declared` size
+        (QueueFull past `max_imports`, or past half of them for one client: a client
+        importing in a loop leaves others a place, and the replica's cores) and one in the
+        tenant's quota for its `declared` size
         (QuotaExceeded). Then its headers are checked here (`model.state.peek`: bounded, so
         cheap on the event loop) and the engine thread parses and verifies the rest
         (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
         never unpickled."""
-        if self._imports >= self.max_imports:
+        client = CLIENT.get() or owner
+        if self._imports.total() >= self.max_imports:
             raise QueueFull(
-                f"{self._imports} state imports are in progress on this server, its limit; retry shortly"
+                f"{self._imports.total()} state imports are in progress on this server, its limit; retry shortly"
             )
-        self._imports += 1
+        if self._imports[client] >= max(1, self.max_imports // 2):
+            raise QueueFull(
+                f"this client has {self._imports[client]} state imports in progress on this server, its "
+                "limit; retry when one has ended"
+            )
+        self._imports[client] += 1
         session_id = new_session_id()
         try:
             await self.tenants.reserve(owner, session_id, declared or 0, ttl)
@@ -155,7 +164,9 @@ class SessionService(SessionReads):
             await self.tenants.forget(owner, session_id)
             raise
         finally:
-            self._imports -= 1
+            self._imports[client] -= 1
+            if not self._imports[client]:
+                del self._imports[client]
 
     async def _create(
         self,

@@ -8,9 +8,10 @@ import (under the 512 MiB default) peaked at 3 GB resident, four concurrent ones
 GB, and a key with a 2 MB quota could send them.
 
 Now: the size (a default limit sized to the served model) and the quota are checked
-before a byte of the body is read; imports in progress per replica are bounded; a blob's
-header is capped (size, tensor count, nesting) and its declared tensors checked against
-the model's layout before anything parses the payload, which the engine thread does.
+before a byte of the body is read; imports in progress per replica, and per client, are
+bounded; a blob's header is capped (size, tensor count, nesting) and its declared tensors
+checked against the model's layout before anything parses the payload, which the loader
+thread does.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from tests.conftest import ServerProcess
 
-from .conftest import ATTACKER, SMALL, VICTIM, as_key
+from .conftest import ATTACKER, LEDGER, SMALL, VICTIM, as_key
 from .states import full_state, raw_blob
 
 OCTETS = "application/octet-stream"
@@ -94,29 +95,43 @@ def test_the_default_import_limit_takes_any_real_state(server, hostile_models):
         assert r.status_code == 201, r.text
 
 
-def test_imports_in_progress_are_bounded_per_replica(tenants):
-    """Two imports whose bodies never come hold the replica's two slots: the next ones are
-    refused at once (429 queue_full), before their bodies; once the two hang up, imports
-    pass again."""
-    holding = [_start_import(tenants, ATTACKER, 30_000_000) for _ in range(2)]
-    time.sleep(0.5)  # (both are now reading their bodies)
-    refused = [_start_import(tenants, ATTACKER, 30_000_000) for _ in range(3)]
+def test_imports_in_progress_are_bounded_per_client_and_per_replica(tenants):
+    """An import whose body never comes holds one of the replica's two places, and all its
+    client may hold (half of them): the client's next imports are refused at once (429
+    queue_full), before their bodies, while another key's import passes. With that key
+    holding the other place too, the replica is full; once both hang up, imports pass
+    again."""
+    _, state = full_state(Path(tenants.model_dir))
+
+    def imported(key: str) -> httpx.Response:
+        with as_key(tenants, key) as c:
+            deadline = time.monotonic() + 10
+            while (
+                r := c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})
+            ).status_code == 429:
+                assert time.monotonic() < deadline, r.text  # (hung-up imports free their places)
+                time.sleep(0.2)
+            return r
+
+    holding = [_start_import(tenants, ATTACKER, 30_000_000)]
+    time.sleep(0.5)  # (it is now reading its body)
+    refused = [_start_import(tenants, ATTACKER, 30_000_000) for _ in range(2)]
     try:
         for sock in refused:
             status, body = _answer(sock)
             assert (status, body["error"]["type"]) == (429, "queue_full"), body
+            assert "this client" in body["error"]["message"]
+        assert imported(VICTIM).status_code == 201  # another key's import passes meanwhile
+        holding.append(_start_import(tenants, VICTIM, 30_000_000))
+        time.sleep(0.5)  # (both places held, one per key: the replica is full)
+        refused.append(_start_import(tenants, LEDGER, 30_000_000))
+        status, body = _answer(refused[-1])
+        assert (status, body["error"]["type"]) == (429, "queue_full"), body
+        assert "on this server, its limit" in body["error"]["message"]
     finally:
         for sock in holding + refused:
             sock.close()
-    _, state = full_state(Path(tenants.model_dir))
-    with as_key(tenants, VICTIM) as c:
-        deadline = time.monotonic() + 10
-        while (
-            r := c.post("/v1/sessions/import", content=state.to_bytes(), headers={"Content-Type": OCTETS})
-        ).status_code == 429:
-            assert time.monotonic() < deadline, r.text  # (the hung-up imports free their slots)
-            time.sleep(0.2)
-        assert r.status_code == 201, r.text
+    assert imported(VICTIM).status_code == 201
 
 
 def _peak_rss(pid: int) -> int:
