@@ -32,7 +32,7 @@ from torch import nn
 from .generation_config import GenerationConfig
 from .state import Arena, Declared, State, StateError, merge
 from .state import precision as grid
-from .state.blob import precision_of
+from .state.blob import as_held, precision_of
 from .tokenizer import Tokenizer
 
 
@@ -169,36 +169,14 @@ class LanguageModel(nn.Module):
         axes = self.time_axes()
         seq_dims = dict.fromkeys(axes, 2)
         fills = tuple(name for name, axis in axes.items() if axis.fills)
-        return State(
-            self.family,
-            self.fingerprint,
-            tensors,
-            seq_dims,
-            self.persistent,
-            arenas or {},
-            fills,
-            self.state_precision,
-        )
+        args = (self.persistent, arenas or {}, fills, self.state_precision)
+        return State(self.family, self.fingerprint, tensors, seq_dims, *args)
 
     def keep_states_in(self, dtype: str) -> str:
-        """Serve states at `dtype` (`recur serve --state-dtype`). A family whose state is a
-        cache of keys and values (`cache_precisions`) makes it the precision of its states:
-        every row is rounded as it is appended, inside the step, so results stay the same
-        however a text is split into requests; then it returns "float32", what a commit
-        rounds to (nothing). Any other family keeps float32 states and returns `dtype`
-        itself: its states are rounded when stored, as a commit's dtype. Raises ValueError
-        for a dtype neither way can keep (int8 where the family has no cache)."""
-        grid.check(dtype)
-        if dtype in self.cache_precisions:
-            self.state_precision = dtype
-            return "float32"
-        if dtype == "int8":
-            raise ValueError(
-                f"the {self.family} family's state is not a cache of keys and values: it keeps float32 states, "
-                "stored as float32, bfloat16 or float16 (--state-dtype), not int8"
-            )
-        self.state_precision = "float32"
-        return dtype
+        """Serve states at `dtype` (`recur serve --state-dtype`; `model.state.precision.kept`
+        says what each kind of family does). Returns the dtype a commit rounds them to."""
+        self.state_precision, commit = grid.kept(dtype, self.cache_precisions, self.family)
+        return commit
 
     def new_state(self, batch_size: int = 1) -> State:
         """A state for `batch_size` streams that have consumed nothing: empty time axes,
@@ -249,47 +227,9 @@ class LanguageModel(nn.Module):
             raise StateError("state holds non-finite values")
 
     def check_declared(self, declared: Declared) -> None:
-        """Raise StateError unless the tensors a blob's header declares (a snapshot or a
-        delta) could be this model's state: its names, a stored dtype, and shapes within the
-        layout (a time axis's rows within its bound). Checked before the payload is loaded,
-        so a blob's size cannot exceed what its batch of this model's states needs."""
-        header = declared.header
-        if header.get("family") != self.family:
-            raise StateError(
-                f"state is for model family {header.get('family')!r}, this model is {self.family!r}"
-            )
-        if header.get("fingerprint") != self.fingerprint:
-            raise StateError(
-                f"state was made by model {header.get('fingerprint')!r}, this is {self.fingerprint!r}"
-            )
-        t = declared.tensors
-        axes, fixed = self.time_axes(), self.fixed_shapes()
-        # a state kept at a precision stores its caches (persistent time axes) in its form
-        precision = precision_of(header)
-        caches = [name for name in self.persistent if name in axes] if precision != "float32" else []
-        names = {
-            part
-            for name in self.persistent
-            for part in grid.packed_names(name, precision if name in caches else "float32")
-        }
-        if set(t) != names:
-            raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(names)}")
-        dtype, shape = t["n_tokens"]
-        if dtype != "I64" or len(shape) != 1:
-            raise StateError("state n_tokens must be a non-negative int64 vector")
-        for name in self.persistent:
-            if name == "n_tokens":
-                continue
-            dtype, shape = t[name]
-            if name in caches:
-                shape, why = grid.declared_cache(name, t, precision)
-                if why:
-                    raise StateError(why)
-            elif dtype not in _STORED_FLOATS:
-                raise StateError(
-                    f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}"
-                )
-            _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
+        """Raise StateError unless a blob's declared tensors could be this model's state
+        (`_check_declared`)."""
+        _check_declared(self, declared)
 
     def max_state_bytes(self) -> int:
         """The size of the largest snapshot of one stream this model can produce (float32,
@@ -365,12 +305,8 @@ class LanguageModel(nn.Module):
         """Bytes (a snapshot, then any deltas in order) -> this model's verified persistent
         tensors on its device. No module runs, so any thread may parse while another runs the
         model. Raises StateError, clearly, for a state of another model, or truncated,
-        corrupted or malformed bytes.
-
-        A state kept at another precision than this model's (`state_precision`) is converted:
-        its caches rounded onto this model's grid (no change from a coarser grid into a
-        finer one, such as int8 or bfloat16 into float32), so stored sessions outlive a
-        change of --state-dtype; from there on it is exact at this model's precision."""
+        corrupted or malformed bytes. A state of another precision than this model's is
+        converted: its caches rounded onto this model's grid (docs/CONFIGURATION.md)."""
         header, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
         on_gpu = self.device.type == "cuda"  # (pinned host memory lets the copy run asynchronously)
@@ -481,6 +417,30 @@ def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_me
     for name, t in state_dict.items():
         if not t.is_contiguous():
             state_dict[name] = t.contiguous()
+
+
+def _check_declared(lm: LanguageModel, declared: Declared) -> None:
+    """Raise StateError unless the tensors a blob's header declares (a snapshot or a
+    delta) could be this model's state: its names, a stored dtype, and shapes within the
+    layout (a time axis's rows within its bound). Checked before the payload is loaded,
+    so a blob's size cannot exceed what its batch of this model's states needs."""
+    header = declared.header
+    if header.get("family") != lm.family:
+        raise StateError(f"state is for model family {header.get('family')!r}, this model is {lm.family!r}")
+    if header.get("fingerprint") != lm.fingerprint:
+        raise StateError(f"state was made by model {header.get('fingerprint')!r}, this is {lm.fingerprint!r}")
+    axes, fixed = lm.time_axes(), lm.fixed_shapes()
+    # its caches (the persistent time axes) as the state holds them: float32
+    t = as_held(declared, lm.persistent, [name for name in lm.persistent if name in axes])
+    dtype, shape = t["n_tokens"]
+    if dtype != "I64" or len(shape) != 1:
+        raise StateError("state n_tokens must be a non-negative int64 vector")
+    for name, (dtype, shape) in t.items():
+        if name == "n_tokens":
+            continue
+        if dtype not in _STORED_FLOATS:
+            raise StateError(f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}")
+        _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
 
 
 def _check_layout(

@@ -199,6 +199,34 @@ def precision_of(header: dict) -> str:
     return header.get("precision", "float32") if header.get("format") != 1 else "float32"
 
 
+def as_held(
+    declared: Declared, persistent: Iterable[str], caches: Iterable[str]
+) -> dict[str, tuple[str, list[int]]]:
+    """The tensors a blob declares (safetensors' dtype, shape), as the state will hold them:
+    each of its `caches` stored in the form of the blob's precision (`precision.pack`) is
+    checked against that form and given as the float32 tensor it becomes. Raises StateError
+    unless the blob holds exactly the `persistent` tensors, in that form."""
+    precision, t = precision_of(declared.header), declared.tensors
+    caches = set(caches) if precision != "float32" else set()
+    names = {
+        part
+        for name in persistent
+        for part in grid.packed_names(name, precision if name in caches else "float32")
+    }
+    if set(t) != names:
+        raise StateError(f"state holds tensors {sorted(t)}, expected {sorted(names)}")
+    held = {}
+    for name in persistent:
+        if name not in caches:
+            held[name] = t[name]
+            continue
+        shape, why = grid.declared_cache(name, t, precision)
+        if why:
+            raise StateError(why)
+        held[name] = ("F32", shape)
+    return held
+
+
 def read_blob(
     blob: bytes, expect: Callable[[Declared], None] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:

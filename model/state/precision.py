@@ -47,6 +47,23 @@ def check(precision: str) -> str:
     return precision
 
 
+def kept(dtype: str, cache_precisions: tuple[str, ...], family: str) -> tuple[str, str]:
+    """What a family does with `--state-dtype dtype`: (its states' precision, the dtype a
+    commit rounds them to). A family whose state is a cache of keys and values (its
+    `cache_precisions`) keeps the precision in the state, rounded as each row is appended,
+    so a commit rounds nothing; any other keeps float32 states, rounded when stored (not to
+    int8: ValueError)."""
+    check(dtype)
+    if dtype in cache_precisions:
+        return dtype, "float32"
+    if dtype == "int8":
+        raise ValueError(
+            f"the {family} family's state is not a cache of keys and values: it keeps float32 states, "
+            "stored as float32, bfloat16 or float16 (--state-dtype), not int8"
+        )
+    return "float32", dtype
+
+
 def group_of(width: int) -> int:
     return GROUP if width % GROUP == 0 else width
 
