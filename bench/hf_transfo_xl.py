@@ -1,4 +1,4 @@
-"""The reference side of bench/streams.py's HF row: HF TransfoXL 4.37.2's decode step.
+"""The reference side of bench/streams_hf.py's HF row: HF TransfoXL 4.37.2's decode step.
 
     python bench/hf_transfo_xl.py OUT ROUNDS
 
