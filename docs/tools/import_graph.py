@@ -1,6 +1,6 @@
 """The import graph of recur's own code (app/ and model/), read with `ast`, never by importing it.
 
-It guards the house in ../shared/STYLE.md: arrows point one way (app/api -> app/sessions ->
+It guards the house in docs/ARCHITECTURE.md: arrows point one way (app/api -> app/sessions ->
 app/store and app/engine -> model/), so the graph has no cycles and no arrow doubles back.
 
     python -m docs.tools.import_graph            # print the graph, cycles, house-rule breaches, long functions
