@@ -29,9 +29,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, ChatTemplateError
 from .grammar import JSON_OPTIONS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -55,7 +56,7 @@ The example format is as follows. Please make sure the parameter type is correct
 
 
 class ToolError(ValueError):
-    """Tools or a conversation's tool messages that cannot be used as given."""
+    """Tools that cannot be made into a grammar as given."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,12 @@ def calls_text(calls: Sequence[ToolCall]) -> str:
 
 
 def _compact(arguments: str) -> str:
-    """Arguments as the grammar writes JSON (", " and ": "), whatever spacing the client sent."""
+    """Arguments as the grammar writes JSON (", " and ": "), whatever spacing the client
+    sent; arguments that are not JSON (a client's own history may hold any text) as they are."""
     try:
         return json.dumps(json.loads(arguments or "{}"), ensure_ascii=False)
     except json.JSONDecodeError:
-        raise ToolError(f"a tool call's arguments are not JSON: {arguments[:80]!r}") from None
+        return arguments
 
 
 def knows_tools(template: ChatTemplate) -> bool:
@@ -109,7 +111,8 @@ def conversation(
     if knows_tools(template):
         variables = {"tools": [{"type": "function", "function": t.as_json()} for t in tools]} if tools else {}
         return [_native(m) for m in messages], variables
-    out = [_written(m) for m in messages]
+    tool_role = "tool" if _takes_tool_role(template) else "user"
+    out = [_written(m, tool_role) for m in messages]
     if tools:
         prompt = SYSTEM_PROMPT.format(tools=json.dumps([t.as_json() for t in tools], ensure_ascii=False))
         if out and out[0]["role"] in ("system", "developer"):
@@ -128,25 +131,43 @@ def _calls(m: Mapping[str, Any]) -> list[ToolCall]:
 
 def _native(m: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(m)
-    if m.get("tool_calls"):  # HF templates read arguments as a mapping
+    if m.get("tool_calls"):  # HF templates read arguments as a mapping (text that is not JSON stays text)
         out["tool_calls"] = [
-            {"type": "function", "function": {"name": c.name, "arguments": json.loads(_compact(c.arguments))}}
+            {"type": "function", "function": {"name": c.name, "arguments": _mapping(c.arguments)}}
             for c in _calls(m)
         ]
     return out
 
 
-def _written(m: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as a template that knows no tools reads it: role and content text."""
+def _mapping(arguments: str) -> Any:
+    try:
+        return json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return arguments
+
+
+@lru_cache(maxsize=8)
+def _takes_tool_role(template: ChatTemplate) -> bool:
+    """Whether a template that knows no tools still renders a `tool` message (SmolLM2's
+    writes any role; the play-script refuses one it has no part for)."""
+    try:
+        template.render([{"role": "user", "content": "."}, {"role": "tool", "content": "."}])
+        return True
+    except ChatTemplateError:
+        return False
+
+
+def _written(m: Mapping[str, Any], tool_role: str) -> dict[str, Any]:
+    """A message as a template that knows no tools reads it: role and content text; a tool's
+    result in Hermes' `<tool_response>` tags (SmolLM2 answers from them, where a bare result
+    makes it call again), as `tool_role`'s message (`user` where the template refuses `tool`)."""
     calls = _calls(m)
-    content = str(m.get("content") or "")
+    content, role = str(m.get("content") or ""), str(m["role"])
     if calls:
         content = f"{content}{calls_text(calls)}"
-    if (
-        m["role"] == "tool"
-    ):  # (Hermes' tag: what SmolLM2 answers from, where a bare result makes it call again)
-        content = f"{RESULT_OPEN}{content}{RESULT_CLOSE}"
-    out = {"role": str(m["role"]), "content": content}
+    if role == "tool":
+        content, role = f"{RESULT_OPEN}{content}{RESULT_CLOSE}", tool_role
+    out = {"role": role, "content": content}
     if m.get("name"):
         out["name"] = str(m["name"])
     return out

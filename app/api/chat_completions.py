@@ -49,6 +49,7 @@ from .openai_schemas import (
     ChatToolCallOut,
     ChatTopLogprob,
     CompletionUsage,
+    JsonSchemaResponseFormat,
 )
 from .structured import HeldText, Shape, call_id, tools_of
 
@@ -93,9 +94,7 @@ def shape(body: ChatCompletion) -> Shape:
     schema, strict = None, True
     if fmt is not None and fmt.type == "json_object":
         schema = {"type": "object"}
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise ApiError(ErrorType.invalid_request, "response_format: json_schema needs its json_schema")
+    elif isinstance(fmt, JsonSchemaResponseFormat):
         schema = fmt.json_schema.schema_ or {"type": "object"}
         strict = bool(fmt.json_schema.strict)
     tools = tools_of(

@@ -13,6 +13,9 @@ import enum
 
 class ErrorType(str, enum.Enum):
     invalid_request = "invalid_request"
+    # a reply's shape that cannot be had: a JSON schema or tool parameters no grammar can be
+    # made of, a tool_choice naming no tool offered (400, as OpenAI answers them)
+    invalid_schema = "invalid_schema"
     unauthorized = "unauthorized"
     forbidden = "forbidden"
     model_not_found = "model_not_found"

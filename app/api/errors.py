@@ -46,6 +46,9 @@ log = logging.getLogger("recur.api")
 
 STATUS: dict[ErrorType, int] = {
     ErrorType.invalid_request: 422,
+    # (400, not 422: the body is valid JSON of the documented shape; what its schema or tools
+    # say, data to the API, cannot be had)
+    ErrorType.invalid_schema: 400,
     ErrorType.unauthorized: 401,
     ErrorType.forbidden: 403,  # a host this server does not answer to, or another site's request
     ErrorType.model_not_found: 404,
@@ -96,8 +99,8 @@ _EXCEPTIONS: list[tuple[type[Exception], ErrorType]] = [
     (EmptyContext, ErrorType.invalid_request),
     (ContextFull, ErrorType.prompt_too_long),  # past the tokens the model keeps (exact attention)
     (ChatTemplateError, ErrorType.invalid_request),  # the template refused the conversation
-    (GrammarError, ErrorType.invalid_request),  # a JSON schema or tools' parameters that do not compile
-    (ToolError, ErrorType.invalid_request),  # tool calls in a conversation that cannot be read
+    (GrammarError, ErrorType.invalid_schema),  # a JSON schema or tools' parameters that do not compile
+    (ToolError, ErrorType.invalid_schema),  # tools no grammar can be made of
     (QueueFull, ErrorType.queue_full),
     (EngineStalled, ErrorType.engine_stalled),
     (EngineError, ErrorType.internal_error),

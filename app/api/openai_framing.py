@@ -57,6 +57,7 @@ ERRORS = (
     ErrorType.redis_unavailable,
     ErrorType.outcome_unknown,  # a commit Redis did not answer: it may have happened
     ErrorType.invalid_state,  # a session whose state the model cannot continue (non-finite)
+    ErrorType.invalid_schema,  # chat's response_format or tools: a reply's shape that cannot be had
 )
 
 

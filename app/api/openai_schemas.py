@@ -253,12 +253,26 @@ class JsonSchemaFormat(RequestBody):
     strict: bool | None = None
 
 
-class ResponseFormat(RequestBody):
-    """`text`, `json_object` (any JSON object), or `json_schema` (JSON valid against it): a
-    grammar makes the answer so (llguidance)."""
+class TextResponseFormat(RequestBody):
+    type: Literal["text"]
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+
+class JsonObjectResponseFormat(RequestBody):
+    """Any JSON object (a grammar makes the answer one: llguidance)."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(RequestBody):
+    """JSON valid against `json_schema.schema` (a grammar makes the answer so: llguidance)."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextResponseFormat | JsonObjectResponseFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
 
 
 class ChatCompletion(OpenAIBody):

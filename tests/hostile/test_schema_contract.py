@@ -109,6 +109,22 @@ peers = {json.dumps(list(KEYS))}
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}]
 
+[checks.negative_data_rejection]
+# a body past the server's size limit is refused before it is read: 413 body_too_large
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
+# a JSON schema (response_format, text.format, a tool's parameters) is data to the API: whether
+# it is a JSON Schema a grammar can be made of, or a tool_choice names a tool offered, is more
+# than the document states, so 400 invalid_schema is expected
+[[operations]]
+include-path = "/v1/chat/completions"
+checks.positive_data_acceptance.expected-statuses = [
+    "2xx", "3xx", "400", "401", "403", "404", "409", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}
+]
+[[operations]]
+include-path = "/v1/responses"
+checks.positive_data_acceptance.expected-statuses = [
+    "2xx", "3xx", "400", "401", "403", "404", "409", "429", "5xx", {", ".join(f'"{s}"' for s in POSITIVE_ALSO)}
+]
 # an import's body is a state blob: whether bytes are one (safetensors, checksum, the served
 # model's fingerprint) is more than any schema can say, so 422 invalid_state is expected
 [[operations]]

@@ -124,7 +124,11 @@ def test_a_template_without_tools_gets_them_in_its_system_prompt():
     )  # fmt: skip
     assert variables == {} and messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>[{"name": "add", "arguments": {"a": 1}}]</tool_call>'
-    assert messages[3]["content"] == "<tool_response>2</tool_response>"
+    assert messages[3] == {"role": "tool", "content": "<tool_response>2</tool_response>"}
+    refusing = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no') }}{% endif %}{% endfor %}"
+    )
+    assert conversation(refusing, [{"role": "tool", "content": "2"}], [])[0][0]["role"] == "user"
     knowing = ChatTemplate("{{ tools | length }}{% for m in messages %}{{ m.role }}{% endfor %}")
     messages, variables = conversation(knowing, [{"role": "user", "content": "hi"}], [ADD])
     assert variables["tools"][0]["function"]["name"] == "add" and messages == [
@@ -141,5 +145,7 @@ def test_errors_are_typed():
         )
     with pytest.raises(ToolError):
         grammar([], required=True)
-    with pytest.raises(ToolError, match="not JSON"):
-        calls_text([ToolCall("f", "{oops")])
+    # a client's history may hold arguments that are not JSON: they render as they are
+    assert (
+        calls_text([ToolCall("f", "{oops")]) == '<tool_call>[{"name": "f", "arguments": {oops}]</tool_call>'
+    )
