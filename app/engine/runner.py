@@ -185,7 +185,7 @@ class Runner:
 
         def run(how: Execution) -> tuple[torch.Tensor | None, list[list[list[tuple[int, float]]]], State]:
             if top:
-                return self._prefill_top(chunk, start, top, how)
+                return _prefill_top(self.lm, chunk, start, top, how)
             lps, end = self.lm.prefill(chunk, start, want, how)
             return lps, [], end
 
@@ -199,25 +199,6 @@ class Runner:
                 if r.req.top_logprobs:
                     r.prompt_top += [_alternatives(a, r.req.top_logprobs) for a in tops[i]]
         self.counters.prefill_tokens += size * len(rows)
-
-    def _prefill_top(
-        self, chunk: torch.Tensor, state: State, top: int, how: Execution
-    ) -> tuple[torch.Tensor, list[list[list[tuple[int, float]]]], State]:
-        """`LanguageModel.prefill` with logprobs, written out to keep each position's whole
-        distribution for its `top` most probable tokens (only for a request that asks for
-        the prompt's alternatives: the usual prefill keeps only the tokens' own)."""
-        had_context = state.n_tokens > 0  # read before the forward, which may grow it in place
-        first = self.lm.next_logits(state)  # (B, V): predicts the chunk's first token
-        logits, state = self.lm(chunk, state, how)  # (B, T, V): position i predicts token i + 1
-        lp = F.log_softmax(torch.cat([first[:, None], logits[:, :-1]], 1).float(), -1)  # (B, T, V)
-        own = lp.gather(2, chunk[..., None])[..., 0]
-        own[:, 0] = torch.where(had_context, own[:, 0], torch.full_like(own[:, 0], float("nan")))
-        values, ids = lp.topk(min(top, lp.shape[-1]), -1)  # (B, T, k)
-        pairs = torch.stack([ids.double(), values.double()], -1).tolist()  # (B, T, k, 2)
-        for b in range(len(pairs)):
-            if not bool(had_context[b]):
-                pairs[b][0] = []  # no context, no distribution
-        return own, pairs, state
 
     # -- decode ----------------------------------------------------------------------------
     def decode(self, rows: list[Row]) -> None:
@@ -409,6 +390,26 @@ def _constrained(rows: list[Row], logits: torch.Tensor, counters: Counters) -> t
     counters.grammar_seconds += time.perf_counter() - t0
     counters.grammar_rows += len(constrained)
     return logits
+
+
+def _prefill_top(
+    lm: LanguageModel, chunk: torch.Tensor, state: State, top: int, how: Execution
+) -> tuple[torch.Tensor, list[list[list[tuple[int, float]]]], State]:
+    """`LanguageModel.prefill` with logprobs, written out to keep each position's whole
+    distribution for its `top` most probable tokens (only for a request that asks for
+    the prompt's alternatives: the usual prefill keeps only the tokens' own)."""
+    had_context = state.n_tokens > 0  # read before the forward, which may grow it in place
+    first = lm.next_logits(state)  # (B, V): predicts the chunk's first token
+    logits, state = lm(chunk, state, how)  # (B, T, V): position i predicts token i + 1
+    lp = F.log_softmax(torch.cat([first[:, None], logits[:, :-1]], 1).float(), -1)  # (B, T, V)
+    own = lp.gather(2, chunk[..., None])[..., 0]
+    own[:, 0] = torch.where(had_context, own[:, 0], torch.full_like(own[:, 0], float("nan")))
+    values, ids = lp.topk(min(top, lp.shape[-1]), -1)  # (B, T, k)
+    pairs = torch.stack([ids.double(), values.double()], -1).tolist()  # (B, T, k, 2)
+    for b in range(len(pairs)):
+        if not bool(had_context[b]):
+            pairs[b][0] = []  # no context, no distribution
+    return own, pairs, state
 
 
 Held = tuple[int, Row, int, float, Alternatives]  # a first token: its row's index in the batch, and it

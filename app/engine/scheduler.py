@@ -17,10 +17,9 @@ Each step the scheduler
      tokens, their prompt consumed).
 A cancelled request leaves before its next step: nothing of it is committed.
 
-Admission control: requests not yet admitted are bounded by `max_queued_requests` and
-their prompt tokens by `max_queued_tokens`; past either, `submit` raises QueueFull at
-once (the API's 429). One tenant's requests may fill only `Fairness.queue_share` of
-either, so a tenant flooding the queue never shuts another out of it.
+Admission control (app/engine/admission.py): requests not yet admitted are bounded by
+`max_queued_requests` and their prompt tokens by `max_queued_tokens`, one tenant's by
+`Fairness.queue_share` of either; past them, `submit` raises QueueFull at once.
 
 Fairness between tenants (`Request.tenant`: an API key, or a client's address): each
 tenant waits in its own line, and admission takes from the one that `Shares`
@@ -40,10 +39,10 @@ from __future__ import annotations
 import collections
 import math
 import queue
-import threading
 
+from .admission import QueueLimits
 from .fairness import NO_FAIRNESS, Fairness, Shares
-from .requests import QueueFull, Request
+from .requests import Request
 from .runner import Plan, Row
 
 _STOP = object()  # the inbox item that ends the engine thread
@@ -67,17 +66,11 @@ class Scheduler:
         if prefill_tokens_per_step < 1:
             raise ValueError("prefill_tokens_per_step must be >= 1")
         self.max_batch_size = max_batch_size
-        self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = max_queued_tokens
         self.segment_len = segment_len
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.fairness = fairness
         self.shares = Shares(fairness, max_batch_size)
-        self._queue_lock = threading.Lock()
-        self.queued_requests = 0
-        self.queued_tokens = 0
-        self._queued_by: collections.Counter[str] = collections.Counter()  # requests, by tenant
-        self._tokens_by: collections.Counter[str] = collections.Counter()  # their prompt tokens
+        self.limits = QueueLimits(max_queued_requests, max_queued_tokens, fairness.queue_share)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lines = self.shares.lines  # each tenant's: parked rows (to resume) first, then its requests
         self._prefilling: list[Row] = []
@@ -97,7 +90,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted."""
-        return self.queued_requests
+        return self.limits.requests
 
     def submit(self, req: Request) -> None:
         """Queue a request; raises QueueFull when the queue, or its tenant's share of it, is
@@ -112,29 +105,7 @@ class Scheduler:
     def reserve(self, req: Request) -> None:
         """Count a request in the queue before it is delivered (its stored state is parsed
         meanwhile); raises QueueFull as `submit` does."""
-        tokens, tenant = len(req.prompt), req.tenant
-        share = self.fairness.queue_share
-        with self._queue_lock:
-            if self.queued_requests >= self.max_queued_requests:
-                raise QueueFull(
-                    f"the server's queue is full ({self.queued_requests} requests waiting); retry shortly"
-                )
-            if self.queued_requests and self.queued_tokens + tokens > self.max_queued_tokens:
-                raise QueueFull(
-                    f"the server's queue is full ({self.queued_tokens} prompt tokens waiting); retry shortly"
-                )
-            mine = self._queued_by[tenant]
-            if mine >= math.ceil(share * self.max_queued_requests) or (
-                mine and self._tokens_by[tenant] + tokens > share * self.max_queued_tokens
-            ):
-                raise QueueFull(
-                    f"this client's requests fill its share of the server's queue ({mine} waiting); "
-                    "retry shortly"
-                )
-            self.queued_requests += 1
-            self.queued_tokens += tokens
-            self._queued_by[tenant] += 1
-            self._tokens_by[tenant] += tokens
+        self.limits.reserve(req)
 
     def close(self) -> None:
         self._inbox.put(_STOP)
@@ -190,11 +161,7 @@ class Scheduler:
                     self._place(item)
                     running[tenant] += 1
                 continue
-            with self._queue_lock:
-                self.queued_requests -= 1
-                self.queued_tokens -= len(item.prompt)
-                self._queued_by[tenant] -= 1
-                self._tokens_by[tenant] -= len(item.prompt)
+            self.limits.admitted(item)
             if not item.cancelled:
                 out.append(item)
                 running[tenant] += 1

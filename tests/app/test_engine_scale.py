@@ -219,7 +219,7 @@ def test_full_queue_refuses_at_once(lm):
         engine.start()
         await asyncio.sleep(0)
         for _ in range(200):
-            if engine.scheduler.queued_requests == 0:
+            if engine.scheduler.num_waiting == 0:
                 break
             await asyncio.sleep(0.01)
         generate(engine, src, [], GREEDY, seed=None, max_tokens=4, stop=[])
