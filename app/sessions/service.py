@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from app import logs, prefixes
@@ -78,6 +79,36 @@ class Generation:
     grammar: Matcher | None = None  # the output's grammar, compiled; each run samples under a copy
 
 
+class ImportPlaces:
+    """The replica's places for state imports in progress: `max_places` in all, and half of
+    them (at least one) for one client, so a client importing in a loop leaves the others a
+    place, and the replica's cores. Taken before a byte of the body is read."""
+
+    def __init__(self, max_places: int):
+        self.max_places = max_places
+        self._taken: collections.Counter[str] = collections.Counter()  # by client
+
+    @contextlib.contextmanager
+    def taken(self, client: str) -> Iterator[None]:
+        """A place for `client` for the block; QueueFull when there is none."""
+        if self._taken.total() >= self.max_places:
+            raise QueueFull(
+                f"{self._taken.total()} state imports are in progress on this server, its limit; retry shortly"
+            )
+        if self._taken[client] >= max(1, self.max_places // 2):
+            raise QueueFull(
+                f"this client has {self._taken[client]} state imports in progress on this server, its "
+                "limit; retry when one has ended"
+            )
+        self._taken[client] += 1
+        try:
+            yield
+        finally:
+            self._taken[client] -= 1
+            if not self._taken[client]:
+                del self._taken[client]
+
+
 class SessionService(SessionReads):
     def __init__(
         self,
@@ -101,8 +132,7 @@ class SessionService(SessionReads):
         self.prefix_reuse = prefix_reuse
         self.stateless_ttl = stateless_ttl
         self.import_limit = import_limit  # bytes: the largest state a client may import
-        self.max_imports = max_imports  # imports in progress at once on this replica
-        self._imports: collections.Counter[str] = collections.Counter()  # by client
+        self.imports = ImportPlaces(max_imports)
 
     # -- new sessions -------------------------------------------------------------------------
     async def create(
@@ -127,46 +157,25 @@ class SessionService(SessionReads):
         (QueueFull past `max_imports`, or past half of them for one client: a client
         importing in a loop leaves others a place, and the replica's cores) and one in the
         tenant's quota for its `declared` size
-        (QuotaExceeded). Then its headers are checked here (`model.state.peek`: bounded, so
-        cheap on the event loop) and the engine thread parses and verifies the rest
+        (QuotaExceeded). Then its headers are checked here (`_importable`) and the loader
+        thread parses and verifies the rest
         (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
         never unpickled."""
-        client = CLIENT.get() or owner
-        if self._imports.total() >= self.max_imports:
-            raise QueueFull(
-                f"{self._imports.total()} state imports are in progress on this server, its limit; retry shortly"
-            )
-        if self._imports[client] >= max(1, self.max_imports // 2):
-            raise QueueFull(
-                f"this client has {self._imports[client]} state imports in progress on this server, its "
-                "limit; retry when one has ended"
-            )
-        self._imports[client] += 1
-        session_id = new_session_id()
-        try:
-            await self.tenants.reserve(owner, session_id, declared or 0, ttl)
-            blob = await body()
-            head = peek(blob)
-            n_tokens = _one_count(head.header.get("n_tokens"))
-            shape = head.tensors.get("n_tokens", ("", []))[1]
-            if head.header.get("delta") is not None or shape != [1] or n_tokens is None:
-                raise StateError(
-                    "only a single-stream snapshot (as GET .../state exports it) can be imported"
-                )
-            req = Request(Stored(blob, (), n_tokens), [], persist=Persist(self.state_dtype))
-            return await self._create(req, ttl, owner, None, "import", session_id)
-        except StateError as exc:
-            await self.tenants.forget(owner, session_id)
-            raise StateRejected(f"the state cannot be imported: {exc}") from None
-        except OutcomeUnknown:
-            raise  # (the session may exist: its place in the ledger stays)
-        except BaseException:
-            await self.tenants.forget(owner, session_id)
-            raise
-        finally:
-            self._imports[client] -= 1
-            if not self._imports[client]:
-                del self._imports[client]
+        with self.imports.taken(CLIENT.get() or owner):
+            session_id = new_session_id()
+            try:
+                await self.tenants.reserve(owner, session_id, declared or 0, ttl)
+                blob = await body()
+                req = Request(Stored(blob, (), _importable(blob)), [], persist=Persist(self.state_dtype))
+                return await self._create(req, ttl, owner, None, "import", session_id)
+            except StateError as exc:
+                await self.tenants.forget(owner, session_id)
+                raise StateRejected(f"the state cannot be imported: {exc}") from None
+            except OutcomeUnknown:
+                raise  # (the session may exist: its place in the ledger stays)
+            except BaseException:
+                await self.tenants.forget(owner, session_id)
+                raise
 
     async def _create(
         self,
@@ -364,6 +373,17 @@ class SessionService(SessionReads):
                 await self.tenants.touch(owner, writer.meta)
 
         await asyncio.shield(release())
+
+
+def _importable(blob: bytes) -> int:
+    """The token count an imported blob's header claims, once its header shows a single-stream
+    snapshot (`model.state.peek`: bounded, so cheap on the event loop); else StateError."""
+    head = peek(blob)
+    n_tokens = _one_count(head.header.get("n_tokens"))
+    shape = head.tensors.get("n_tokens", ("", []))[1]
+    if head.header.get("delta") is not None or shape != [1] or n_tokens is None:
+        raise StateError("only a single-stream snapshot (as GET .../state exports it) can be imported")
+    return n_tokens
 
 
 def _one_count(claim: object) -> int | None:
