@@ -63,7 +63,7 @@ def in_requests(
 
 @pytest.mark.parametrize("precision", ROUNDED)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(cuts=st.sets(st.integers(1, LENGTH - 1), min_size=1, max_size=6), seed=st.integers(0, 2**16))
 def test_a_text_split_into_requests_reads_the_same_rows(family, precision, cuts, seed):
     """One request, or many cut anywhere (each state through its bytes): the same log-probs,
