@@ -1,4 +1,6 @@
-"""The service's settings: one pydantic-settings class, the single source of truth.
+"""The service's settings: one pydantic-settings class (`Settings`; its fields but for the
+keys and quotas are declared in its base, `ServiceSettings`, to keep each class a size a
+reader holds), the single source of truth.
 
 Every field can be set from the environment (prefix `RECUR_`, e.g. `RECUR_REDIS_URL`) or
 from the matching `recur serve` flag (`--redis-url`), which `app/cli.py` generates from
@@ -18,7 +20,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.logs import LogFormat
 
 
-class Settings(BaseSettings):
+class ServiceSettings(BaseSettings):
+    """The service's settings but for the keys and the tenants' quotas (`Settings` adds them)."""
+
     model_config = SettingsConfigDict(env_prefix="RECUR_", extra="forbid", protected_namespaces=())
 
     model: str = Field(
@@ -250,6 +254,18 @@ class Settings(BaseSettings):
         description="auto: text when stderr is a terminal, else json; json: one JSON object per line; "
         "text: plain lines (both carry request_id and session_id)",
     )
+    storage_guard: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="fraction of Redis's maxmemory past which new sessions and growing commits get "
+        "507 storage_full, before Redis itself refuses writes (Redis without maxmemory: never)",
+    )
+
+
+class Settings(ServiceSettings):
+    """Every setting of the service: the keys and the tenants' quotas, after the rest."""
+
     api_keys: SecretStr | None = Field(
         None,
         description="comma-separated API keys; when any key is set, every /v1 route needs "
@@ -284,13 +300,6 @@ class Settings(BaseSettings):
         ge=0,
         description="generated tokens per second one tenant may draw, shared by all replicas (a "
         "generation may overdraw; the next waits the debt out; 0 = no limit; override: tokens_per_second=X)",
-    )
-    storage_guard: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="fraction of Redis's maxmemory past which new sessions and growing commits get "
-        "507 storage_full, before Redis itself refuses writes (Redis without maxmemory: never)",
     )
 
     def load_api_keys(self) -> list[str]:
