@@ -45,6 +45,7 @@ from app.store import (
     tenant_of,
 )
 from app.store.connection import Connection
+from app.store.tenants import LISTING_CURSOR as LISTING_CURSOR  # (the API checks a listing cursor)
 
 T = TypeVar("T")
 log = logging.getLogger("recur.tenants")

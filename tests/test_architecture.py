@@ -55,6 +55,20 @@ def test_store_imports_no_engine_api_or_model() -> None:
     )
 
 
+def test_only_the_tenants_room_opens_the_tenant_store() -> None:
+    """`Tenants` (app/tenants.py) is the only door to the tenants' keys in Redis: no other
+    room imports app/store/tenants.py (the assembly hands the store to Tenants)."""
+    breaches = [
+        i
+        for i in imports()
+        if i.target == "app.store.tenants"
+        and not (i.source.startswith("app.store") or i.source == "app.tenants")
+    ]
+    assert not breaches, "outside app/tenants.py:\n" + "\n".join(
+        "  " + ig.describe_import(i) for i in breaches
+    )
+
+
 def test_house_rules_are_the_ones_asserted() -> None:
     # the script prints HOUSE_RULES; keep its list and the tests above telling the same story
     assert set(ig.HOUSE_RULES.values()) == {

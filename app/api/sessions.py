@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from app.engine import Engine, Logprobs, TokenEvent
 from app.sessions import Generation, Listed, Run
 from app.store import SessionMeta
-from app.store.tenants import LISTING_CURSOR
+from app.tenants import LISTING_CURSOR
 from app.transcript import conversation
 from model.chat_template import ChatTemplate
 
