@@ -171,21 +171,23 @@ class Responses:
 
     # -- a response's life ------------------------------------------------------------------------
     async def begin(self, response_id: str, turn: Turn, render: Render, gen: Generation) -> Begun:
-        """Start the response's generation: its context read, its input rendered, its
-        starting session found (see the module). The caller owns `Begun.run`, and calls
-        `finish` after its commit (or `discard`)."""
-        context, base = await self._context(turn)
-        ids = render(context + messages(turn.input), True)
-        session, rest, made, expected = await self._session(turn, base, ids)
-        try:
-            rest = render.new(rest)
-            async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
+        """Start the response's generation: admitted (the client's streams and the tenant's
+        tokens), then its context read, its input rendered, its starting session found (see
+        the module). The caller owns `Begun.run`, and calls `finish` after its commit (or
+        `discard`)."""
+        # admission first: a client past its streams or tokens is refused before any read or fork
+        async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
+            context, base = await self._context(turn)
+            ids = render(context + messages(turn.input), True)
+            session, rest, made, expected = await self._session(turn, base, ids)
+            try:
+                rest = render.new(rest)
                 run = await self.service.generate(session, rest, gen, expected=expected, owner=turn.owner)
-            admitted(run)
-        except BaseException:
-            if made:
-                await self._forget(turn.owner, session)
-            raise
+            except BaseException:
+                if made:
+                    await self._forget(turn.owner, session)
+                raise
+        admitted(run)
         replaced = base.session if turn.conversation and base and made else None
         return Begun(response_id, turn, run, context + messages(turn.input), len(ids),
                      len(ids) - len(rest), made, replaced)  # fmt: skip
