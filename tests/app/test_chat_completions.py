@@ -172,7 +172,6 @@ def test_bad_chat_requests_get_the_error_body(oa, http, server):
         oa.chat.completions.create(model="gpt-4o", messages=SCENE)
     for bad in (
         {"messages": []},
-        {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": SCENE, "response_format": {"type": "json_schema"}},  # (no schema: tests/app/test_tools.py)
         {"messages": SCENE, "top_logprobs": 21, "logprobs": True},
