@@ -23,16 +23,17 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .generation_config import GenerationConfig
-from .state import Arena, Declared, State, StateError, merge
+from .state import Arena, Declared, State, merge
 from .state import precision as grid
-from .state.blob import as_held, precision_of
+from .state.blob import precision_of
+from .state.layout import StateLayout, TimeAxis
 from .tokenizer import Tokenizer
 
 
@@ -61,22 +62,6 @@ class Execution:
 
 FUNCTIONAL = Execution()
 IN_PLACE = Execution(in_place=True)
-
-
-class TimeAxis(NamedTuple):
-    """A state tensor [B, layers, M, width] along a time axis (dim 2) of at most `bound`
-    rows, one per consumed token (`model.state`): a sliding window of the last tokens' rows,
-    or, where it `fills`, the first tokens' rows, kept once the axis is full (attention
-    sinks)."""
-
-    layers: int
-    width: int
-    bound: int
-    fills: bool = False
-
-
-# safetensors' names of the dtypes a stored state's tensors may have
-_STORED_FLOATS = ("F32", "BF16", "F16")
 
 
 class LanguageModel(nn.Module):
@@ -191,59 +176,32 @@ class LanguageModel(nn.Module):
         tensors["n_tokens"] = torch.zeros(batch_size, dtype=torch.long, device=dev)
         return self._state(tensors)
 
+    @property
+    def layout(self) -> StateLayout:
+        """This model's state as data (`model/state/layout.py`): what every check of a
+        state, and the largest one's size, read."""
+        return StateLayout(
+            self.family, self.fingerprint, self.persistent, self.time_axes(), self.fixed_shapes(),
+            self.max_stream_tokens,
+        )  # fmt: skip
+
     def state_lengths(self, state: State) -> dict[str, torch.Tensor]:
         """Per-row valid lengths of the tensors in `state.seq_dims` (for `split_state`)."""
-        return {name: state.n_tokens.clamp(max=axis.bound) for name, axis in self.time_axes().items()}
+        return self.layout.lengths(state.n_tokens)
 
     def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise StateError unless these persistent tensors fit this model's shapes. These
-        are the checks every family needs; a family extends them with its own."""
-        if set(tensors) != set(self.persistent):
-            raise StateError(f"state holds tensors {sorted(tensors)}, expected {sorted(self.persistent)}")
-        n = tensors["n_tokens"]
-        if n.dim() != 1 or n.dtype != torch.long or (n < 0).any():
-            raise StateError("state n_tokens must be a non-negative int64 vector")
-        if (n > self.max_stream_tokens).any():
-            raise StateError(
-                f"state n_tokens {int(n.max())} is past the most a stream of this model may consume "
-                f"({self.max_stream_tokens})"
-            )
-        B = n.shape[0]
-        if B < 1:
-            raise StateError("state has an empty batch")
-        axes, fixed = self.time_axes(), self.fixed_shapes()
-        for name in self.persistent:
-            if name == "n_tokens":
-                continue
-            t = tensors[name]
-            if not t.is_floating_point():
-                raise StateError(f"state {name} must be floating point")
-            _check_layout(name, list(t.shape), B, axes, fixed)
-            if name in axes and t.shape[2] < int(n.clamp(max=axes[name].bound).max()):
-                raise StateError(
-                    f"state {name}: memory length {t.shape[2]} does not fit the bound {axes[name].bound} and n_tokens"
-                )
-        if not all(torch.isfinite(t).all() for name, t in tensors.items() if name != "n_tokens"):
-            raise StateError("state holds non-finite values")
+        are the checks every family needs (`StateLayout.check`); a family extends them."""
+        self.layout.check(tensors)
 
     def check_declared(self, declared: Declared) -> None:
-        """Raise StateError unless a blob's declared tensors could be this model's state
-        (`_check_declared`)."""
-        _check_declared(self, declared)
+        """Raise StateError unless a blob's declared tensors could be this model's state."""
+        self.layout.check_declared(declared)
 
     def max_state_bytes(self) -> int:
         """The size of the largest snapshot of one stream this model can produce (float32,
         every time axis at its bound, its headers included): what a state import is sized by."""
-        axes, fixed = self.time_axes(), self.fixed_shapes()
-        tensors = {
-            name: torch.zeros(1, axes[name].layers, axes[name].bound, axes[name].width)
-            if name in axes
-            else torch.zeros(1, *fixed[name])
-            for name in self.persistent
-            if name != "n_tokens"
-        }
-        tensors["n_tokens"] = torch.full((1,), self.max_stream_tokens, dtype=torch.long)
-        return len(State(self.family, self.fingerprint, tensors, {}, self.persistent).to_bytes())
+        return self.layout.max_bytes()
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
@@ -417,45 +375,3 @@ def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_me
     for name, t in state_dict.items():
         if not t.is_contiguous():
             state_dict[name] = t.contiguous()
-
-
-def _check_declared(lm: LanguageModel, declared: Declared) -> None:
-    """Raise StateError unless the tensors a blob's header declares (a snapshot or a
-    delta) could be this model's state: its names, a stored dtype, and shapes within the
-    layout (a time axis's rows within its bound). Checked before the payload is loaded,
-    so a blob's size cannot exceed what its batch of this model's states needs."""
-    header = declared.header
-    if header.get("family") != lm.family:
-        raise StateError(f"state is for model family {header.get('family')!r}, this model is {lm.family!r}")
-    if header.get("fingerprint") != lm.fingerprint:
-        raise StateError(f"state was made by model {header.get('fingerprint')!r}, this is {lm.fingerprint!r}")
-    axes, fixed = lm.time_axes(), lm.fixed_shapes()
-    # its caches (the persistent time axes) as the state holds them: float32
-    t = as_held(declared, lm.persistent, [name for name in lm.persistent if name in axes])
-    dtype, shape = t["n_tokens"]
-    if dtype != "I64" or len(shape) != 1:
-        raise StateError("state n_tokens must be a non-negative int64 vector")
-    for name, (dtype, shape) in t.items():
-        if name == "n_tokens":
-            continue
-        if dtype not in _STORED_FLOATS:
-            raise StateError(f"state {name} has dtype {dtype}, expected one of {', '.join(_STORED_FLOATS)}")
-        _check_layout(name, shape, t["n_tokens"][1][0], axes, fixed)
-
-
-def _check_layout(
-    name: str, shape: list[int], B: int, axes: dict[str, TimeAxis], fixed: dict[str, tuple[int, ...]]
-) -> None:
-    """Raise StateError unless a state tensor of `shape` fits the layout for a batch of B:
-    a time axis [B, layers, M, width] with M within its bound, a fixed tensor its shape."""
-    if name not in axes:
-        if shape != [B, *fixed[name]]:
-            raise StateError(f"state {name} has shape {shape}, expected {[B, *fixed[name]]}")
-        return
-    axis = axes[name]
-    if len(shape) != 4 or shape[0] != B or shape[1] != axis.layers or shape[3] != axis.width:
-        raise StateError(f"state {name} has shape {shape}, expected [{B}, {axis.layers}, M, {axis.width}]")
-    if shape[2] > axis.bound:
-        raise StateError(
-            f"state {name}: memory length {shape[2]} does not fit the bound {axis.bound} and n_tokens"
-        )

