@@ -7,8 +7,8 @@ A source directory holds
 
 `read(DIR)` turns it into a native `TransformerXL` (attention="segment", adaptive
 embedding and softmax, the checkpoint's `same_length`, `clamp_len`, `untie_r`,
-`pre_lnorm`); `convert(SRC, DST)` (`recur convert`) writes it as a native checkpoint, and
-`model.load(SRC)` reads the source directly. Parameter names mirror the original code, so
+`pre_lnorm`); `recur convert SRC DST` (`model/convert.py`) writes it as a native checkpoint,
+and `model.load(SRC)` reads the source directly. Parameter names mirror the original code, so
 the conversion is a key rename ("transformer." prefix dropped) plus weight tying.
 
 Safety: `.bin` files are read only with `torch.load(weights_only=True)`, which refuses
@@ -16,22 +16,22 @@ anything but tensors and plain containers, and the HF tokenizer's pickled vocabu
 (vocab.pkl / vocab.bin) is never read: export it to vocab.txt (docs/PRETRAINED.md).
 
 This module builds on the native format (`model/native.py`) and must never import
-`model/checkpoint.py`, which picks this reader for directories in this layout.
+`model/checkpoint.py`, whose registry lists this reader (`READER`) last: it takes any
+directory with config.json that no other reader claims.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from .native import build, fingerprint, save
+from .native import build, fingerprint
+from .reader import TGT_LEN, Flag, Reader
 from .tokenizer import WordTokenizer
 from .transformer_xl import TransformerXL
 
@@ -190,56 +190,22 @@ def read(path: str | Path, vocab: str | Path | None = None, **overrides: Any) ->
     return lm.eval()
 
 
-def convert(
-    src: str | Path, dst: str | Path, vocab: str | Path | None = None, **overrides: Any
-) -> TransformerXL:
-    """Write the original / HF checkpoint at `src` as a native checkpoint at `dst`."""
-    lm = read(src, vocab=vocab, **overrides)
-    save(lm, dst)
-    return lm
+def claims(path: Path) -> bool:
+    """Any directory with config.json: the registry's last resort, which refuses with a clear
+    error a config that is not Transformer-XL's (`native_config`)."""
+    return (path / "config.json").is_file()
 
 
-# another reader of `recur convert`: whether it reads SRC, its convert(SRC, DST, **flags), and
-# the names of the flags it takes (each None when not given)
-Source = tuple[Callable[[str], bool], Callable[..., Any], tuple[str, ...]]
-
-
-def add_subcommand(sub, sources: Sequence[Source] = ()) -> None:  # sub: argparse._SubParsersAction
-    """`recur convert`; a SRC that one of `sources` reads goes to it, any other is an original
-    / HF Transformer-XL checkpoint."""
-    import argparse
-
-    p = sub.add_parser(
-        "convert",
-        help="convert a checkpoint (original / HF Transformer-XL, GGUF, HF LLaMA or Mistral, HF Mamba or "
-        "Mamba-2) to the native format",
-        description="SRC holds config.json, model.safetensors or pytorch_model.bin, and vocab.txt (Transformer-XL; "
-        "flags override the serving settings, the native config), or is a GGUF file or a HF LLaMA / Mistral "
-        "directory (its weights, tokenizer and chat template), or a HF Mamba / Mamba-2 directory (its weights and "
-        "tokenizer.json; --tgt-len sets its serving chunk). config.json's model_type picks the reader.",
-    )
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--vocab", default=None, help="plain-text vocabulary (default SRC/vocab.txt)")
-    p.add_argument("--tgt-len", dest="tgt_len", type=int, default=None, help="serving segment length")
-    p.add_argument("--mem-len", dest="mem_len", type=int, default=None)
-    p.add_argument("--clamp-len", dest="clamp_len", type=int, default=None)
-    p.add_argument("--same-length", dest="same_length", action=argparse.BooleanOptionalAction, default=None)
-    p.set_defaults(func=_convert_main, sources=tuple(sources))
-
-
-def _convert_main(args) -> int:
-    source = next((source for source in args.sources if source[0](args.src)), None)
-    try:
-        if source is not None:
-            _, convert_with, flags = source
-            lm = convert_with(args.src, args.dst, **{k: getattr(args, k) for k in flags})
-        else:
-            overrides = {k: getattr(args, k) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
-            lm = convert(args.src, args.dst, vocab=args.vocab, **overrides)
-    except (ValueError, FileNotFoundError) as exc:  # what the readers refuse, and why: no traceback
-        print(f"recur convert: {exc}", file=sys.stderr)
-        return 2
-    n = sum(p.numel() for p in lm.parameters())
-    print(json.dumps({"dir": args.dst, "family": lm.family, "params": n, "fingerprint": lm.fingerprint}))
-    return 0
+READER = Reader(
+    "hf",
+    "an original / HF Transformer-XL directory (config.json, model.safetensors or pytorch_model.bin, vocab.txt)",
+    claims,
+    read,
+    flags=(
+        Flag("vocab", str, "plain-text vocabulary (default SRC/vocab.txt)"),
+        TGT_LEN,
+        Flag("mem_len", int, "how many past positions the state keeps"),
+        Flag("clamp_len", int, "the furthest relative position attended as itself"),
+        Flag("same_length", bool, "every position attends as many past positions"),
+    ),
+)

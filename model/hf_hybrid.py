@@ -31,8 +31,9 @@ import torch
 from .attention import Pair
 from .family import LanguageModel
 from .hf_ssm import read_weights, tokenizer_spec
-from .llama_hf import tokenizer
+from .llama_hf import stop_strings, tokenizer
 from .native import build, families, fingerprint
+from .reader import TGT_LEN, Reader, config_json
 
 GDN = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 MAMBA2 = ("granitemoehybrid", "bamba")
@@ -40,14 +41,9 @@ DEFAULT_CONTEXT = 32768  # the exact attention's bound a converted model gets by
 RECURRENT, ATTENTION = ("linear_attention", "mamba"), ("full_attention", "attention")
 
 
-def claims(path: str | Path) -> bool:
+def claims(path: Path) -> bool:
     """Whether `path` is a directory whose config.json this reader converts."""
-    config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") in (
-        *GDN,
-        *MAMBA2,
-        "qwen3_5_moe",
-    )
+    return config_json(path).get("model_type") in (*GDN, *MAMBA2, "qwen3_5_moe")
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -290,3 +286,13 @@ def _check_fits(weights: dict[str, torch.Tensor], family: str, cfg: dict[str, An
             raise ValueError(
                 f"weight {name} has shape {list(weights[name].shape)}, the config implies {list(shape)}"
             )
+
+
+READER = Reader(
+    "hf-hybrid",
+    "a HF Qwen3.5, Qwen3-Next, Granite-4.0-H or Bamba directory (config.json, model.safetensors)",
+    claims,
+    read,
+    flags=(TGT_LEN,),
+    turn_stops=stop_strings,
+)

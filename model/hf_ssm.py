@@ -6,8 +6,8 @@ A source directory holds
     tokenizer.json      when present: the HF tokenizer, carried into the native checkpoint
 
 `read(DIR)` builds the native `Mamba` / `Mamba2` (`model/mamba.py`, `model/mamba2.py`);
-`convert(SRC, DST)` (`recur convert`, which picks this reader from config.json's
-model_type) writes it as a native checkpoint, and `model.load(SRC)` reads the source
+`recur convert` (`model/convert.py`, whose registry picks this reader, `READER`, from
+config.json's model_type) writes it as a native checkpoint, and `model.load(SRC)` reads the source
 directly. Parameter names are HF's without the "backbone." prefix, so the conversion is a
 rename plus the head's tying. Without tokenizer.json the model gets the byte tokenizer,
 when its vocabulary holds it (ids 0..257), else reading fails with a clear error.
@@ -27,17 +27,17 @@ import torch
 from safetensors.torch import load_file
 
 from .family import LanguageModel
-from .native import build, fingerprint, save
+from .native import build, fingerprint
+from .reader import TGT_LEN, Reader, config_json
 from .tokenizer import ByteTokenizer
 
 MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2"}  # HF model_type -> native family
 INDEX = "model.safetensors.index.json"
 
 
-def claims(path: str | Path) -> bool:
+def claims(path: Path) -> bool:
     """Whether `path` is a directory whose config.json this reader converts."""
-    config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") in MODEL_TYPES
+    return config_json(path).get("model_type") in MODEL_TYPES
 
 
 def _number(x: Any) -> float:
@@ -158,8 +158,4 @@ def read(path: str | Path, **overrides: Any) -> LanguageModel:
     return lm.eval()
 
 
-def convert(src: str | Path, dst: str | Path, **overrides: Any) -> LanguageModel:
-    """Write the HF checkpoint at `src` as a native checkpoint at `dst`."""
-    lm = read(src, **overrides)
-    save(lm, dst)
-    return lm
+READER = Reader("hf-ssm", "a HF Mamba or Mamba-2 directory (config.json, model.safetensors)", claims, read, flags=(TGT_LEN,))

@@ -18,7 +18,8 @@ What is read:
   * the chat template (`tokenizer.chat_template`), whose turn stop is the text of the EOS
     token and of the end-of-turn token, if the file names one.
 
-Nothing here unpickles; the file is memory-mapped and read once.
+Its reader (`READER`) claims a `.gguf` file. Nothing here unpickles; the file is
+memory-mapped and read once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .chat_template import ChatTemplate
 from .llama import Llama, serving_span
 from .llama_hf import layer_weights
 from .native import build
+from .reader import Reader
 from .tokenizer import BPETokenizer
 
 ARCHITECTURES = ("llama",)
@@ -273,3 +275,6 @@ def read(path: Path) -> Llama:
     lm = build("llama", cfg, tokenizer(f).spec(), weights=state_dict(f, cfg))
     assert isinstance(lm, Llama)
     return lm.eval()
+
+
+READER = Reader("gguf", "a GGUF file of a LLaMA model, or a directory holding one", is_gguf, read, template=chat_template)

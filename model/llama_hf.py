@@ -14,7 +14,8 @@ before it) keeps exactly that window and no sinks; any other gets the family's d
 sinks and window (`model.llama.serving_span`).
 
 This module builds on `model/hf.py`'s weight reading and the native format, and must never
-import `model/checkpoint.py`, which picks this reader for these directories.
+import `model/checkpoint.py`, whose registry picks this reader (`READER`) for these
+directories.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from .hf import read_weights
 from .llama import Llama, serving_span
 from .native import build
+from .reader import Reader
 from .tokenizer import BPETokenizer
 
 MODEL_TYPES = ("llama", "mistral")
@@ -59,8 +61,7 @@ HF_PARTS = {
 
 def claims(path: Path) -> bool:
     """Whether `path` is a HF directory of a model type this reader reads."""
-    config = path / "config.json"
-    return config.is_file() and _json(config).get("model_type") in MODEL_TYPES
+    return _json(path / "config.json").get("model_type") in MODEL_TYPES
 
 
 def _json(file: Path) -> dict:
@@ -186,3 +187,6 @@ def read(path: Path) -> Llama:
 def _pop_part(src: dict[str, torch.Tensor], prefix: str, part: str) -> torch.Tensor:
     """Layer `prefix`'s weight `part` (the family's name) from HF's tensors, taken out."""
     return src.pop(prefix + HF_PARTS[part] + ".weight")
+
+
+READER = Reader("hf-llama", "a HF LLaMA or Mistral directory (config.json, weights, tokenizer.json)", claims, read, turn_stops=stop_strings)

@@ -10,6 +10,7 @@ states carry it so a state is never run through a model it was not made by.
 
 Weights are read with safetensors only: nothing here unpickles. This module knows only
 the native layout; finding checkpoints, and other layouts, are `model/checkpoint.py`'s.
+Its reader (`READER`) claims a directory whose config.json names a family.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .llama import Llama
 from .mamba import Mamba
 from .mamba2 import Mamba2
 from .mamba2_hybrid import Mamba2Hybrid
+from .reader import Reader, config_json
 from .rlt import RLT
 from .transformer_xl import TransformerXL
 
@@ -100,3 +102,10 @@ def read(path: Path) -> LanguageModel:
     load_model(lm, str(path / "model.safetensors"), strict=True)
     lm.fingerprint = fingerprint(lm)
     return lm
+
+
+def claims(path: Path) -> bool:
+    return "family" in config_json(path)
+
+
+READER = Reader("native", "recur's native checkpoint directory (config.json names the family)", claims, read)

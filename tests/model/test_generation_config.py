@@ -10,6 +10,7 @@ import pytest
 
 import model
 from model import generation_config
+from model.convert import convert
 from model.generation_config import GenerationConfig, GenerationConfigError
 from tests.conftest import TINY
 from tests.model.llama_files import random_weights, write_gguf
@@ -60,7 +61,7 @@ def test_a_packaged_model_without_its_own_finds_its_card(tmp_path):
 
 def test_convert_carries_the_recommendation_and_load_reads_it_back(tmp_path):
     file = write_gguf(tmp_path / "m.gguf", random_weights(seed=1), "Q8_0", sampling={"temp": 0.25})
-    model.checkpoint.convert(file, tmp_path / "native")
+    convert(file, tmp_path / "native")
     assert model.load(tmp_path / "native").generation_config.temperature == 0.25
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import model
 from app.cli import main as recur_cli
-from model import hf
+from model.convert import convert
 
 from .reference_env import LEGACY
 
@@ -154,7 +154,7 @@ def test_same_length_is_chunking_invariant(reference):
 def test_converted_checkpoint_is_the_same_model(reference, tmp_path):
     src = reference["shared_r-pre_ln"]
     direct = model.load(src, device="cpu")
-    hf.convert(src, tmp_path / "native")
+    convert(src, tmp_path / "native")
     converted = model.load(tmp_path / "native", device="cpu")
     assert converted.fingerprint == direct.fingerprint
     meta = json.loads((tmp_path / "native" / "config.json").read_text())

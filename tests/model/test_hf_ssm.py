@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 import model
 from app.cli import main as recur_cli
 from model import hf_ssm
+from model.convert import convert
 
 from .reference_env import CURRENT
 
@@ -100,7 +101,7 @@ def test_converted_checkpoints_match_transformers(reference, tmp_path, capsys, c
 
 def test_a_serving_chunk_override_changes_no_logit(reference, tmp_path):
     src = reference["mamba2-groups"]
-    lm = hf_ssm.convert(src, tmp_path / "native", tgt_len=4)
+    lm = convert(src, tmp_path / "native", tgt_len=4)
     assert lm.segment_len == 4
     ids = load_file(str(src / "reference.safetensors"))["input_ids"]
     lp, _ = lm.consume(ids, lm.new_state(ids.shape[0]))  # in chunks of 4
