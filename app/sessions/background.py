@@ -44,7 +44,7 @@ from app import metrics
 from app.store import ObjectNotFound, QuotaExceeded, ResponseStore, StoreError
 from app.tenants import CLIENT, Tenants
 
-from .responses import Responses, body_of, dumps
+from .responses import BODY, Responses, body_of, dumps
 
 log = logging.getLogger("recur.responses")
 PAGE = 64  # events one read of a replay takes
@@ -76,7 +76,10 @@ class Replay:
             if page:
                 self.next, last = self.next + len(page), page[-1][0]
                 await self.background.pace.take(self.client or "", sum(len(raw) for _, raw in page))
-                yield [(kind, _arrays(raw) if kind == "response.failed" else raw) for kind, raw in page]
+                yield [
+                    (kind, await self._failed(raw) if kind == "response.failed" else raw)
+                    for kind, raw in page
+                ]
             if len(page) == PAGE:
                 await asyncio.sleep(0)  # a long replay lets the loop's other work in between pages
             elif ended:
@@ -87,6 +90,17 @@ class Replay:
                 await asyncio.sleep(SETTLING)
             else:
                 await store.wait_events(self.response_id, self.next, WAIT)
+
+    async def _failed(self, raw: str) -> str:
+        """A `response.failed` event as a replay sends it: one a script wrote (a sweep's
+        failure) carries no response, so the stored one, failed, goes in it."""
+        event = json.loads(raw)
+        if "response" in event:
+            return raw
+        event["response"] = body_of(
+            await self.background.store.read("response", self.response_id, self.owner, BODY)
+        )
+        return dumps(event)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -113,14 +127,6 @@ class Pace:
             self._due = {c: t for c, t in self._due.items() if t > now}
         if due - now > self.burst:
             await asyncio.sleep(due - now - self.burst)
-
-
-def _arrays(raw: str) -> str:
-    """A `response.failed` event, written by Lua (a sweep's failure), with its body's empty
-    arrays as arrays again (`body_of`)."""
-    event = json.loads(raw)
-    event["response"] = body_of(json.dumps(event["response"]))
-    return dumps(event)
 
 
 class Background:
@@ -254,7 +260,9 @@ class Background:
             f = await self.store.read("response", response_id, owner, ["body", "events_bytes"])
         except (ObjectNotFound, StoreError):
             return
-        await self.tenants.recorded(owner, response_id, len(f["body"]) + int(f["events_bytes"] or 0), self.retention)
+        await self.tenants.recorded(
+            owner, response_id, len(f["body"]) + int(f["events_bytes"] or 0), self.retention
+        )
 
     async def _fail(self, response_id: str, message: str) -> bool:
         """Mark a response whose worker failed (its final save, or a write to Redis raised)
@@ -303,7 +311,7 @@ class Background:
             worker = self.workers.get(response_id)
             if worker is not None:
                 worker.cancel()
-        return status, body_of(body) if body else None
+        return status, body_of(body) if body else None  # (its fields)
 
     def replay(self, response_id: str, owner: str, after: int) -> Replay:
         """A replay of the events after sequence number `after` (-1: all), for the client

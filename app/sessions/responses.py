@@ -106,10 +106,20 @@ def messages(items: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def body_of(raw: str) -> dict:
-    """A stored Response object. A body Redis's Lua rewrote (a cancel, or a sweep's
-    failure) has its empty arrays as cjson writes them, `{}`: they are arrays again."""
-    body = dict(json.loads(raw))
+BODY = ["body", "status", "error"]  # the fields a stored Response object is read from
+
+
+def body_of(f: dict[str, str]) -> dict:
+    """A stored Response object: its body as Python wrote it, with the `status` and the
+    `error` a script may have set since (a cancel, or a sweep's failure: `finish` in
+    app/store/lua/stored.lua, which never re-encodes the body) laid over it. A body a script
+    rewrote before it stopped doing so has its empty arrays as cjson writes them, `{}`:
+    they are arrays again."""
+    body = dict(json.loads(f["body"]))
+    if f.get("status"):
+        body["status"] = f["status"]
+    if f.get("error"):
+        body["error"] = json.loads(f["error"])
     for name in ("output", "tools"):
         if body.get(name) == {}:
             body[name] = []
@@ -272,8 +282,7 @@ class Responses:
     # -- reads and deletes ----------------------------------------------------------------------
     async def get(self, owner: str, response_id: str) -> dict:
         """A stored response's body."""
-        fields = await self.store.read("response", response_id, owner, ["body"])
-        return body_of(fields["body"])
+        return body_of(await self.store.read("response", response_id, owner, BODY))
 
     async def input_items(self, owner: str, response_id: str) -> list[dict]:
         """The input items the response was given, in order (its own: not its ancestors')."""

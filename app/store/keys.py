@@ -48,8 +48,11 @@ touches one object's keys. Both expire `response_retention` seconds after their 
 
     P response:{R}       hash, a response of the Responses API
         owner            the tenant, as a session's; another owner's response is missing
-        status           queued | in_progress | completed | incomplete | failed | cancelled
-        body             the Response object as the API returns it (JSON)
+        status           queued | in_progress | completed | incomplete | failed | cancelled:
+                         what the body says, or a script's later word (a cancel, a sweep)
+        body             the Response object as the API returns it (JSON, Python's: a script
+                         never re-encodes it; the reader lays `status` and `error` over it)
+        error            the OpenAI error object a script failed it with (JSON), if any
         context          the conversation it ends, its own reply included, as the chat
                          template reads it (JSON messages; the instructions are not kept)
         input            its own input items, as input_items lists them (JSON)

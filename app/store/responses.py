@@ -132,9 +132,10 @@ class ResponseStore:
         the owner)."""
         return await self.connection.wait(self.keys.response(response_id)[1], f"0-{start}", block)
 
-    async def cancel(self, response_id: str, owner: str) -> tuple[str, str]:
-        """Cancel an active background response: ('ok', body), ('ended', body) for one that
-        had ended, ('foreground', '') for one that did not run in the background."""
+    async def cancel(self, response_id: str, owner: str) -> tuple[str, dict[str, str]]:
+        """Cancel an active background response: ('ok', its fields), ('ended', its fields)
+        for one that had ended, ('foreground', {}) for one that did not run in the
+        background. The fields: its `body`, its `status` and its `error` ('' for none)."""
         what, check = f"cancelling response {response_id}", "read the response (its status)"
         answer = fields(
             await self.connection.run(
@@ -144,7 +145,13 @@ class ResponseStore:
         status = _text(answer["status"])
         if status == "missing":
             raise ObjectNotFound("response", response_id)
-        return status, _text(answer.get("body", b""))
+        if status == "foreground":
+            return status, {}
+        return status, {
+            "body": _text(answer["body"]),
+            "status": _text(answer["now"]),
+            "error": _text(answer["error"]),
+        }
 
     async def expire(self, response_id: str, message: str, *, now: bool = False) -> Expired:
         """Fail the response if its worker's lease has lapsed (`now`: whatever its lease)."""

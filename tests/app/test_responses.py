@@ -226,7 +226,9 @@ def test_background_completes_replays_and_cancels(server, oa):
     )
     # cancel: it stops and keeps nothing more
     c = oa.responses.create(input="Another long tale.", background=True, temperature=0, max_output_tokens=200)
-    assert oa.responses.cancel(c.id).status in ("cancelled", "completed", "incomplete")
+    cancelled = oa.responses.cancel(c.id)
+    assert cancelled.status in ("cancelled", "completed", "incomplete")
+    assert isinstance(cancelled.output, list) and isinstance(cancelled.tools, list)
     time.sleep(0.5)
     assert oa.responses.retrieve(c.id).status in ("cancelled", "completed", "incomplete")
 
@@ -247,9 +249,14 @@ def test_background_of_a_dead_replica_is_failed(server, redis_url, tmp_path_fact
     deadline = time.monotonic() + 60
     while oa.responses.retrieve(r.id).status in ("queued", "in_progress") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert oa.responses.retrieve(r.id).status == "failed"
+    got = oa.responses.retrieve(r.id)
+    assert got.status == "failed" and got.error is not None and got.error.code == "server_error"
+    assert isinstance(got.output, list)  # (the sweep set the status; the body is as Python wrote it)
     events = list(oa.responses.retrieve(r.id, stream=True))
     assert events[-1].type == "response.failed"
+    # the sweep's event carries no response: the replay adds the stored one, failed
+    assert events[-1].response.id == r.id and events[-1].response.status == "failed"
+    assert events[-1].response.error is not None and isinstance(events[-1].response.output, list)
 
 
 def test_chain_continues_on_another_replica_and_after_restart(server, cold, redis_url, tmp_path_factory):

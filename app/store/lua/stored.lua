@@ -34,25 +34,23 @@ local function add_event(keys, kind, json)
   redis.call('HINCRBY', keys[1], 'events_bytes', #json)
 end
 
--- end an active response as `status`: its body says so (with `err`, an OpenAI error object,
--- when failed), and the event that ends a stream goes last in its events (a cancelled
--- one's: OpenAI's `error` event, code `cancelled`); the events live as long as the hash
+-- end an active response as `status`, with `err` (an OpenAI error object, when failed) in
+-- its own field: the body is Python's and Lua never re-encodes it (Python lays `status` and
+-- `error` over it as it reads it). The event that ends a stream goes last in its events: a
+-- failed one's `response.failed` without its response (a replay adds the stored one), a
+-- cancelled one's OpenAI's `error` event, code `cancelled`; the events live as long as the hash
 local function finish(keys, status, err)
-  local body = cjson.decode(redis.call('HGET', keys[1], 'body'))
-  body['status'] = status
-  if err then body['error'] = err end
-  local encoded = cjson.encode(body)
-  redis.call('HSET', keys[1], 'status', status, 'body', encoded)
+  redis.call('HSET', keys[1], 'status', status)
+  if err then redis.call('HSET', keys[1], 'error', cjson.encode(err)) end
   local seq = events_count(keys)
   if status == 'failed' then
-    add_event(keys, 'response.failed', cjson.encode({type = 'response.failed', sequence_number = seq, response = body}))
+    add_event(keys, 'response.failed', cjson.encode({type = 'response.failed', sequence_number = seq}))
   elseif status == 'cancelled' then
     add_event(keys, 'error', cjson.encode({type = 'error', code = 'cancelled', sequence_number = seq,
                                            message = 'the response was cancelled: it ends here'}))
   end
   local ttl = redis.call('PTTL', keys[1])
   if ttl > 0 then redis.call('PEXPIRE', keys[2], ttl) end
-  return encoded
 end
 
 -- the session a background response's run made (`run`), unless the response keeps it as
