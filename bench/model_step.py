@@ -11,6 +11,11 @@
    at 1 and 16 streams and two attention lengths. Results are the same (bit for bit
    here; tests/model/test_state.py checks them to 1e-5); only the copies differ.
 
+4. The library's default, as docs/USING.md writes a decode (`lm(tok, st)`: no `how`, no
+   `torch.no_grad`) on a model as `model.load` returns it (issue 42), against what that
+   line ran before (functional, with the parameters tracking gradients), at Transformer-XL
+   6 x 512, mem 512, 16 streams: `--library` runs this one alone.
+
 `--profile 16` instead prints where a 16-stream decode step spends its time.
 
 Usage: python bench/model_step.py [--d-model 256 --n-layer 4 ...] [--device cpu]
@@ -174,6 +179,29 @@ def growth(args: argparse.Namespace) -> list[dict]:
     return out
 
 
+def library_default(args: argparse.Namespace) -> dict:
+    """A user's decode step through the library, as it runs now and as it ran before."""
+    lm, _ = make(argparse.Namespace(**{**vars(args), "n_layer": 6, "d_model": 512, "n_head": 8}), 512)
+    st = lm.stack_states([history_state(lm, 512)] * 16)
+    tok = torch.zeros(16, 1, dtype=torch.long)
+
+    def step_ms(before: bool) -> float:
+        lm.requires_grad_(before)  # model.load's model tracks no gradient; before, it did
+        times, state = [], st
+        for _ in range(max(3, args.steps // 20)):  # a decode: each step extends the last
+            t0 = time.perf_counter()
+            _, state = lm(tok, state, FUNCTIONAL) if before else lm(tok, state)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    now, before = min(step_ms(False) for _ in range(2)), min(step_ms(True) for _ in range(2))
+    print(
+        f"the library's default decode step (Transformer-XL 6 x 512, mem 512, 16 streams, "
+        f"{torch.get_num_threads()} threads): now {now:.1f} ms, before {before:.1f} ms = {before / now:.1f}x"
+    )
+    return {"now_ms": round(now, 2), "before_ms": round(before, 2), "speedup": round(before / now, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -189,11 +217,15 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, metavar="STREAMS", help="only profile a decode step of this many streams"
     )
+    ap.add_argument("--library", action="store_true", help="only measure the library's default (4)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
         profile_step(make(args, args.mem_len)[0], args.profile)
+        return
+    if args.library:
+        print("RESULT " + json.dumps({"library_default": library_default(args)}))
         return
     lm, cfg = make(args, args.mem_len)
     t1k, t100k = history_cost(lm, args.steps)
@@ -206,6 +238,7 @@ def main() -> None:
         "ratio_100k_over_1k": round(t100k / t1k, 3),
         "speedups": speedups(args),
         "growth": growth(args),
+        "library_default": library_default(args),
     }
     print("RESULT " + json.dumps(result))
 

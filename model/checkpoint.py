@@ -145,7 +145,10 @@ def load(
     precision: str = "auto",
     options: Mapping[str, Any] | str | None = None,
 ) -> LanguageModel:
-    """Load a checkpoint by shipped name, directory or file, in eval mode on `device`.
+    """Load a checkpoint by shipped name, directory or file, for inference on `device`: in
+    eval mode, its parameters tracking no gradient, so `lm(tokens, state)` grows the state
+    in place, the fast path (`model.family.untracked`; `lm.requires_grad_(True)` to
+    fine-tune it).
 
     precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" (int8 weights, where the
     family has such a path: `LanguageModel.quantize`) or "auto" (bf16 on CUDA, else fp32).
@@ -165,7 +168,7 @@ def load(
         lm.with_options(parsed)
         lm.fingerprint = fingerprint(lm)
     lm.precision = precision
-    lm = lm.to(dev).eval()
+    lm = lm.to(dev).eval().requires_grad_(False)
     if precision == "int8":
         lm.quantize()
     return lm

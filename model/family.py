@@ -53,8 +53,10 @@ class Execution:
     - `parts`: compiled versions of the family's `parts()`, by name, to run in place of its
       own (an RLT per-token step, say).
 
-    `FUNCTIONAL` is `forward`'s default (training, and the graph a compiler traces);
-    `IN_PLACE` is `prefill`'s and `consume`'s, which never track gradients."""
+    `FUNCTIONAL` is what training and a graph a compiler traces need; `IN_PLACE` is
+    `prefill`'s and `consume`'s, which never track gradients. `forward` called without one
+    picks for itself (`untracked`): a user decoding through the library gets the fast path
+    without knowing this class."""
 
     in_place: bool = False
     parts: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
@@ -132,11 +134,16 @@ class LanguageModel(nn.Module):
         return max((axis.bound for axis in self.time_axes().values()), default=0) + 1
 
     def forward(
-        self, tokens: torch.Tensor, state: State | None = None, how: Execution = FUNCTIONAL
+        self, tokens: torch.Tensor, state: State | None = None, how: Execution | None = None
     ) -> tuple[torch.Tensor, State]:
         """Consume `tokens` [B, T] into `state` (None: a fresh one), as `how` says: the family's
-        `advance`."""
-        return self.advance(tokens, self.new_state(tokens.shape[0]) if state is None else state, how)
+        `advance`. Without `how`: in place where nothing tracks a gradient and no graph is
+        being compiled (`untracked`), else functionally; the results are the same either way."""
+        state = self.new_state(tokens.shape[0]) if state is None else state
+        if how is None and untracked(self, state):
+            with torch.no_grad():  # (nothing requires a gradient: the same results, no graph)
+                return self.advance(tokens, state, IN_PLACE)
+        return self.advance(tokens, state, how or FUNCTIONAL)
 
     def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
@@ -329,6 +336,19 @@ class LanguageModel(nn.Module):
             parts.append(lp)
         out = torch.cat(parts, 1) if parts else torch.empty(ids.shape, device=self.device)
         return out, state
+
+
+def untracked(lm: nn.Module, state: State) -> bool:
+    """Whether a forward of `lm` on `state` would build no autograd graph and is not being
+    compiled, so that it may grow the state in place: gradients off (`torch.no_grad`,
+    `torch.inference_mode`), or no parameter and no state tensor that requires one."""
+    if torch.compiler.is_compiling():
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(p.requires_grad for p in lm.parameters()) and not any(
+        t.requires_grad for t in state.tensors.values()
+    )
 
 
 def init_weights(m: nn.Module) -> None:

@@ -271,3 +271,35 @@ def test_a_compiled_step_equals_the_eager_one(name):
             lc, compiled = step(tok, compiled)
             _close(lc, le, atol=1e-4)
             tok = le[:, -1:].argmax(-1)
+
+
+# -- the library's default (issue 42: `lm(tokens, state)` is the fast path) --------------------
+@pytest.mark.parametrize("family", ["transformer-xl", "llama"])
+def test_the_default_forward_grows_in_place_where_nothing_tracks_a_gradient(tmp_path, family):
+    """A model as `model.load` returns it tracks no gradient, so `lm(tokens, state)` with no
+    `how` and no `torch.no_grad` takes the in-place path (`model.family.untracked`), with the
+    results of the functional one, also when one state is extended twice (a fork). A model
+    whose parameters track gradients, with gradients on, still runs functionally (the
+    state it returns carries the graph)."""
+    from model.family import untracked
+
+    from .test_llama import TINY as TINY_LLAMA
+
+    txl = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=16, tgt_len=8)
+    model.init(tmp_path / "m", family=family, seed=0, **(TINY_LLAMA if family == "llama" else txl))
+    lm = model.load(tmp_path / "m", device="cpu")
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    start = lm.consume(ids[:, :8], lm.new_state(2))[1]
+    assert untracked(lm, start)
+    for _ in range(2):  # (the second extends the same state again)
+        got, st = lm(ids[:, 8:], start)
+        with torch.no_grad():
+            want, st_f = lm(ids[:, 8:], start, model.FUNCTIONAL)
+        _close(got, want)
+        for name in lm.persistent:
+            _close(st[name].float(), st_f[name].float())
+    assert not got.requires_grad
+    lm.requires_grad_(True)  # (to fine-tune it)
+    assert not untracked(lm, start)
+    logits, _ = lm(ids[:, 8:], start)
+    assert logits.requires_grad
