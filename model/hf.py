@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from .hf_files import read_weights
 from .native import build, fingerprint
 from .reader import TGT_LEN, Flag, Reader
 from .tokenizer import WordTokenizer
@@ -86,40 +86,6 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         raise ValueError("config.json has no vocab_size")
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor in the directory's weights: safetensors preferred, `.bin` as plain tensors only."""
-    path = Path(path)
-    for index, loader in (
-        ("model.safetensors.index.json", _load_safetensors),
-        ("pytorch_model.bin.index.json", _load_bin),
-    ):
-        if (path / index).is_file():
-            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-            out: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                out.update(loader(path / shard))
-            return out
-    if (path / "model.safetensors").is_file():
-        return _load_safetensors(path / "model.safetensors")
-    if (path / "pytorch_model.bin").is_file():
-        return _load_bin(path / "pytorch_model.bin")
-    raise FileNotFoundError(f"{path} has config.json but no model.safetensors or pytorch_model.bin")
-
-
-def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(file), device="cpu")
-
-
-def _load_bin(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        sd = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # the safe unpickler refuses anything but tensors and containers
-        raise ValueError(f"{file}: not a plain tensor state dict ({e}); refusing to unpickle it") from e
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{file}: expected a state dict of tensors")
-    return sd
 
 
 _SHARED_BIAS = re.compile(r"layers\.\d+\.dec_attn\.(r_w_bias|r_r_bias)$")
@@ -185,7 +151,7 @@ def read(path: str | Path, vocab: str | Path | None = None, **overrides: Any) ->
         )
     lm = build("transformer-xl", cfg, tok.spec())
     assert isinstance(lm, TransformerXL)
-    lm.load_state_dict(native_state_dict(lm, read_weights(path)), strict=True)
+    lm.load_state_dict(native_state_dict(lm, read_weights(path, allow_bin=True)), strict=True)
     lm.fingerprint = fingerprint(lm)
     return lm.eval()
 

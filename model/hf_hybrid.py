@@ -30,8 +30,7 @@ import torch
 
 from .attention import Pair
 from .family import LanguageModel
-from .hf_ssm import read_weights, tokenizer_spec
-from .llama_hf import stop_strings, tokenizer
+from .hf_files import read_weights, stop_strings, tokenizer, tokenizer_spec
 from .native import build, families, fingerprint
 from .reader import TGT_LEN, Reader, config_json
 

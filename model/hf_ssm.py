@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from .family import LanguageModel
+from .hf_files import read_weights, tokenizer_spec
 from .native import build, fingerprint
 from .reader import TGT_LEN, Reader, config_json
-from .tokenizer import ByteTokenizer
 
 MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2"}  # HF model_type -> native family
-INDEX = "model.safetensors.index.json"
 
 
 def claims(path: Path) -> bool:
@@ -88,41 +86,6 @@ def native_config(hf: dict[str, Any], **overrides: Any) -> tuple[str, dict[str, 
         )
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return family, cfg
-
-
-def tokenizer_spec(path: Path, hf: dict[str, Any]) -> dict:
-    """The native tokenizer spec: tokenizer.json's, else the byte tokenizer's where it fits."""
-    vocab = hf["vocab_size"]
-    if not (path / "tokenizer.json").is_file():
-        if vocab < ByteTokenizer().vocab_size:
-            raise FileNotFoundError(
-                f"{path} has no tokenizer.json, and the vocabulary ({vocab}) cannot hold bytes"
-            )
-        return {"kind": "byte"}
-
-    def first(x: Any) -> int | None:
-        return x[0] if isinstance(x, list) and x else x if isinstance(x, int) else None
-
-    return {
-        "kind": "bpe",
-        "tokenizer": json.loads((path / "tokenizer.json").read_text(encoding="utf-8")),
-        "vocab_size": vocab,
-        "bos_id": first(hf.get("bos_token_id")),
-        "eos_id": first(hf.get("eos_token_id")),
-    }
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in the directory's safetensors (one file, or the shards its index lists)."""
-    files = (
-        sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-        if (path / INDEX).is_file()
-        else []
-    )
-    files = files or ["model.safetensors"]
-    if not (path / files[0]).is_file():
-        raise FileNotFoundError(f"{path} has config.json but no {files[0]} (only safetensors are read)")
-    return {k: v for f in files for k, v in load_file(str(path / f), device="cpu").items()}
 
 
 def native_state_dict(lm: LanguageModel, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -52,6 +52,7 @@ the history, and a token's results never depend on where chunk or request bounda
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,28 @@ def serving_span(trained_context: int, sliding_window: int | None = None) -> dic
         DEFAULT_WINDOW if not trained_context else min(DEFAULT_WINDOW, trained_context - DEFAULT_SINKS - 1)
     )
     return {"sinks": DEFAULT_SINKS, "window": window}
+
+
+# A layer's weights under the family's names, each from the parts (joined in this order) a
+# checkpoint names its own way: model/llama_hf.py's HF_PARTS, model/llama_gguf.py's GGUF_PARTS.
+LAYER = {
+    "attn.qkv": ("q", "k", "v"),
+    "attn.proj": ("o",),
+    "mlp.gate_up": ("gate", "up"),
+    "mlp.down": ("down",),
+    "norm1": ("norm1",),
+    "norm2": ("norm2",),
+}
+
+
+def layer_weights(prefix: str, part: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's weights under the family's names (`prefix` + LAYER's), `part(name)` giving
+    the reader's tensor for each of LAYER's parts."""
+    out = {}
+    for name, parts in LAYER.items():
+        tensors = [part(x) for x in parts]
+        out[prefix + name + ".weight"] = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+    return out
 
 
 class Attention(nn.Module):

@@ -32,8 +32,7 @@ import numpy as np
 import torch
 
 from .chat_template import ChatTemplate
-from .llama import Llama, serving_span
-from .llama_hf import layer_weights
+from .llama import Llama, layer_weights, serving_span
 from .native import build
 from .reader import Reader
 from .tokenizer import BPETokenizer
@@ -125,7 +124,7 @@ GGUF_PARTS = {
     "down": "ffn_down",
     "norm1": "attn_norm",
     "norm2": "ffn_norm",
-}  # model/llama_hf.py's LAYER parts, as GGUF names them in a layer's `blk.{i}.`
+}  # model.llama.LAYER's parts, as GGUF names them in a layer's `blk.{i}.`
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -170,7 +169,7 @@ def state_dict(f: GGUF, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def layer_part(f: GGUF, cfg: dict[str, Any], layer: int, part: str) -> torch.Tensor:
-    """One of model/llama_hf.py's LAYER parts of a layer, q and k rows un-permuted."""
+    """One of model.llama.LAYER's parts of a layer, q and k rows un-permuted."""
     w = f.weight(f"blk.{layer}.{GGUF_PARTS[part]}.weight")
     heads = {"q": cfg["n_head"], "k": cfg["n_kv_head"]}.get(part)
     return w if heads is None else unpermute(w, heads)

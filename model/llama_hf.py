@@ -13,7 +13,7 @@ with a sliding window (Mistral: each position sees itself and the sliding_window
 before it) keeps exactly that window and no sinks; any other gets the family's default
 sinks and window (`model.llama.serving_span`).
 
-This module builds on `model/hf.py`'s weight reading and the native format, and must never
+This module builds on the HF files' reading (`model/hf_files.py`) and the native format, and must never
 import `model/checkpoint.py`, whose registry picks this reader (`READER`) for these
 directories.
 """
@@ -21,31 +21,18 @@ directories.
 from __future__ import annotations
 
 import functools
-import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .hf import read_weights
-from .llama import Llama, serving_span
+from .hf_files import json_file, read_weights, stop_strings, tokenizer
+from .llama import Llama, layer_weights, serving_span
 from .native import build
 from .reader import Reader
-from .tokenizer import BPETokenizer
 
 MODEL_TYPES = ("llama", "mistral")
-TOKENIZER_FILE = "tokenizer.json"
-# A layer's weights under the family's names, each from the parts (joined in this order) a
-# reader names its own way: this one in HF_PARTS, model/llama_gguf.py in its GGUF_PARTS.
-LAYER = {
-    "attn.qkv": ("q", "k", "v"),
-    "attn.proj": ("o",),
-    "mlp.gate_up": ("gate", "up"),
-    "mlp.down": ("down",),
-    "norm1": ("norm1",),
-    "norm2": ("norm2",),
-}
+# the parts of a layer (`model.llama.LAYER`) by their HF names
 HF_PARTS = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -61,14 +48,7 @@ HF_PARTS = {
 
 def claims(path: Path) -> bool:
     """Whether `path` is a HF directory of a model type this reader reads."""
-    return _json(path / "config.json").get("model_type") in MODEL_TYPES
-
-
-def _json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    data = json.loads(file.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
+    return json_file(path / "config.json").get("model_type") in MODEL_TYPES
 
 
 def native_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -120,66 +100,11 @@ def state_dict(source: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str
     return out
 
 
-def layer_weights(prefix: str, part: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One layer's weights under the family's names (`prefix` + LAYER's), `part(name)` giving
-    the reader's tensor for each of LAYER's parts."""
-    out = {}
-    for name, parts in LAYER.items():
-        tensors = [part(x) for x in parts]
-        out[prefix + name + ".weight"] = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-    return out
-
-
-def tokenizer(path: Path, hf: dict[str, Any]) -> BPETokenizer:
-    """tokenizer.json as it is, with the BOS a stream starts with (when encoding with special
-    tokens prepends it) and the EOS (tokenizer_config.json's, else config.json's)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    file = path / TOKENIZER_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}")
-    text = file.read_text(encoding="utf-8")
-    tok = HFTokenizer.from_str(text)
-    config = _json(path / "tokenizer_config.json")
-    bos, eos = (_token_id(tok, config.get(k), hf.get(k + "_id")) for k in ("bos_token", "eos_token"))
-    plain, special = (
-        tok.encode("a", add_special_tokens=False).ids,
-        tok.encode("a", add_special_tokens=True).ids,
-    )
-    adds_bos = bos is not None and special[:1] == [bos] and special[1:] == plain
-    return BPETokenizer(text, hf["vocab_size"], bos if adds_bos else None, eos)
-
-
-def _token_id(tok: Any, token: Any, fallback: Any) -> int | None:
-    """A special token's id: by its text (a string, or HF's {"content": ...}), else `fallback`."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    found = tok.token_to_id(token) if isinstance(token, str) else None
-    if found is None and isinstance(fallback, list):
-        fallback = fallback[0] if fallback else None
-    return found if found is not None else fallback
-
-
-def stop_strings(path: Path) -> list[str]:
-    """The texts of the tokens that end a turn: generation_config.json's EOS ids (one or a
-    list), else config.json's."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    ids = _json(path / "generation_config.json").get(
-        "eos_token_id", _json(path / "config.json").get("eos_token_id")
-    )
-    ids = ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
-    if not ids or not (path / TOKENIZER_FILE).is_file():
-        return []
-    tok = HFTokenizer.from_file(str(path / TOKENIZER_FILE))
-    return [t for t in (tok.decode([i], skip_special_tokens=False) for i in ids) if t]
-
-
 def read(path: Path) -> Llama:
     """The model in the HF directory `path` (on CPU, fp32, eval mode)."""
-    hf = _json(path / "config.json")
+    hf = json_file(path / "config.json")
     cfg = native_config(hf)
-    lm = build("llama", cfg, tokenizer(path, hf).spec(), weights=state_dict(read_weights(path), cfg))
+    lm = build("llama", cfg, tokenizer(path, hf).spec(), weights=state_dict(read_weights(path, allow_bin=True), cfg))
     assert isinstance(lm, Llama)
     return lm.eval()
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .family import LanguageModel
+from .hf_files import json_file
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -75,8 +76,7 @@ class Reader:
 
 def config_json(path: Path) -> dict:
     """A checkpoint directory's config.json, or {} where it has none (a file, say)."""
-    config = path / "config.json"
-    return json.loads(config.read_text()) if config.is_file() else {}
+    return json_file(path / "config.json")
 
 
 # -- chat templates, HF's files ------------------------------------------------------------------
