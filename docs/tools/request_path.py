@@ -7,7 +7,8 @@ and model/ whose functions ran for it, on each side of the engine's queue.
     python -m docs.tools.request_path --check    # exit 1 if that block is out of date
 
 The two sides are the event loop (uvicorn's thread and the worker threads it hands blocking
-calls to) and the engine thread (`recur-engine`); app/ or model/ code on any other thread
+calls to) and the engine's threads (`recur-engine`, and the loader and encoder threads that
+parse stored states and encode finished ones for it); app/ or model/ code on any other thread
 fails the trace rather than be counted on a side it does not belong to. A call counts when a
 function starts, not each time a coroutine or generator resumes; a crossing is a call whose
 nearest caller in app/ or model/ lies in another file (a call from outside, such as the event
@@ -64,6 +65,8 @@ START = "<!-- request-path:start -->"
 END = "<!-- request-path:end -->"
 MODEL = ROOT / "model" / "weights" / "shakespeare"
 ENGINE_THREAD = "recur-engine"  # the name app/engine/engine.py gives its thread
+# the engine's side: its thread, and the loader's and the encoder's (app/engine/loader.py, encoder.py)
+ENGINE_THREADS = (ENGINE_THREAD, "recur-loader", "recur-encoder")
 # the threads of the event loop's side: the server's own, AnyIO's workers (FastAPI's sync
 # dependencies) and the loop's default executor (asyncio.to_thread)
 LOOP_THREADS = ("request-path-server", "AnyIO worker thread", "asyncio_")
@@ -160,12 +163,12 @@ class Recorder:
         first: dict[str, dict[str, int]] = {EVENT_LOOP: {}, ENGINE: {}}
         sides = {EVENT_LOOP: Side(), ENGINE: Side()}
         strays = sorted(
-            {t.name for t in self._threads if t.name != ENGINE_THREAD and not t.name.startswith(LOOP_THREADS)}
+            {t.name for t in self._threads if not t.name.startswith((*ENGINE_THREADS, *LOOP_THREADS))}
         )
         if strays:
             raise RuntimeError(f"app/ or model/ code ran on threads of neither side: {', '.join(strays)}")
         for t in self._threads:
-            name = ENGINE if t.name == ENGINE_THREAD else EVENT_LOOP
+            name = ENGINE if t.name.startswith(ENGINE_THREADS) else EVENT_LOOP
             side, seen = sides[name], first[name]
             for path, n in t.calls.items():
                 seen[path] = min(seen.get(path, t.first[path]), t.first[path])
@@ -298,7 +301,7 @@ def trace(model_dir: Path = MODEL, redis_url: str | None = None) -> Trace:
         created = client.post("/v1/sessions", json={"prompt": "ROMEO:"}).raise_for_status()
         session = created.json()["id"]
         _generate(client, app, session, " a")  # the warm-up
-        _wait_quiet(app.app.state.sessions.engine)
+        _wait_quiet(app.app.state.services.engine)
         recorder.on = True
         try:
             _generate(client, app, session, " Hello")
@@ -338,7 +341,7 @@ def section(t: Trace) -> str:
             "engine's queue, in the order the request first reached them.",
             "",
             _files("The event loop", "uvicorn's thread and its worker threads", t.sides[EVENT_LOOP].files),
-            _files("The engine thread", f"`{ENGINE_THREAD}`", t.sides[ENGINE].files),
+            _files("The engine's threads", f"`{ENGINE_THREAD}`, and its encoder", t.sides[ENGINE].files),
         ]
     )
 
