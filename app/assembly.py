@@ -131,6 +131,7 @@ def build_sessions(settings: Settings, store: Store, engine: Engine, tenants: Te
         # a small multiple of the largest state the served model can produce, unless set
         import_limit=int(settings.max_import_mb * 2**20) or 2 * engine.lm.max_state_bytes(),
         max_imports=settings.max_concurrent_imports,
+        import_rate=settings.import_mb_per_second * 2**20,
     )
 
 

@@ -249,6 +249,12 @@ class ServiceSettings(BaseSettings):
         description="state imports one replica reads and parses at once, one client at most half of them (at "
         "least 1); more get 429 queue_full at once, before their bodies are read (imports bound their memory)",
     )
+    import_mb_per_second: float = Field(
+        16.0,
+        ge=0,
+        description="MiB a second one client's state imports may bring to one replica, after a burst of "
+        "4 seconds' worth (a full state at once): past it they are paced, not refused (0 = no limit)",
+    )
     log_format: LogFormat = Field(
         "auto",
         description="auto: text when stderr is a terminal, else json; json: one JSON object per line; "

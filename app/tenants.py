@@ -23,6 +23,7 @@ A tenant is an API key (its owner hash); without keys, every client is the one t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import contextvars
@@ -73,6 +74,29 @@ class _Places:
 
 
 PLACES: contextvars.ContextVar[_Places | None] = contextvars.ContextVar("recur_places", default=None)
+
+
+class Pace:
+    """Each client's bytes a second on this replica for one costly kind of transfer
+    (replays of background responses' events, state imports), paced (the generic cell rate
+    algorithm): a client may move `burst` seconds' worth at once, then waits as long as its
+    bytes take at `rate`. So one client moving state in a loop leaves the replica's cores to
+    the others. 0 = no limit."""
+
+    def __init__(self, rate: float, burst: float = 0.5):
+        self.rate, self.burst = rate, burst
+        self._due: dict[str, float] = {}  # client -> when its bytes so far are paid for
+
+    async def take(self, client: str, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        due = max(now, self._due.get(client, now)) + nbytes / self.rate
+        self._due[client] = due
+        if len(self._due) > 4096:  # (clients long paid up are forgotten)
+            self._due = {c: t for c, t in self._due.items() if t > now}
+        if due - now > self.burst:
+            await asyncio.sleep(due - now - self.burst)
 
 
 class Tenants:

@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from app import metrics
 from app.store import ObjectNotFound, QuotaExceeded, ResponseStore, StoreError
-from app.tenants import CLIENT, Tenants
+from app.tenants import CLIENT, Pace, Tenants
 
 from .responses import BODY, Responses, body_of, dumps
 
@@ -106,27 +106,6 @@ class Replay:
         if self.client is not None:
             self.background.replay_ended(self.client)
             self.client = None
-
-
-class Pace:
-    """Each client's bytes a second across its replays on this replica, paced (the generic
-    cell rate algorithm): a client may send `burst` seconds' worth at once, then waits as
-    long as its bytes take at `rate`. 0 = no limit."""
-
-    def __init__(self, rate: float, burst: float = 0.5):
-        self.rate, self.burst = rate, burst
-        self._due: dict[str, float] = {}  # client -> when its bytes so far are paid for
-
-    async def take(self, client: str, nbytes: int) -> None:
-        if not self.rate:
-            return
-        now = time.monotonic()
-        due = max(now, self._due.get(client, now)) + nbytes / self.rate
-        self._due[client] = due
-        if len(self._due) > 4096:  # (clients long paid up are forgotten)
-            self._due = {c: t for c, t in self._due.items() if t > now}
-        if due - now > self.burst:
-            await asyncio.sleep(due - now - self.burst)
 
 
 class Background:

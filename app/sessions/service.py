@@ -47,7 +47,7 @@ from app.store import (
     Writer,
     new_session_id,
 )
-from app.tenants import CLIENT, Tenants
+from app.tenants import CLIENT, Pace, Tenants
 from app.transcript import Kind, Segment, lineage
 from model import State, StateError
 from model.grammar import Matcher
@@ -82,10 +82,14 @@ class Generation:
 class ImportPlaces:
     """The replica's places for state imports in progress: `max_places` in all, and half of
     them (at least one) for one client, so a client importing in a loop leaves the others a
-    place, and the replica's cores. Taken before a byte of the body is read."""
+    place; and each client's imports paced to `rate` bytes a second after a burst of
+    `burst` seconds' worth (one full state at once), so it leaves them the replica's cores
+    (an import costs the event loop, the loader and the encoder per byte). Both are taken
+    before a byte of the body is read."""
 
-    def __init__(self, max_places: int):
+    def __init__(self, max_places: int, rate: float = 0.0, burst: float = 4.0):
         self.max_places = max_places
+        self.pace = Pace(rate, burst)
         self._taken: collections.Counter[str] = collections.Counter()  # by client
 
     @contextlib.contextmanager
@@ -124,6 +128,7 @@ class SessionService(SessionReads):
         stateless_ttl: int,
         import_limit: int,
         max_imports: int,
+        import_rate: float = 0.0,
     ):
         super().__init__(store, tenants, engine, cache)
         self.state_dtype = state_dtype
@@ -132,7 +137,7 @@ class SessionService(SessionReads):
         self.prefix_reuse = prefix_reuse
         self.stateless_ttl = stateless_ttl
         self.import_limit = import_limit  # bytes: the largest state a client may import
-        self.imports = ImportPlaces(max_imports)
+        self.imports = ImportPlaces(max_imports, import_rate)
 
     # -- new sessions -------------------------------------------------------------------------
     async def create(
@@ -161,11 +166,15 @@ class SessionService(SessionReads):
         thread parses and verifies the rest
         (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
         never unpickled."""
-        with self.imports.taken(CLIENT.get() or owner):
+        client = CLIENT.get() or owner
+        with self.imports.taken(client):
             session_id = new_session_id()
             try:
                 await self.tenants.reserve(owner, session_id, declared or 0, ttl)
+                await self.imports.pace.take(client, declared or 0)
                 blob = await body()
+                if declared is None:  # (a body of no stated length is paced once read)
+                    await self.imports.pace.take(client, len(blob))
                 req = Request(Stored(blob, (), _importable(blob)), [], persist=Persist(self.state_dtype))
                 return await self._create(req, ttl, owner, None, "import", session_id)
             except StateError as exc:

@@ -186,3 +186,26 @@ def test_healthz_answers_while_hostile_imports_run(tenants):
         for t in attackers:
             t.join()
     assert answers and set(answers) <= {422, 429}, answers
+
+
+def test_one_clients_imports_are_paced_to_its_rate(hostile_models, redis_url, tmp_path_factory):
+    """A client importing in a loop is paced to `import_mb_per_second` after its burst (4
+    seconds' worth), not refused: every import lands, and all of them together no faster
+    than the pace allows (an upper bound on what the client moved, which a slow machine
+    only lowers). Unpaced, the same loop moved 140 times what the pace allows."""
+    _, state = full_state(hostile_models["txl"])
+    blob = state.to_bytes()
+    rate = len(blob) / 4 / 2**20  # MiB a second: a quarter of a state (the burst: one state)
+    with ServerProcess(
+        hostile_models["txl"], tmp_path_factory.mktemp("paced"), redis_url, api_keys=ATTACKER,
+        import_mb_per_second=rate, max_import_mb=64,
+    ) as server, as_key(server, ATTACKER) as c:  # fmt: skip
+        began, moved = time.monotonic(), 0
+        while time.monotonic() - began < 3:
+            r = c.post("/v1/sessions/import", content=blob, headers={"Content-Type": OCTETS})
+            assert r.status_code == 201, r.text
+            moved += len(blob)
+            c.delete(f"/v1/sessions/{r.json()['id']}").raise_for_status()
+        seconds = time.monotonic() - began
+    allowed = rate * 2**20 * (seconds + 4) + len(blob)  # (the burst, and the import under way)
+    assert moved <= allowed, f"{moved} bytes imported in {seconds:.1f} s; the pace allows {allowed:.0f}"
