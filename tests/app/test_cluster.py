@@ -244,7 +244,9 @@ def test_sigkill_of_a_primary_fails_only_its_own_sessions(cluster, cluster_serve
                 assert cluster.primary_for(keys.session(sid)) is not victim
                 assert c.get(f"/v1/sessions/{sid}").status_code == 200
                 break
-            assert unavailable(r), r.text
+            # (a create the dead primary's slot never answered is unknown, not failed: a write
+            # that timed out may have landed; the next attempt takes another id)
+            assert unavailable(r) or (r.status_code == 503 and error_type(r) == "outcome_unknown"), r.text
         assert statuses[-1] == 201, statuses
     assert cluster_server.proc is not None and cluster_server.proc.poll() is None
 

@@ -40,6 +40,8 @@ from tests.model.reference_env import CURRENT
 from tests.model.test_hf_hybrid import GRANITE, QWEN
 from tests.sensitive import MATTERS
 
+pytestmark = pytest.mark.slow  # (transformers builds, converts and answers: the slow suite, which CI runs)
+
 REF_SCRIPT = Path(__file__).parents[1] / "model" / "hf_hybrid_chat_reference.py"
 TOL = 1e-4
 MAX_NEW = 10

@@ -29,7 +29,9 @@ from pydantic import BaseModel, Field
 from tests.app.servers import serve
 from tests.conftest import ServerProcess
 
-pytestmark = pytest.mark.smollm2
+# the slow suite (CI runs it): a SmolLM2 server and some 60 generations take minutes of
+# make test's 10; tests/model/test_grammar.py and tests/app/test_structured.py stay in it
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 MODEL = "smollm2"
 WEATHER = {
     "type": "function",

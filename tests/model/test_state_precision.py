@@ -194,7 +194,7 @@ def blob_with(blob: bytes, header: dict | None = None, **tensors: torch.Tensor |
         if t is None:
             stored.pop(name)
         else:
-            stored[name] = t
+            stored[name] = t.contiguous()  # (a live state's window is a view of its arena)
     recur["shapes"] = {k: list(v.shape) for k, v in stored.items()}
     recur["checksum"] = model.state.checksum_of(stored)
     return save(stored, metadata={"recur": json.dumps(recur)})
