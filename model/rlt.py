@@ -129,6 +129,22 @@ def real_keys(first_valid: torch.Tensor, K: int, padded: bool) -> torch.Tensor |
     return (torch.arange(K, device=first_valid.device) >= first_valid[:, None])[:, None, None]
 
 
+def _in_reach(start: int, T: int, width: int, first: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Which of the `width` slots each of T tokens reaches hold a real row (B, T, 1, 1, width):
+    token t's slots are rows start + t - (width - 1) .. start + t; a row is real from `first`."""
+    row = start + torch.arange(T, device=dev)[:, None] - (width - 1) + torch.arange(width, device=dev)
+    return (row >= first[:, None, None])[:, :, None, None]
+
+
+def _memory_rows(k: torch.Tensor, v: torch.Tensor, rows: int, at: int, n_head: int) -> Pair:
+    """A memory group's entries k, v (B, Mm+T, d) at row `at` of zeroed buffers `rows` long,
+    heads split: every token's slice of them then has the same strides."""
+    B, n, d = k.shape
+    kb, vb = k.new_zeros(B, rows, d), v.new_zeros(B, rows, d)
+    kb[:, at : at + n], vb[:, at : at + n] = k, v
+    return split_heads(kb, n_head), split_heads(vb, n_head)
+
+
 def _dense(x: torch.Tensor) -> torch.Tensor:
     """x in the row-major layout of its shape, strides of size-1 dimensions included (a
     compiled graph guards on every stride)."""
@@ -419,17 +435,8 @@ class RLT(LanguageModel):
         with self.autocast():
             e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid, n_min)  # (B, T, d)
             mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
-            s_all = self._recur(
-                e,
-                cs,
-                state,
-                mem,
-                ctx_valid,
-                n_min,
-                grown["swa_k"],
-                grown["swa_v"],
-                how.parts.get("decode_token"),
-            )  # (B, T, d)
+            sk, sv, token = grown["swa_k"], grown["swa_v"], how.parts.get("decode_token")
+            s_all = self._recur(e, cs, state, mem, ctx_valid, n_min, sk, sv, token)  # (B, T, d)
             logits = F.linear(rms_norm(s_all, self.norm_out), self.head.weight)  # (B, T, V)
         tensors, arenas = unzip({name: g.result(min(axes[name].bound, g.M + T)) for name, g in grown.items()})
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
@@ -574,7 +581,7 @@ class RLT(LanguageModel):
         time-major, so a token's slice does not depend on the chunk's length. The same keys
         are attended; the padding is masked out."""
         cfg = self.config
-        (B, T, d), S, W, C = e.shape, sk.M, cfg.window, cfg.max_context
+        T, S, W, C = e.shape[1], sk.M, cfg.window, cfg.max_context
         Mm = mem[0][0].shape[1] - T
         dev = e.device
         assert self.merge is not None
@@ -582,16 +589,9 @@ class RLT(LanguageModel):
         # memory rows at C-1 .. in a buffer as long as any chunk needs: token t's entries in
         # reach are rows [Mm+t, Mm+t+C), and every slice has the same strides
         rows = 2 * (C - 1) + max(T, self.segment_len)
-        mem_h = []
-        for k, v in zip(*mem, strict=True):
-            kb, vb = k.new_zeros(B, rows, d), v.new_zeros(B, rows, d)
-            kb[:, C - 1 : C - 1 + Mm + T], vb[:, C - 1 : C - 1 + Mm + T] = k, v
-            mem_h.append((split_heads(kb, cfg.n_head), split_heads(vb, cfg.n_head)))
-        t_idx = torch.arange(T, device=dev)[:, None]
-        entry = Mm + t_idx - (C - 1) + torch.arange(C, device=dev)  # (T, C) the entry in each slot
-        mem_ok = (entry >= mem_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, C)
-        row = S + t_idx - (W - 1) + torch.arange(W, device=dev)  # (T, W) the window row in each slot
-        win_ok = (row >= swa_first[:, None, None])[:, :, None, None]  # (B, T, 1, 1, W); the last: the new row
+        mem_h = [_memory_rows(k, v, rows, C - 1, cfg.n_head) for k, v in zip(*mem, strict=True)]
+        mem_ok = _in_reach(Mm, T, C, mem_first, dev)  # (B, T, 1, 1, C) the entry in each slot
+        win_ok = _in_reach(S, T, W, swa_first, dev)  # (B, T, 1, 1, W): the last, the new row
         # time-major (T, B, ...), dense: token t's slice has the same strides in every chunk,
         # and is one index away from what the step takes (B, 1, ...)
         e_t, ge_t, cos, sin = (_dense(x.transpose(0, 1)[:, :, None]) for x in (e, ge, cs[0], cs[1]))
