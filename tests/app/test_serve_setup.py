@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 import model
-from model.chat_template import play_script
+from model.chat_template import ChatTemplate, play_script
 from tests.app.sse_client import events
 from tests.conftest import ROOT, TINY, RedisProcess, free_port
 
@@ -151,9 +151,12 @@ def test_a_second_server_on_the_same_data_dir_fails_at_once(tiny_model_dir, tmp_
 
 
 def _chat_model(path: Path) -> Path:
-    """A tiny byte-level model with the play-script template: it can answer Responses, and
-    its turn stop (a blank line) comes seldom from random weights, so an answer runs on."""
-    model.init(path, seed=0, chat_template=play_script(), **TINY)
+    """A tiny byte-level model with the play-script template, whose turn stop is text that
+    random weights never write (a blank line comes after 68-674 tokens, seeds 0-5: too soon
+    for a stream that must still be live when Ctrl-C lands on a loaded machine); the
+    requests set `ignore_eos`, since a sampled EOS would end them as soon."""
+    template = ChatTemplate(play_script().source, ("\x00\x01 end of turn \x01\x00",))
+    model.init(path, seed=0, chat_template=template, **TINY)
     return path
 
 
@@ -163,7 +166,7 @@ def test_ctrl_c_ends_live_responses_streams_with_their_final_events(tmp_path):
     chat = _chat_model(tmp_path / "model")
     proc = _serve(chat, tmp_path, "--port", str(port), "--max-tokens", "200000")
     stderr: list[str] = []
-    long = {"input": "Good morrow.", "max_output_tokens": 150_000, "temperature": 1}
+    long = {"input": "Good morrow.", "max_output_tokens": 150_000, "temperature": 1, "ignore_eos": True}
     streamed: list[tuple[str, dict]] = []
     replayed: list[tuple[str, dict]] = []
     try:
