@@ -96,10 +96,11 @@ class ServiceSettings(BaseSettings):
     max_tokens: int = Field(1024, ge=1, description="cap on max_tokens of one generate request")
     max_prompt_tokens: int = Field(8192, ge=1, description="longest prompt one request may send (else 413)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "int8", "int4"] = Field(
         "auto",
-        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), or "
-        "int8 (int8 weights on CPU, for the families that have the path: LLaMA-architecture LLMs)",
+        description="compute precision: auto (bf16 on CUDA; on CPU the precision a quantized GGUF's blocks map "
+        "onto, int4 for Q4_0/Q4_1, else fp32), fp32, bf16 (autocast, on CPU too), int8 or int4 (packed weights "
+        "with bfloat16 activations, on CPU, for the families that have the path: LLaMA-architecture LLMs)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32",

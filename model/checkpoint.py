@@ -28,6 +28,8 @@ here unpickles.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -136,7 +138,7 @@ def layout(path: Path) -> Reader:
     raise FileNotFoundError(f"{path}: no checkpoint reader claims it (not a directory with config.json)")
 
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def load(
@@ -150,28 +152,40 @@ def load(
     in place, the fast path (`model.family.untracked`; `lm.requires_grad_(True)` to
     fine-tune it).
 
-    precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" (int8 weights, where the
-    family has such a path: `LanguageModel.quantize`) or "auto" (bf16 on CUDA, else fp32).
+    precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" or "int4" (packed weights
+    with bfloat16 activations, on CPU, where the family has such a path:
+    `LanguageModel.quantize`; a GGUF file's blocks are packed as they are) or "auto": bf16
+    on CUDA; on CPU, the precision a quantized file's blocks map onto (a Q4 GGUF: int4;
+    docs/MODEL_CARD.md measures its agreement with fp32), else fp32.
     options: serving options (`LanguageModel.serving_options`), as a mapping or as
     "name=value,name=value".
     """
     path = resolve(name_or_dir)
-    lm = layout(path).read(path)
-    lm.generation_config = generation_config.read(path, str(name_or_dir))
+    reader = layout(path)
     dev = resolve_device(device)
     if precision == "auto":
-        precision = "bf16" if dev.type == "cuda" else "fp32"
+        native = reader.precision(path) if reader.precision is not None else "fp32"
+        precision = "bf16" if dev.type == "cuda" else native
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be {', '.join(PRECISIONS)} or auto, not {precision!r}")
+    packed = precision in reader.packs and dev.type == "cpu"
+    lm = reader.read(path, weights=precision) if packed else reader.read(path)
+    lm.generation_config = generation_config.read(path, str(name_or_dir))
     parsed = parse_options(options) if isinstance(options, str) else dict(options or {})
     if parsed:
         lm.with_options(parsed)
-        lm.fingerprint = fingerprint(lm)
+        lm.fingerprint = with_config(lm.fingerprint, lm) if packed else fingerprint(lm)
     lm.precision = precision
     lm = lm.to(dev).eval().requires_grad_(False)
-    if precision == "int8":
-        lm.quantize()
+    if precision in ("int8", "int4") and not packed:
+        lm.quantize(precision)
     return lm
+
+
+def with_config(weights: str, lm: LanguageModel) -> str:
+    """A packed read's fingerprint (the file's tensors as stored) under the config it now has."""
+    text = f"{weights} {json.dumps(lm.config_dict(), sort_keys=True)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def parse_options(text: str) -> dict[str, str]:

@@ -246,10 +246,11 @@ class LanguageModel(nn.Module):
             lay_out_weights(self)
         return self
 
-    def quantize(self) -> None:
-        """Serve with int8 weights (`model/int8.py`, `precision` "int8") where the family has
-        such a path, on CPU. Raises ValueError where it has none."""
-        raise ValueError(f"the {self.family} family has no int8 path: serve it in fp32 or bf16")
+    def quantize(self, precision: str = "int8") -> None:
+        """Serve with packed weights (`precision` "int8": `model/int8.py`; "int4":
+        `model/int4.py`) where the family has such a path, on CPU. Raises ValueError where
+        it has none."""
+        raise ValueError(f"the {self.family} family has no {precision} path: serve it in fp32 or bf16")
 
     def parts(self) -> dict[str, Callable]:
         """Pure tensor functions a forward runs many times over with inputs of one shape (a

@@ -60,7 +60,8 @@ from torch import nn
 
 from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import Execution, LanguageModel, TimeAxis, init_weights
-from .int8 import int8_linear
+from .int4 import int4_linear
+from .int8 import Int8Embedding, Int8Linear, int8_linear, quantize_rows
 from .mlp import SwiGLU
 from .norms import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
@@ -139,7 +140,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        # nn.Linear, or its int8 form (`Llama.quantize`)
+        # nn.Linear, or its int8 or int4 form (`Llama.quantize`)
         self.qkv: nn.Module = nn.Linear(
             cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False
         )
@@ -185,7 +186,7 @@ class Llama(LanguageModel):
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
         cfg = config
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb: nn.Module = nn.Embedding(cfg.vocab_size, cfg.d_model)  # or `Int8Embedding`
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Module = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -200,16 +201,31 @@ class Llama(LanguageModel):
     def context_window(self) -> int:
         return self.config.sinks + self.config.window + 1
 
-    def quantize(self) -> None:
-        """Every linear layer (q, k, v; the attention's output; the MLP; the head) in int8,
-        `model/int8.py`; the embedding stays a float table (a lookup reads one row)."""
+    def quantize(self, precision: str = "int8") -> None:
+        """Every block's linear layers (q, k, v; the attention's output; the MLP) in int8
+        (`model/int8.py`) or int4 (`model/int4.py`), with bfloat16 activations into their
+        kernels; the head in int8 either way (it sets every logit: int4 there costs
+        agreement with fp32 for a fifth of the bytes). A head tied to the embedding keeps
+        one int8 table, which the token lookup reads too (`Int8Embedding`)."""
+        if precision not in ("int8", "int4"):
+            raise ValueError(f"no packed {precision!r} weights: int8 or int4")
         if self.device.type != "cpu":
-            raise ValueError("int8 weights are a CPU path: serve on CUDA in bf16 or fp32")
+            raise ValueError(f"{precision} weights are a CPU path: serve on CUDA in bf16 or fp32")
+        linear: Callable[[nn.Module], nn.Module] = int8_linear if precision == "int8" else int4_linear
         for blk in self.blocks():
-            blk.attn.qkv, blk.attn.proj = int8_linear(blk.attn.qkv), int8_linear(blk.attn.proj)
-            blk.mlp.gate_up, blk.mlp.down = int8_linear(blk.mlp.gate_up), int8_linear(blk.mlp.down)
-        self.head = int8_linear(self.head)
-        self.precision = "int8"
+            blk.attn.qkv, blk.attn.proj = linear(blk.attn.qkv), linear(blk.attn.proj)
+            blk.mlp.gate_up, blk.mlp.down = linear(blk.mlp.gate_up), linear(blk.mlp.down)
+        emb = self.tok_emb
+        assert isinstance(emb, nn.Embedding)
+        table = None if self.config.tie_weights else Int8Linear(*quantize_rows(emb.weight))
+        self.set_packed_ends(int8_linear(self.head), table)
+        self.precision = precision
+
+    def set_packed_ends(self, head: Int8Linear, embedding: Int8Linear | None = None) -> None:
+        """The int8 head, and the token lookup: `embedding`'s table, or the head's when tied."""
+        self.head = head
+        table = head if self.config.tie_weights or embedding is None else embedding
+        self.tok_emb = Int8Embedding(table)
 
     # -- state ------------------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -237,7 +253,7 @@ class Llama(LanguageModel):
         window rows and Ms stored sinks (`model.attention.span`)."""
         cfg = self.config
         rope = (cfg.head_dim, cfg.rope_base)
-        return span(n, T, M, Ms, cfg.sinks, cfg.window, rope, self.tok_emb.weight.dtype)
+        return span(n, T, M, Ms, cfg.sinks, cfg.window, rope, self.norm_out.weight.dtype)
 
     def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
         cfg = self.config

@@ -25,15 +25,21 @@ memory-mapped and read once.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from .chat_template import ChatTemplate
-from .llama import Llama, layer_weights, serving_span
+from .int4 import Int4Linear, quantize_groups
+from .int8 import Int8Linear, quantize_rows
+from .llama import LAYER, Llama, LlamaConfig, layer_weights, serving_span
 from .native import build
+from .norms import RMSNorm
 from .reader import Reader
 from .tokenizer import BPETokenizer
 
@@ -48,6 +54,8 @@ HYBRIDS = {
     "nemotron_h": ("Nemotron-H", "mamba2-hybrid"),
 }
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # per 32 weights: d (f16)[, m (f16)], 16 bytes of nibbles
+PACKED = ("int8", "int4")  # the weight precisions `read` packs from the file itself
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 # tokenizer.ggml.pre -> how text is split before the merges (llama.cpp's pre-tokenizer types)
@@ -113,6 +121,47 @@ class GGUF:
         shape = [int(d) for d in reversed(t.shape)]  # ggml lists dimensions fastest first
         return torch.from_numpy(data.reshape(shape).copy())
 
+    def int4_groups(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A Q4_0 or Q4_1 matrix's blocks as they are: q (N, K) uint8 in [0, 15], and the
+        scale and zero (N, K/32) of `model.int4`'s w = (q - 8) scale + zero (Q4_1's
+        w = q d + m: scale d, zero m + 8d; Q4_0's w = (q - 8) d: zero 0). None for any other type."""
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind not in Q4_BLOCK_BYTES:
+            return None
+        K, N = (int(d) for d in t.shape)
+        b = np.asarray(t.data).reshape(N, K // 32, Q4_BLOCK_BYTES[kind])
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q4_1":
+            m, nibbles = (
+                np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32),
+                b[..., 4:],
+            )
+        else:
+            m, nibbles = -8 * d, b[..., 2:]
+        q = np.concatenate([nibbles & 15, nibbles >> 4], -1).reshape(N, K)  # low nibbles: the first 16
+        return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m + 8 * d)
+
+    def int8_rows(self, name: str, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+        """A matrix as int8 rows and their scales (`model.int8.quantize_rows`), dequantized
+        `chunk` rows at a time (a 49k-token embedding never whole in fp32)."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        qs, scales = [], []
+        for i in range(0, int(t.shape[1]), chunk):
+            rows = np.asarray(quants.dequantize(t.data[i : i + chunk], t.tensor_type), dtype=np.float32)
+            q, s = quantize_rows(torch.from_numpy(rows.reshape(-1, int(t.shape[0]))))
+            qs.append(q)
+            scales.append(s)
+        return torch.cat(qs), torch.cat(scales)
+
+    def precision(self) -> str:
+        """The weight precision the file's blocks map onto: int4 for Q4_0/Q4_1 layers, int8
+        for Q8_0, else fp32 (`model.checkpoint.load`'s "auto" on CPU)."""
+        kind = self.tensors["blk.0.ffn_down.weight"].tensor_type.name
+        return "int4" if kind in Q4_BLOCK_BYTES else "int8" if kind == "Q8_0" else "fp32"
+
 
 GGUF_PARTS = {
     "q": "attn_q",
@@ -173,6 +222,69 @@ def layer_part(f: GGUF, cfg: dict[str, Any], layer: int, part: str) -> torch.Ten
     w = f.weight(f"blk.{layer}.{GGUF_PARTS[part]}.weight")
     heads = {"q": cfg["n_head"], "k": cfg["n_kv_head"]}.get(part)
     return w if heads is None else unpermute(w, heads)
+
+
+def packed_layer(
+    f: GGUF, cfg: dict[str, Any], layer: int, parts: tuple[str, ...], precision: str
+) -> nn.Module:
+    """One of model.llama.LAYER's linears of a layer (its parts joined), packed: int4 from
+    the file's Q4 blocks as they are (any other type quantized per group), or int8 rows."""
+    heads = {"q": cfg["n_head"], "k": cfg["n_kv_head"]}
+    pieces = []  # each part's (q, scale) or (q, scale, zero), q and k rows un-permuted
+    for part in parts:
+        name = f"blk.{layer}.{GGUF_PARTS[part]}.weight"
+        if precision == "int8":
+            xs = list(f.int8_rows(name))
+        else:
+            xs = list(f.int4_groups(name) or quantize_groups(f.weight(name)))
+        pieces.append([unpermute(x, heads[part]) for x in xs] if part in heads else xs)
+    joined = [torch.cat(xs) for xs in zip(*pieces, strict=True)]
+    return Int8Linear(*joined) if precision == "int8" else Int4Linear(joined[0], joined[1], joined[2])
+
+
+def read_packed(path: Path, precision: str) -> Llama:
+    """The model in the GGUF file `path` with its block weights packed (`precision` int4 or
+    int8, CPU, eval mode): no layer is ever held in fp32 (int4 from Q4 blocks: never
+    dequantized). Its norms are fp32; its head and token lookup int8 (`Llama.set_packed_ends`).
+    Its fingerprint hashes the file's tensors as stored."""
+    f = GGUF(path)
+    cfg = native_config(f)
+    with torch.device("meta"):
+        lm = Llama(LlamaConfig(**cfg))
+    for i, blk in enumerate(lm.blocks()):
+        blk.attn.qkv, blk.attn.proj, blk.mlp.gate_up, blk.mlp.down = (
+            packed_layer(f, cfg, i, LAYER[name], precision)
+            for name in ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down")
+        )
+        for part, norm in (("norm1", blk.norm1), ("norm2", blk.norm2)):
+            set_norm(norm, f.weight(f"blk.{i}.{GGUF_PARTS[part]}.weight"))
+    set_norm(lm.norm_out, f.weight("output_norm.weight"))
+    embedding = Int8Linear(*f.int8_rows("token_embd.weight"))
+    lm.set_packed_ends(
+        embedding if cfg["tie_weights"] else Int8Linear(*f.int8_rows("output.weight")), embedding
+    )
+    lm.precision = precision
+    lm.tokenizer = tokenizer(f)
+    lm.fingerprint = stored_fingerprint(f, lm)
+    return lm.eval()
+
+
+def set_norm(norm: RMSNorm, weight: torch.Tensor) -> None:
+    """A norm built on the meta device, given its weight and its buffers on the CPU."""
+    norm.weight = nn.Parameter(weight, requires_grad=False)
+    norm.reset_buffers()
+
+
+def stored_fingerprint(f: GGUF, lm: Llama) -> str:
+    """A fingerprint of the family, config, tokenizer and the file's tensors as stored."""
+    h = hashlib.sha256()
+    h.update(f"{lm.family} gguf-stored".encode())
+    h.update(json.dumps(lm.config_dict(), sort_keys=True).encode())
+    h.update(json.dumps(lm.tokenizer.spec() if lm.tokenizer else None, sort_keys=True).encode())
+    for name in sorted(f.tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(f.tensors[name].data).tobytes())
+    return h.hexdigest()[:16]
 
 
 def tokenizer(f: GGUF) -> BPETokenizer:
@@ -267,8 +379,16 @@ def chat_template(path: Path) -> ChatTemplate | None:
     return ChatTemplate(source, stop)
 
 
-def read(path: Path) -> Llama:
-    """The model in the GGUF file `path` (on CPU, fp32, eval mode)."""
+def precision(path: Path) -> str:
+    """The weight precision a GGUF file's blocks map onto (`GGUF.precision`)."""
+    return GGUF(path).precision()
+
+
+def read(path: Path, weights: str = "fp32") -> Llama:
+    """The model in the GGUF file `path` (on CPU, eval mode): fp32 (every tensor
+    dequantized), or with its weights packed (`weights` int4 or int8: `read_packed`)."""
+    if weights in PACKED:
+        return read_packed(path, weights)
     f = GGUF(path)
     cfg = native_config(f)
     lm = build("llama", cfg, tokenizer(f).spec(), weights=state_dict(f, cfg))
@@ -276,4 +396,12 @@ def read(path: Path) -> Llama:
     return lm.eval()
 
 
-READER = Reader("gguf", "a GGUF file of a LLaMA model, or a directory holding one", is_gguf, read, template=chat_template)
+READER = Reader(
+    "gguf",
+    "a GGUF file of a LLaMA model, or a directory holding one",
+    is_gguf,
+    read,
+    template=chat_template,
+    packs=PACKED,
+    precision=precision,
+)

@@ -275,8 +275,9 @@ def test_serving_options_set_the_span_and_the_fingerprint(tmp_path):
 
 
 def test_int8_keeps_every_invariant_and_stays_close():
-    """Each row (token) is quantized alone and the integer sums are exact: batching changes
-    nothing at all, chunking stays within the boundary tolerance; the logits stay near fp32's."""
+    """Each row (token) is multiplied alone: batching changes nothing at all. Chunking moves
+    a token between the two products (bfloat16 inputs below `PACKED_ROWS` rows, exact int8
+    sums from there), so it stays within bfloat16's tolerance; the logits stay near fp32's."""
     lm = tiny(seed=7)
     tokens = torch.randint(0, 258, (2, 3 * (S + W)), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -286,6 +287,6 @@ def test_int8_keeps_every_invariant_and_stays_close():
         chunked, _ = run_chunks(lm, tokens, [1, 4, 2, 1, 13])
         alone, _ = lm(tokens[1:])
     assert lm.precision == "int8"
-    assert (whole - chunked).abs().max().item() <= 1e-4
+    assert (whole - chunked).abs().max().item() <= 0.02 * whole.abs().max().item()
     assert torch.equal(whole[1:], alone)
     assert (whole - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

@@ -1,0 +1,108 @@
+"""Int4 weights for CPU inference: `Int4Linear`, what `Llama.quantize("int4")` and the GGUF
+reader's packed read (`model/llama_gguf.py`) put in place of a linear layer
+(`recur serve --precision int4`).
+
+A weight is held as 4-bit integers q in [0, 15] in groups of `GROUP` along its input, each
+group with a scale and a zero, in torch's int4 layout (gpt-fast's, `_weight_int4pack_mm`):
+
+    w = (q - 8) * scale + zero
+
+GGUF's Q4_1 block (`w = q*d + m` per 32 weights) is this with scale = d, zero = m + 8d, and
+Q4_0's (`w = (q - 8)*d`) with zero = 0: a file's blocks are packed as they are, never
+expanded to float (only the scales change dtype, to bfloat16). A float weight is quantized
+min-max per group (`quantize_groups`). 0.625 bytes a weight, what the file holds: a decode
+step, which reads every weight once, moves a sixth of fp32's bytes.
+
+The product. torch's CPU kernel is vectorised for bfloat16 activations only (with fp32 it
+runs a scalar loop, 30 times slower), so a layer's input goes in as bfloat16 and its output
+comes back in the caller's dtype; the residual stream, the norms and the attention stay
+fp32. The kernel works a row at a time: below `DEQUANT_ROWS` rows (decode, a few streams)
+it is the fastest product there is (3x fp32's at one row); from there (a prefill chunk,
+many streams) the layer is dequantized to bfloat16 for that call and multiplied by one GEMM
+(4x the kernel at 256 rows). The two round differently, so a token's logits depend on the
+rows it ran with only within bfloat16's tolerance (tests/model/test_packed.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # weights sharing a scale and a zero: GGUF's Q4 block
+BLOCK_N = 64  # the kernel packs output rows in blocks of 64 (two nibbles: rows d and d + 32)
+DEQUANT_ROWS = 48  # from this many rows, one dequantized GEMM beats the row-at-a-time kernel
+
+
+def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> q (N, K) uint8 in [0, 15], scale and zero (N, K/group) fp32, min-max per
+    group: the group's minimum is q = 0 and its maximum q = 15."""
+    N, K = w.shape
+    g = w.detach().float().reshape(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), scale, lo + 8 * scale
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T for a bias-free linear layer whose weight W (out, in) is held in int4 groups."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP):
+        """q (N, K) integers in [0, 15]; scale and zero (N, K/group): w = (q - 8) scale + zero."""
+        super().__init__()
+        N, K = q.shape
+        if K % group or scale.shape != (N, K // group) or zero.shape != scale.shape:
+            raise ValueError(
+                f"an int4 weight ({N}, {K}) needs K a multiple of {group} and (N, K/{group}) scales"
+            )
+        self.out_features, self.in_features, self.group = N, K, group
+        pad = -N % BLOCK_N  # rows of zeros (q = 8, scale = zero = 0), sliced off the output
+        q = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
+        sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], -1)
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False
+        )
+        # (K/group, N', 2) bfloat16: the kernel's layout of the scales and zeros
+        self.register_buffer(
+            "scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] < DEQUANT_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_zeros)
+        else:
+            y = rows @ self.dequantized_t()
+        return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
+
+    def dequantized_t(self) -> torch.Tensor:
+        """W^T (K, N') in bfloat16, from the packed layout: blocks of 64 rows, each byte of a
+        block's column k holding row d (low nibble) and row d + 32 (high nibble)."""
+        K, G = self.in_features, self.group
+        Nb = self.packed.shape[0] // BLOCK_N
+        p = self.packed.view(Nb, K // G, G, BLOCK_N // 2)
+        q = torch.cat([p & 15, p >> 4], -1).to(torch.bfloat16)  # (Nb, K/G, G, 64)
+        sz = self.scales_zeros.float().view(K // G, Nb, BLOCK_N, 2).permute(1, 0, 2, 3).unsqueeze(2)
+        scale, zero = sz[..., 0], sz[..., 1]  # (Nb, K/G, 1, 64)
+        w = torch.addcmul((zero - 8 * scale).to(torch.bfloat16), q, scale.to(torch.bfloat16))
+        return w.permute(1, 2, 0, 3).reshape(K, Nb * BLOCK_N)
+
+    def dequantized(self) -> torch.Tensor:
+        """W (N, K) in fp32 (tests and references: serving never expands it)."""
+        return self.dequantized_t()[:, : self.out_features].t().float()
+
+    def weight_bytes(self) -> int:
+        """Bytes a product reads: the packed integers, the scales and the zeros."""
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+
+def int4_linear(layer: nn.Module, group: int = GROUP) -> Int4Linear:
+    """An `nn.Linear` without bias -> its `Int4Linear` (min-max per group of `group`)."""
+    if not isinstance(layer, nn.Linear) or layer.bias is not None:
+        raise TypeError("only bias-free nn.Linear layers have an int4 form here")
+    return Int4Linear(*quantize_groups(layer.weight, group), group=group)
