@@ -1,0 +1,207 @@
+"""The shipped assistant (smollm2, its GGUF Q4_1 file) in each weight precision, side by side
+in one run (issue 42): fp32 (the file dequantized), int8 and int4 (packed weights, bfloat16
+activations into torch's weight-only kernels: model/int8.py, model/int4.py).
+
+Per precision:
+  * batch-1 decode tokens/s at 1 and 2 threads: the step the engine runs (next_logits, pick,
+    forward), after a 600-character prompt; the sides alternate for `--rounds` rounds and
+    each keeps its best median (a shared machine's load then falls on all alike). With
+    `--llama-cpp`, llama.cpp's own step on the same file joins them (bench/llm_peers.py's
+    build in .bench-peers/, which `make bench-peers` makes);
+  * weight bytes a decode step reads (every block matrix and the head once; the token
+    lookup reads one row) over the file's bytes: the issue's target is <= 1.2;
+  * greedy agreement with fp32 on the same file (`agreement`): `--prompts` prompts of 32
+    tokens from the held-out corpus, `--tokens` greedy tokens each, each path running
+    freely; the share of tokens identical position by position (a divergence counts every
+    token after it as different) and the share of prompts identical throughout.
+
+Ratios, not times, are the result; no test asserts a time. Usage:
+    python bench/llm_packed.py [--threads 1,2] [--prompts 50 --tokens 128] [--llama-cpp] [--write]
+`--write` puts the section "## Packed weights: fp32, int8, int4" into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+
+import torch
+from harness import arguments, publish
+
+import model
+from model import LanguageModel
+from model.corpus import load_split
+from model.int4 import Int4Linear
+from model.int8 import Int8Linear
+
+SECTION = "## Packed weights: fp32, int8, int4"
+PRECISIONS = ("fp32", "int8", "int4")
+PROMPT_TOKENS, BATCH = 32, 16  # agreement: prompts of 32 tokens, 16 rows a batch (the decode kernels' regime)
+
+
+@functools.cache
+def loaded(precision: str) -> LanguageModel:
+    return model.load("smollm2", device="cpu", precision=precision)
+
+
+def weight_bytes(lm: LanguageModel) -> int:
+    """Bytes of weights one decode step reads: every linear layer once (the head included)."""
+    total = 0
+    for m in lm.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            total += m.weight_bytes()
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def prompt_text() -> str:
+    return load_split("shakespeare", "test")[0][1][10_000:10_600]
+
+
+def stepper(lm: LanguageModel):
+    """The engine's decode step, batch 1, greedy, after the prompt."""
+    assert lm.tokenizer is not None
+    with torch.no_grad():
+        _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
+    box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
+
+    @torch.no_grad()
+    def step() -> None:
+        box["tok"][0, 0] = lm.next_logits(box["state"]).argmax(-1)
+        _, box["state"] = lm(box["tok"], box["state"])
+
+    return step
+
+
+def median_rate(step, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1 / statistics.median(times)
+
+
+def decode_rates(threads: int, steps: int, rounds: int, llama_cpp: bool) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    steppers = {p: stepper(loaded(p)) for p in PRECISIONS}
+    if llama_cpp:
+        from llm_peers import llama_cpp_stepper
+
+        steppers["llama.cpp"] = llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
+    for step in steppers.values():
+        for _ in range(5):  # warm-up
+            step()
+    best = dict.fromkeys(steppers, 0.0)
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            best[name] = max(best[name], median_rate(step, steps))
+    return best
+
+
+def prompts(n: int) -> torch.Tensor:
+    """(n, PROMPT_TOKENS) token ids from the held-out corpus, each from its own place."""
+    tok = loaded("fp32").tokenizer
+    assert tok is not None
+    text = load_split("shakespeare", "valid")[1][1]
+    rows = [tok.encode(text[5_000 + 900 * i : 5_000 + 900 * i + 600])[:PROMPT_TOKENS] for i in range(n)]
+    return torch.tensor(rows)
+
+
+@torch.no_grad()
+def greedy(lm: LanguageModel, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    """(B, tokens) greedy continuations of a batch of prompts."""
+    _, state = lm(prompt)
+    out = []
+    for _ in range(tokens):
+        nxt = lm.next_logits(state).argmax(-1, keepdim=True)
+        out.append(nxt)
+        _, state = lm(nxt, state)
+    return torch.cat(out, 1)
+
+
+def agreement(precision: str, prompts: int = 50, tokens: int = 128, detail: bool = False):
+    """The share of greedy tokens identical to fp32's, position by position, over `prompts`
+    prompts x `tokens` tokens (each path running freely); with `detail`, also the share of
+    prompts identical throughout."""
+    same, whole = 0, 0
+    batch = globals()["prompts"](prompts)
+    for i in range(0, prompts, BATCH):
+        rows = batch[i : i + BATCH]
+        ref, ours = greedy(loaded("fp32"), rows, tokens), greedy(loaded(precision), rows, tokens)
+        same += int((ref == ours).sum())
+        whole += int((ref == ours).all(-1).sum())
+    share = same / (prompts * tokens)
+    return (share, whole / prompts) if detail else share
+
+
+def section(r: dict) -> str:
+    cols = [p for p in (*PRECISIONS, "llama.cpp") if p in next(iter(r["decode"].values()))]
+    lines = [
+        SECTION,
+        "",
+        f"`python bench/llm_packed.py` on a {r['cpus']}-core machine shared with other jobs: the shipped "
+        f"SmolLM2-135M-Instruct Q4_1 file ({r['file_bytes'] / 1e6:.1f} MB) in each weight precision, decode "
+        f"alternating the sides for {r['rounds']} rounds (each side's best median step).",
+        "",
+        "| batch-1 decode, tokens/s | "
+        + " | ".join(cols)
+        + " | int4 / fp32 |"
+        + (" int4 / llama.cpp |" if "llama.cpp" in cols else ""),
+        "|---" * (len(cols) + 2 + ("llama.cpp" in cols)) + "|",
+    ]
+    for threads, row in r["decode"].items():
+        cells = " | ".join(f"{row[c]:.1f}" for c in cols)
+        vs = f" {row['int4'] / row['llama.cpp']:.2f}x |" if "llama.cpp" in row else ""
+        lines.append(f"| {threads} thread(s) | {cells} | {row['int4'] / row['fp32']:.2f}x |{vs}")
+    lines += [
+        "",
+        "| | fp32 | int8 | int4 |",
+        "|---|---|---|---|",
+        "| weight bytes a decode step reads, MB | "
+        + " | ".join(f"{r['weight_bytes'][p] / 1e6:.1f}" for p in PRECISIONS)
+        + " |",
+        "| ÷ the file's bytes (target <= 1.2) | "
+        + " | ".join(f"{r['weight_bytes'][p] / r['file_bytes']:.2f}" for p in PRECISIONS)
+        + " |",
+    ]
+    a = r["agreement"]
+    lines.append(
+        f"| greedy tokens identical to fp32's ({a['prompts']} prompts x {a['tokens']} tokens; target >= 95%) | "
+        "1.00 | " + " | ".join(f"{a[p][0]:.3f} (prompts {a[p][1]:.2f})" for p in ("int8", "int4")) + " |"
+    )
+    lines += ["", "Reproduce: `python bench/llm_packed.py --write`.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = arguments(__doc__)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per side and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's step too (.bench-peers/ build)")
+    args = ap.parse_args()
+    path = model.checkpoint.resolve("smollm2")
+    r: dict = {"cpus": os.cpu_count(), "rounds": args.rounds, "file_bytes": path.stat().st_size}
+    r["weight_bytes"] = {p: weight_bytes(loaded(p)) for p in PRECISIONS}
+    print(f"weight bytes: {json.dumps(r['weight_bytes'])} (file {r['file_bytes']})", flush=True)
+    r["decode"] = {}
+    for t in (int(x) for x in args.threads.split(",")):
+        r["decode"][t] = decode_rates(t, args.steps, args.rounds, args.llama_cpp)
+        print(f"decode tokens/s, {t} thread(s): {json.dumps(r['decode'][t])}", flush=True)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    r["agreement"] = {"prompts": args.prompts, "tokens": args.tokens}
+    for p in ("int8", "int4"):
+        r["agreement"][p] = agreement(p, args.prompts, args.tokens, detail=True)
+        print(f"agreement {p}: {r['agreement'][p]}", flush=True)
+    publish(SECTION, section(r), r, args.write)
+
+
+if __name__ == "__main__":
+    main()
