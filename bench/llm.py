@@ -34,6 +34,7 @@ from torch.profiler import profile
 
 import model
 from model import LanguageModel, State
+from model.int4 import Int4Linear
 from model.int8 import Int8Linear
 
 SECTION = "## 9. The assistant: decode and prefill"
@@ -49,9 +50,9 @@ def llama_work(lm: LanguageModel, state: State) -> Work:
         if isinstance(m, torch.nn.Linear):
             weights += m.weight.numel() * m.weight.element_size()
             macs += m.weight.numel()
-        elif isinstance(m, Int8Linear):
-            weights += m.weight_t.numel() + m.scale.numel() * 4
-            macs += m.weight_t.numel()
+        elif isinstance(m, (Int8Linear, Int4Linear)):
+            weights += m.weight_bytes()
+            macs += m.in_features * m.out_features
     attn = 2 * L * c.n_head * c.head_dim * K
     return Work(weights + kv, weights, 2 * B * (macs + attn), 2 * B * attn, K)
 
