@@ -98,9 +98,9 @@ class ServiceSettings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     precision: Literal["auto", "fp32", "bf16", "int8", "int4"] = Field(
         "auto",
-        description="compute precision: auto (bf16 on CUDA; on CPU the precision a quantized GGUF's blocks map "
-        "onto, int4 for Q4_0/Q4_1, else fp32), fp32, bf16 (autocast, on CPU too), int8 or int4 (packed weights "
-        "with bfloat16 activations, on CPU, for the families that have the path: LLaMA-architecture LLMs)",
+        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), "
+        "int8 or int4 (packed weights with bfloat16 activations, on CPU, for the families that have the path: "
+        "LLaMA-architecture LLMs; a GGUF's Q4 blocks are packed as they are)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32",

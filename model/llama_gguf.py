@@ -156,12 +156,6 @@ class GGUF:
             scales.append(s)
         return torch.cat(qs), torch.cat(scales)
 
-    def precision(self) -> str:
-        """The weight precision the file's blocks map onto: int4 for Q4_0/Q4_1 layers, int8
-        for Q8_0, else fp32 (`model.checkpoint.load`'s "auto" on CPU)."""
-        kind = self.tensors["blk.0.ffn_down.weight"].tensor_type.name
-        return "int4" if kind in Q4_BLOCK_BYTES else "int8" if kind == "Q8_0" else "fp32"
-
 
 GGUF_PARTS = {
     "q": "attn_q",
@@ -379,11 +373,6 @@ def chat_template(path: Path) -> ChatTemplate | None:
     return ChatTemplate(source, stop)
 
 
-def precision(path: Path) -> str:
-    """The weight precision a GGUF file's blocks map onto (`GGUF.precision`)."""
-    return GGUF(path).precision()
-
-
 def read(path: Path, weights: str = "fp32") -> Llama:
     """The model in the GGUF file `path` (on CPU, eval mode): fp32 (every tensor
     dequantized), or with its weights packed (`weights` int4 or int8: `read_packed`)."""
@@ -403,5 +392,4 @@ READER = Reader(
     read,
     template=chat_template,
     packs=PACKED,
-    precision=precision,
 )

@@ -8,8 +8,7 @@ A reader says
   * `read(path, **flags)`: the native model it makes (on CPU, fp32, eval mode);
   * `flags`: what `recur convert` may pass to `read` besides the path, each a `Flag`;
   * `packs`: the weight precisions `read(path, weights=...)` packs from the file's own
-    blocks (GGUF: int4, int8), and `precision(path)`, the one its blocks map onto, which
-    `model.checkpoint.load`'s "auto" serves on CPU;
+    blocks (GGUF: int4, int8);
   * its chat template: HF's files by default (`chat_template`), with the turn stops
     `turn_stops(path)` gives where generation_config.json names none; a layout that keeps
     the template inside (GGUF) reads its own.
@@ -62,7 +61,6 @@ class Reader:
     template: Callable[[Path], ChatTemplate | None] | None = None
     turn_stops: Callable[[Path], list[str]] = _no_stops
     packs: tuple[str, ...] = ()
-    precision: Callable[[Path], str] | None = None
 
     def chat_template(self, path: Path) -> ChatTemplate | None:
         """The checkpoint's chat template, or None when it has none. A template that does
