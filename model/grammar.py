@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
@@ -162,6 +161,10 @@ def fill(matchers: Sequence[Matcher], vocab_size: int) -> torch.Tensor:
     """The packed bitmask [len(matchers), ceil(V / 32)] int32 of the tokens each matcher
     allows next, computed in parallel (llguidance's executor: threads without the GIL)."""
     global _executor
+    # (imported at the first mask: llguidance.torch imports torch's compiler, seconds that
+    # every server start and every `import model` would pay for a grammar it may never use)
+    import llguidance.torch as llg_torch
+
     if _executor is None:
         _executor = llguidance.LLExecutor()
     bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
