@@ -31,9 +31,7 @@ class Conversations:
         """A new conversation holding `items` (each with an id), its session prefilled
         with them; returns its fields."""
         conversation_id = new_object_id("conv")
-        meta = await self.service.create(
-            render.new(render(messages(items), False)), self.retention, owner
-        )
+        meta = await self.service.create(render.new(render(messages(items), False)), self.retention, owner)
         record = {
             "created_at": str(int(time.time())),
             "metadata": dumps(metadata or {}),

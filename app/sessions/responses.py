@@ -10,11 +10,17 @@ hash, app/prefixes.py) are a prefix of those; then only the rest is prefilled. O
 ended on a token the text does not show) the whole conversation is prefilled in a new
 session. Either way the reply is the one resending the whole conversation would give.
 
-A continued response is a fork of the earlier response's session at its version: two
-continuations of one response are two forks, never a conflict, and each response holds
-its own state, so deleting an ancestor leaves its descendants continuable. A response
-with `conversation` continues the conversation's session in place (fenced on its
-version). A response not stored (`store: false`) deletes every session it made.
+A stored response continues its chain in place: the session the earlier response
+committed to, fenced on that response's version (its record vouches for the tokens that
+state consumed, so nothing is read first, and the hot cache holds the state): the turn
+writes what it added, a delta, and the session is held by every stored response whose
+state it holds (`hold`, app/store/lua/session.lua), until the last one is deleted. A second
+continuation of the same response (the chain has gone on from it), or one while another
+runs, forks that version instead, as every continuation did before: two continuations of
+one response are two sessions, never a conflict. A version past the session's kept ones
+(`history_versions`) is prefilled anew. A response with `conversation` continues the
+conversation's session in place (fenced on its version). A response not stored
+(`store: false`) forks, and deletes every session it made.
 
 The records live in app/store/responses.py; the conversations in conversations.py; a
 background response's worker in background.py. This module never renders a template,
@@ -31,7 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app import metrics, prefixes
-from app.store import ObjectNotFound, ResponseStore, SessionBusy, SessionNotFound, StoreError, VersionGone
+from app.store import (
+    ObjectNotFound,
+    ResponseStore,
+    SessionBusy,
+    SessionNotFound,
+    VersionGone,
+    VersionMismatch,
+)
 
 from .choices import stateless
 from .run import Run
@@ -145,11 +158,26 @@ class Turn:
 
 @dataclass
 class Base:
-    """The stored state a response may continue: a session at a version."""
+    """The stored state a response may continue: a session at a version, and the hash of
+    the tokens it consumed (app/prefixes.py; '' when the record does not say)."""
 
     session: str
     version: int
     n_tokens: int
+    tokens_hash: str = ""
+
+
+@dataclass
+class Start:
+    """Where a response's generation starts: the session, the ids it has yet to consume,
+    whether the session is the response's own (`made`: a fork or a new one) or the chain's
+    it continues in place, and the version it must still be at."""
+
+    session: str
+    rest: list[int]
+    made: bool
+    expected: int | None = None
+    in_place: bool = False
 
 
 @dataclass
@@ -163,6 +191,7 @@ class Begun:
     input_tokens: int  # the whole input's tokens (BOS not counted)
     cached: int  # of those, the ones its starting state already held: not prefilled
     made: bool  # the session is the response's own (a fork or a new one)
+    in_place: bool = False  # it continues its chain's session, which it holds with the others
     replaced: str | None = None  # a conversation's former session, which this one replaces
     kept: bool = False  # `finish` kept it: closing it deletes nothing
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -189,18 +218,33 @@ class Responses:
         async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
             context, base = await self._context(turn)
             ids = render(context + messages(turn.input), True)
-            session, rest, made, expected = await self._session(turn, base, ids)
+            start = await self._session(turn, base, ids)
             try:
-                rest = render.new(rest)
-                run = await self.service.generate(session, rest, gen, expected=expected, owner=turn.owner)
-            except BaseException:
-                if made:
-                    await self._forget(turn.owner, session)
-                raise
+                run = await self._generate(start, render, gen, turn.owner)
+            except (VersionMismatch, SessionBusy, SessionNotFound):
+                if not start.in_place:
+                    raise
+                # the chain went on from the base (another continuation of it), or is going on
+                # now: this one forks the base's version instead
+                start = await self._session(turn, base, ids, in_place=False)
+                run = await self._generate(start, render, gen, turn.owner)
         admitted(run)
-        replaced = base.session if turn.conversation and base and made else None
+        if turn.store and (start.made or start.in_place):  # (its commit keeps it, and holds it)
+            run.keep_as(self.retention, response_id)
+        replaced = base.session if turn.conversation and base and start.made else None
         return Begun(response_id, turn, run, context + messages(turn.input), len(ids),
-                     len(ids) - len(rest), made, replaced)  # fmt: skip
+                     len(ids) - len(start.rest), start.made, start.in_place, replaced)  # fmt: skip
+
+    async def _generate(self, start: Start, render: Render, gen: Generation, owner: str) -> Run:
+        """The run of a response's generation from `start` (a session it made is deleted if
+        the run does not start)."""
+        try:
+            rest = render.new(start.rest)
+            return await self.service.generate(start.session, rest, gen, expected=start.expected, owner=owner)
+        except BaseException:
+            if start.made:
+                await self._forget(owner, start.session)
+            raise
 
     async def finish(
         self,
@@ -234,7 +278,8 @@ class Responses:
             "session": meta.id,
             "version": str(meta.version),
             "n_tokens": str(meta.n_tokens),
-            "own": "1" if begun.made else "",
+            "tokens": meta.tokens_hash,
+            "own": "1" if begun.made or begun.in_place else "",
             "created_at": str(begun.created_at),
         }
         await self.service.tenants.reserve(
@@ -243,9 +288,7 @@ class Responses:
         if not await self.store.save("response", begun.id, turn.owner, self.retention, record, worker=worker):
             await self.discard(begun)
             return False
-        begun.kept = True
-        if begun.made:
-            await self._retain(turn.owner, meta.id)
+        begun.kept = True  # (its commit kept the session as long as the response, `keep_as`)
         if turn.conversation:
             await self._extend_conversation(begun, [*turn.input, *output])
         return True
@@ -269,6 +312,8 @@ class Responses:
             await self._forget(begun.turn.owner, begun.own_session)
             hashes = [run.writer.meta.tokens_hash, *([run.meta.tokens_hash] if run.meta else [])]
             await self.service.tenants.store.unindex(begun.turn.owner, begun.own_session, hashes)
+        elif begun.in_place and run.meta is not None:  # (its commit held the chain's session)
+            await self._forget(begun.turn.owner, run.meta.id, holder=begun.id)
 
     async def _extend_conversation(self, begun: Begun, items: list[dict]) -> None:
         turn, meta = begun.turn, begun.run.meta
@@ -294,22 +339,23 @@ class Responses:
         fields = await self.store.read("response", response_id, owner, ["own"])
         session = await self.store.delete("response", response_id, owner)
         await self.service.tenants.forgotten(owner, response_id)
-        if session and fields["own"]:
-            await self._forget(owner, session)
+        if session and fields["own"]:  # (its chain's other responses may still hold it)
+            await self._forget(owner, session, holder=response_id)
 
     # -- the starting state -------------------------------------------------------------------
     async def _context(self, turn: Turn) -> tuple[list[dict[str, Any]], Base | None]:
         """The conversation a response continues (as the template reads it) and the stored
         state that consumed it, if any."""
         if turn.previous is not None:
-            names = ["context", "session", "version", "n_tokens", "status"]
+            names = ["context", "session", "version", "n_tokens", "status", "tokens"]
             f = await self.store.read("response", turn.previous, turn.owner, names)
             if f["status"] not in CONTINUABLE:
                 raise NotContinuable(
                     f"previous_response_id: response {turn.previous!r} is {f['status']}; only a completed or "
                     "incomplete response can be continued"
                 )
-            return json.loads(f["context"] or "[]"), Base(f["session"], int(f["version"]), int(f["n_tokens"]))
+            base = Base(f["session"], int(f["version"]), int(f["n_tokens"]), f["tokens"] or "")
+            return json.loads(f["context"] or "[]"), base
         if turn.conversation is not None:
             items, f = await self.store.items(
                 turn.conversation, turn.owner, ["session", "version", "n_tokens"]
@@ -318,31 +364,35 @@ class Responses:
             return context, Base(f["session"], int(f["version"]), int(f["n_tokens"]))
         return [], None
 
-    async def _session(
-        self, turn: Turn, base: Base | None, ids: list[int]
-    ) -> tuple[str, list[int], bool, int | None]:
-        """The session a response runs in, the ids it has yet to consume, whether the
-        session is its own, and the version it must still be at."""
-        ttl = self.service.stateless_ttl  # (until the response is kept: `_retain`)
+    async def _session(self, turn: Turn, base: Base | None, ids: list[int], in_place: bool = True) -> Start:
+        """Where a response starts (`Start`): its base's state if that consumed exactly the
+        first tokens of `ids` (with BOS); else a new session, found as a stateless
+        request's is. `in_place`: a stored response continues its chain's session itself."""
+        ttl = self.service.stateless_ttl  # (until its commit keeps it as long as the response)
         if base is not None:
             tokens = self.service.with_bos(ids)
             n = base.n_tokens
             held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
-            found = await self._continue(turn, base, held, ttl) if n <= len(tokens) else None
+            in_place = in_place and turn.store and turn.conversation is None and base.tokens_hash == held
+            found = await self._continue(turn, base, held, ttl, in_place) if n <= len(tokens) else None
             if found is not None:
                 metrics.RESPONSE_REUSE.labels("hit").inc()
                 metrics.RESPONSE_TOKENS_REUSED.inc(n - (len(tokens) - len(ids)))
-                return found[0], tokens[n:], found[1], found[2]
+                return Start(found[0], tokens[n:], found[1], found[2], in_place)
             metrics.RESPONSE_REUSE.labels("miss").inc()
         session, rest = await stateless(self.service, ids, turn.owner, ttl=ttl)
-        return session, rest, True, None
+        return Start(session, rest, True)
 
     async def _continue(
-        self, turn: Turn, base: Base, held: str, ttl: int
+        self, turn: Turn, base: Base, held: str, ttl: int, in_place: bool
     ) -> tuple[str, bool, int | None] | None:
         """The base's state, if it consumed exactly the tokens hashing to `held`: the
-        conversation's session itself (at its version), or a fork of the response's."""
+        conversation's session itself (at its version); the chain's session itself, at the
+        base's version (`in_place`: the base's record vouched for its tokens, and the fenced
+        begin for its version: nothing to read first); or a fork of the base's version."""
         try:
+            if in_place:
+                return base.session, False, base.version
             if turn.conversation is not None:
                 meta = await self.service.get(base.session, turn.owner)
                 same = meta.tokens_hash == held and meta.version == base.version
@@ -354,32 +404,23 @@ class Responses:
         except (SessionNotFound, VersionGone):
             return None
 
-    async def _retain(self, owner: str, session_id: str) -> None:
-        """A kept response's session lives as long as the response (it was made to live as a
-        stateless session while the response ran: a replica that dies mid-response leaves
-        it for that long only). Best effort: a session that expires before its response is
-        continued costs that continuation a whole prefill."""
+    async def release(self, owner: str, session_id: str, holder: str = "") -> bool:
+        """Delete a session a response made and no longer needs (with `holder`, once no
+        other response of its chain holds it): False while a writer holds it (a response
+        still running in it: its own close deletes it, or, its replica dead, the next sweep
+        once its lock has lapsed)."""
         try:
-            await self.service.retain(session_id, owner, self.retention)
-        except (SessionNotFound, StoreError):
-            log.warning("could not keep session %s as long as its response", session_id)
-
-    async def release(self, owner: str, session_id: str) -> bool:
-        """Delete a session a response made and no longer needs: False while a writer holds
-        it (a response still running in it: its own close deletes it, or, its replica dead,
-        the next sweep once its lock has lapsed)."""
-        try:
-            await asyncio.shield(self.service.delete(session_id, None, owner))
+            await asyncio.shield(self.service.delete(session_id, None, owner, holder))
         except (SessionNotFound, ObjectNotFound):
             pass
         except SessionBusy:
             return False
         return True
 
-    async def _forget(self, owner: str, session_id: str) -> None:
-        """Delete a session (best effort: it expires anyway)."""
+    async def _forget(self, owner: str, session_id: str, holder: str = "") -> None:
+        """Delete a session, or let go of it as `holder` (best effort: it expires anyway)."""
         try:
-            if not await self.release(owner, session_id):
+            if not await self.release(owner, session_id, holder):
                 log.info("session %s of a response is still being written: its writer deletes it", session_id)
         except Exception:
             log.warning("could not delete session %s of a response", session_id, exc_info=True)

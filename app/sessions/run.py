@@ -159,6 +159,11 @@ class Run:
         await asyncio.shield(self._end())
         await self.service.release(self.writer, self.owner)
 
+    def keep_as(self, ttl: int, holder: str) -> None:
+        """Its commit also keeps the session `ttl` seconds (sliding), held by `holder` (a
+        response whose state it is: `SessionStore.delete`), in the same step."""
+        self.writer.kept_as = (ttl, holder)
+
     def admitted(self, client: str, reserved: int) -> None:
         """Its place among `client`'s streams and `reserved` tokens are now its own."""
         self.client, self.reserved = client, reserved

@@ -264,14 +264,20 @@ class SessionService(SessionReads):
             raise
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
-    async def retain(self, session_id: str, owner: str, ttl: int) -> SessionMeta:
-        """Give a session a new sliding TTL of `ttl` seconds, from now; the ledger follows."""
-        return await self.tenants.settled(owner, await self.store.retain(session_id, owner, ttl), index=False)
+    async def retain(self, session_id: str, owner: str, ttl: int, holder: str = "") -> SessionMeta:
+        """Give a session a new sliding TTL of `ttl` seconds, from now (held by `holder`, if
+        given: `SessionStore.retain`); the ledger follows."""
+        meta = await self.store.retain(session_id, owner, ttl, holder)
+        return await self.tenants.settled(owner, meta, index=False)
 
-    async def delete(self, session_id: str, expected: int | None, owner: str) -> None:
-        await self.store.delete(session_id, expected, owner)
+    async def delete(self, session_id: str, expected: int | None, owner: str, holder: str = "") -> bool:
+        """Delete a session; with `holder`, only once no other holder is left (whether it was
+        deleted: `SessionStore.delete`)."""
+        if not await self.store.delete(session_id, expected, owner, holder):
+            return False
         self.cache.drop(session_id)
         await self.tenants.forgotten(owner, session_id)
+        return True
 
     # -- transactions -------------------------------------------------------------------------
     async def score(
@@ -347,7 +353,10 @@ class SessionService(SessionReads):
         if not self.delta_persistence or meta.snapshot_bytes == 0:
             return Persist(self.state_dtype)
         return Persist(
-            self.state_dtype, since=meta.n_tokens, delta_budget=meta.snapshot_bytes - meta.delta_bytes
+            self.state_dtype,
+            since=meta.n_tokens,
+            delta_budget=meta.snapshot_bytes - meta.delta_bytes,
+            stored=meta.snapshot_bytes + meta.delta_bytes,
         )
 
     async def commit(
@@ -366,8 +375,10 @@ class SessionService(SessionReads):
         )
         if tokens_hash is None:
             tokens_hash = prefixes.extend(old.tokens_hash, segment.ids)
+        blob = res.encoded.blob
+        snapshot, delta = (blob, None) if res.encoded.kind == "snapshot" else (None, blob)
         meta = await writer.commit(
-            res.n_tokens, **{res.encoded.kind: res.encoded.blob}, segment=packed, tokens_hash=tokens_hash
+            res.n_tokens, snapshot=snapshot, delta=delta, segment=packed, tokens_hash=tokens_hash
         )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)

@@ -22,6 +22,9 @@ touches one slot:
         history_bytes  bytes of the blobs in `history`
         meta_lo, blob_lo   the lowest version whose metadata, and whose blobs, `history` may hold
         transcript_bytes, transcript_trimmed
+        holders, r:RESP    the stored responses whose states it holds (a chain continued in
+                           place), by name, and their count: deleting one lets go, and the
+                           last one deletes the session
     P deltas:{ID}      list, the state deltas committed since the snapshot, oldest first
     P lock:{ID}        string, the writer lock: a random token, with a short lease (PX)
     P history:{ID}     hash, the session's past versions (the last `keep` stay readable):
@@ -56,8 +59,10 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         context          the conversation it ends, its own reply included, as the chat
                          template reads it (JSON messages; the instructions are not kept)
         input            its own input items, as input_items lists them (JSON)
-        session, version, n_tokens   the session (a fork of its own) holding the state the
-                         response committed, that version, its tokens
+        session, version, n_tokens, tokens   the session holding the state the response
+                         committed (its chain's, or a fork of its own), that version, its
+                         tokens' count and hash (app/prefixes.py)
+        own              '1' when the response holds that session (deleting it lets go)
         background       '1' for a background response; lease: its worker's lease end (unix s)
         run              the session a background response's run made ('' in a conversation's):
                          the sweep deletes it when the run died and the response keeps no state

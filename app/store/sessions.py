@@ -151,19 +151,27 @@ class SessionStore:
             Version(int(v["version"]), int(v["n_tokens"]), float(v["committed_at"])) for v in kept
         ]
 
-    async def retain(self, session_id: str, owner: str, ttl: int) -> SessionMeta:
+    async def retain(self, session_id: str, owner: str, ttl: int, holder: str = "") -> SessionMeta:
         """Give the session a new sliding TTL of `ttl` seconds, re-armed now (no lock: it
-        writes no state, and a commit meanwhile re-arms by the same field)."""
-        answer = _checked(await self._run("retain", session_id, [owner, ttl]), session_id, None)
+        writes no state, and a commit meanwhile re-arms by the same field); with `holder`
+        (a response whose state it is), held by it until it lets go (`delete`)."""
+        answer = _checked(await self._run("retain", session_id, [owner, ttl, holder]), session_id, None)
         return SessionMeta.from_fields(session_id, answer["meta"])
 
-    async def delete(self, session_id: str, expected_version: int | None = None, owner: str = "") -> None:
-        args = [_arg(expected_version), owner, secrets.token_hex(16)]
+    async def delete(
+        self, session_id: str, expected_version: int | None = None, owner: str = "", holder: str = ""
+    ) -> bool:
+        """Delete the session; with `holder`, that holder lets go of it first, and it is
+        deleted only if no other holder is left: whether it was deleted."""
+        args = [_arg(expected_version), owner, secrets.token_hex(16), holder]
         what, check = (
             f"deleting session {session_id}",
             f"read session {session_id} (not found: it was deleted)",
         )
-        _checked(await self._run("delete", session_id, args, what, check), session_id, expected_version)
+        answer = _checked(
+            await self._run("delete", session_id, args, what, check), session_id, expected_version
+        )
+        return answer["status"] != b"held"
 
     async def begin(
         self,
@@ -222,6 +230,7 @@ class Writer:
         self.state = state
         self._token = token
         self._done = False
+        self.kept_as: tuple[int, str] | None = None  # (ttl, holder) its commit gives the session
         # (a function of the lock alone, not a method: a task whose frame held `self` would
         # make a reference cycle, keeping this writer and the state bytes it holds alive
         # until the cyclic garbage collector happened to run)
@@ -235,23 +244,28 @@ class Writer:
         delta: bytes | None = None,
         segment: bytes = b"",
         tokens_hash: str = "",
+        ttl: int | None = None,
+        holder: str = "",
     ) -> SessionMeta:
         """Commit version `meta.version + 1`, only if nobody committed since `begin`.
 
         Exactly one of `snapshot` (replaces the whole stored state) or `delta` (appended
         after the stored snapshot and deltas) is given; `segment` is appended to the
-        transcript in the same step.
+        transcript in the same step, and so are, when given, the session's new `ttl` and a
+        `holder` (as `SessionStore.retain` sets them).
         """
         if self._done:
             raise RuntimeError("a writer commits at most once")
         if (snapshot is None) == (delta is None):
             raise ValueError("commit takes exactly one of snapshot= or delta=")
         s, sid = self.store, self.meta.id
+        if self.kept_as is not None and ttl is None:
+            ttl, holder = self.kept_as
         mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
         assert blob is not None
         args = [
             self.meta.version, int(n_tokens), self._token, mode, blob, new_commit_id(), segment,
-            s.transcript_max_bytes, tokens_hash,
+            s.transcript_max_bytes, tokens_hash, "" if ttl is None else int(ttl), holder,
         ]  # fmt: skip
         new = self.meta.version + 1
         what = f"committing version {new} of session {sid}"

@@ -12,13 +12,19 @@ from .protocol import State
 @dataclass(frozen=True)
 class Persist:
     """How a commit stores a single-stream state. `since` None: a snapshot. Else a delta
-    of what changed since the stored state's `since` tokens, unless it would exceed
-    `delta_budget` bytes (what the stored deltas may still grow before reading them back
-    costs more than one snapshot): then a snapshot, which also replaces the deltas."""
+    of what changed since the stored state's `since` tokens, while the stored snapshot and
+    deltas with it (`stored` bytes, and the new delta) stay within twice what the state's
+    own snapshot would take, or within `delta_budget` (what the deltas may still grow
+    before they outweigh the stored snapshot); else a snapshot, which replaces the deltas.
+    So reading a state back never reads more than about twice its bytes, and a state
+    that only grows (a cache of keys and values before its window is full: each delta is
+    its new positions, none overwritten) is never rewritten whole: each commit writes
+    what it added."""
 
     dtype: str = "float32"
     since: int | None = None
     delta_budget: int = 0
+    stored: int | None = None
 
 
 @dataclass(frozen=True)
@@ -35,4 +41,26 @@ def encode(state: State, persist: Persist) -> Encoded:
         delta = state.delta_bytes(persist.since, persist.dtype)
         if len(delta) <= persist.delta_budget:
             return Encoded("delta", delta)
+        if persist.stored is not None and persist.stored + len(delta) <= 2 * snapshot_size(
+            state, persist.dtype
+        ):
+            return Encoded("delta", delta)
     return Encoded("snapshot", state.to_bytes(persist.dtype))
+
+
+def snapshot_size(state: State, dtype: str) -> int:
+    """About the bytes of `state`'s snapshot in `dtype`, without serialising it: its
+    persistent tensors' elements at the width each is stored in (a cache at a precision
+    in its compact form; float tensors else in `dtype`; the header not counted)."""
+    width = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+    store = width.get(dtype, 4)
+    total = 0
+    for name in state.persistent or tuple(state.tensors):
+        t = state.tensors[name]
+        if name in state.seq_dims and state.precision != "float32":
+            total += t.numel() * width.get(state.precision, 4)
+        elif t.is_floating_point():
+            total += t.numel() * store
+        else:
+            total += t.numel() * t.element_size()
+    return total

@@ -51,6 +51,24 @@ def tokenizer_json() -> str:
     return tok.to_str()
 
 
+def byte_vocabulary() -> tuple[list[str], list[str]]:
+    """SPECIALS, then the 256 bytes (as GPT-2's byte-level BPE writes them), and no merges:
+    any text tokenizes to its bytes, so whatever a model writes tokenizes back to the
+    same ids (a trained BPE's merges make a random model's output non-canonical)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shown, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            shown[b] = chr(b)
+        else:
+            shown[b], extra = chr(256 + extra), extra + 1
+    return [*SPECIALS, *(shown[b] for b in range(256))], []
+
+
 def vocabulary() -> tuple[list[str], list[str]]:
     """The trained tokenizer's tokens in id order and its merges ("a b")."""
     spec = json.loads(tokenizer_json())
@@ -139,10 +157,12 @@ def write_gguf(
     pre: str = "smollm",
     cfg: dict = CONFIG,
     sampling: dict[str, float] | None = None,
+    vocab: tuple[list[str], list[str]] | None = None,
 ) -> Path:
     """A LLaMA GGUF file with its matrices in `qtype` (norms stay F32, as llama.cpp keeps them),
     the BPE tokenizer and ChatML template in its metadata, and `sampling` as llama.cpp's
-    `general.sampling.*` keys ({"temp": 0.3, "top_k": 20}: top_k an int, the rest floats)."""
+    `general.sampling.*` keys ({"temp": 0.3, "top_k": 20}: top_k an int, the rest floats);
+    `vocab`, (tokens, merges) other than the trained tokenizer's (`byte_vocabulary`)."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -157,7 +177,7 @@ def write_gguf(
     w.add_rope_freq_base(cfg["rope_base"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(cfg["vocab_size"])
-    tokens, merges = vocabulary()
+    tokens, merges = vocab or vocabulary()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)

@@ -2,7 +2,9 @@
 -- Commit version expected + 1, only if the session is still at the expected version (the
 -- fence). KEYS: the session's five. ARGV: expected version, n_tokens, lock token, 'delta' |
 -- 'snapshot', blob, new commit id, transcript segment (or ''), transcript bound, the new
--- tokens' hash. A delta is appended; a snapshot replaces state and deltas, which move to
+-- tokens' hash, and optionally a new ttl (seconds; '': unchanged) and a holder's id ('':
+-- none): the session is then kept that long, and held by that holder (`hold`, session.lua:
+-- a response whose state it is) until the holder lets go (delete.lua). A delta is appended; a snapshot replaces state and deltas, which move to
 -- the history (when more than one version is kept). Returns {'status', 'ok', 'meta', meta},
 -- {'status', 'missing'} or {'status', 'conflict', 'version', v}. A retry that finds its own
 -- commit id current (its first run's answer was lost) answers as that run did.
@@ -35,6 +37,8 @@ redis.call('HSET', KEYS[1], 'version', new, 'n_tokens', ARGV[2], 'commit', ARGV[
 remember(KEYS, new, ARGV[2], base_of(KEYS), ARGV[9])
 prune(KEYS, new)
 transcribe(KEYS, ARGV[7], tonumber(ARGV[8]))
+if (ARGV[10] or '') ~= '' then redis.call('HSET', KEYS[1], 'ttl', ARGV[10]) end
+hold(KEYS, ARGV[11] or '')
 touch(KEYS)
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 return {'status', 'ok', 'meta', meta(KEYS[1])}

@@ -15,6 +15,15 @@ local function touch(keys)
   return exp
 end
 
+-- `holder` (a response whose state the session holds; '': none) holds the session: it is
+-- deleted by its holders only once the last one lets go (delete.lua). By name, so a retry
+-- counts it once: the holders are fields r:ID, and `holders` their count
+local function hold(keys, holder)
+  if holder ~= '' and redis.call('HSETNX', keys[1], 'r:' .. holder, 1) == 1 then
+    redis.call('HINCRBY', keys[1], 'holders', 1)
+  end
+end
+
 -- the session exists and belongs to `owner` (another tenant's session is as good as missing)
 local function owned(key, owner)
   return redis.call('EXISTS', key) == 1 and (redis.call('HGET', key, 'owner') or '') == owner
