@@ -52,10 +52,10 @@ def fetch_transcript(url: str, session_id: str, api_key: str | None = None) -> d
 
 
 def server_precision(url: str, api_key: str | None = None) -> str | None:
-    """The compute precision the server runs (fp32 or bf16), if its model card says."""
+    """The compute precision the server runs (fp32, bf16, int8 or int4), if its model card says."""
     cards = _get(url, "/v1/models", api_key).get("data") or [{}]
     precision = cards[0].get("precision")
-    return precision if precision in ("fp32", "bf16", "int8") else None
+    return precision if precision in ("fp32", "bf16", "int8", "int4") else None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision",
         default="fp32",
-        choices=("fp32", "bf16", "int8", "auto"),
+        choices=("fp32", "bf16", "int8", "int4", "auto"),
         help="compute precision of the replay; auto: the server's (GET /v1/models), fp32 without a server "
         "(default %(default)s)",
     )
