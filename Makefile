@@ -82,11 +82,12 @@ XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
 	$(call timed,$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(ARGS))
 
-# the slow-marked tests, then the costly hypothesis properties again at their full example
-# count (`make test` runs a fifth of them: tests/conftest.py `examples`); both run, either fails it
+# the slow-marked tests, then the costly hypothesis properties at their full example count
+# (`make test` runs a fifth of those not slow: tests/conftest.py `examples`; a slow one runs
+# only here, at its full count); both run, either fails it
 test-slow: $(STAMP) $(REF_STAMP) $(REF_CURRENT_STAMP)
-	$(call timed,($(BIN)/python -m pytest -q -m slow $(XDIST) $(ARGS); slow=$$?; \
-	$(BIN)/python -m pytest -q -m "full_examples and not slow" --hypothesis-profile=full $(XDIST) $(ARGS) \
+	$(call timed,($(BIN)/python -m pytest -q -m "slow and not full_examples" $(XDIST) $(ARGS); slow=$$?; \
+	$(BIN)/python -m pytest -q -m full_examples --hypothesis-profile=full $(XDIST) $(ARGS) \
 	&& exit $$slow))
 
 # the planted faults (tests/mutants/catalogue.py): each one-line fault applied to a copy of the

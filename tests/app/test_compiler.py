@@ -42,6 +42,7 @@ def _compiled(name: str) -> tuple:
     return _BUILT[name]
 
 
+@pytest.mark.slow  # (an inductor compile per model: 80 s of make test's 10 minutes)
 @pytest.mark.parametrize("name", MODELS)  # Transformer-XL: tests/app/test_engine_scale.py
 def test_the_compiled_step_takes_over_only_after_its_probe(name):
     lm, step = _compiled(name)

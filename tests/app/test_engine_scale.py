@@ -228,6 +228,7 @@ def test_full_queue_refuses_at_once(lm):
     asyncio.run(go())
 
 
+@pytest.mark.slow  # (an inductor compile; make test keeps tests/app/test_compiler.py's fast ones)
 def test_compiled_decode_step_matches_eager(lm):
     """The `compile` setting changes speed, never tokens (compiling and probing the tiny
     model on this CPU takes about 20 s; whether the compiled step then serves depends on the

@@ -164,6 +164,7 @@ def http(contract_server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
+@pytest.mark.slow  # (a minute: make test keeps the schema's own checks above)
 @pytest.mark.full_examples
 def test_schemathesis_with_every_check_finds_nothing(contract_server: ServerProcess, tmp_path: Path):
     config = tmp_path / "schemathesis.toml"
