@@ -226,6 +226,20 @@ def case_continue(c, srv, r):
     return send, lambda ctx: responses_of(srv, r), {}
 
 
+def case_branch(c, srv, r):
+    """A second continuation of one response: the chain went on from it, so this one forks
+    its version (a `create`), where the first continued the chain's session in place."""
+    first = c.post("/v1/responses", json=response_body())
+    assert first.status_code == 200, first.text
+    body = response_body(previous_response_id=first.json()["id"])
+    assert c.post("/v1/responses", json=body).status_code == 200
+
+    def send(ctx):
+        return answer(c.post("/v1/responses", json=body), lambda _: ctx["n"] + 1)
+
+    return send, lambda ctx: responses_of(srv, r), {}
+
+
 def case_background(c, srv, r):
     def send(ctx):
         resp = c.post("/v1/responses", json=response_body(background=True))
@@ -276,7 +290,9 @@ CASES: dict[str, tuple[str, Callable]] = {
     "delete": ("delete", case_delete),
     "response": ("object_save", case_response),
     "response-session": ("create", case_response),
-    "continue": ("create", case_continue),
+    "continue": ("commit", case_continue),  # (in place, in the chain's session)
+    "continue-branch": ("create", case_branch),  # (a fork of the version continued)
+    "continue-ledger": ("settle", case_continue),
     "continue-record": ("object_save", case_continue),
     "background": ("object_save", case_background),
     "cancel": ("response_cancel", case_cancel),
