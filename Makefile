@@ -102,7 +102,8 @@ test-image: $(STAMP)
 
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
 # each from its own run: prefix reuse, many streams (issue 30's figures), the SSMs (issue 29),
-# the assistant's speed, its quality and the cost of its state dtypes (long: two hours)
+# the assistant's speed, its quality and the cost of its state dtypes (long: two hours), and what
+# a session costs in Redis, turn by turn on each route (issue 41)
 bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write
@@ -112,6 +113,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/llm.py --write
 	$(PY) bench/llm_quality.py --write
 	$(PY) bench/state_precision.py --write
+	$(PY) bench/state_economy.py --write
 
 # llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);
 # builds llama-cpp-python and llama-server from the package index's sdist into .bench-peers/
