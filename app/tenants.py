@@ -47,6 +47,7 @@ from app.store import (
 )
 from app.store.connection import Connection
 from app.store.tenants import LISTING_CURSOR as LISTING_CURSOR  # (the API checks a listing cursor)
+from app.store.tenants import Kept
 
 T = TypeVar("T")
 log = logging.getLogger("recur.tenants")
@@ -258,6 +259,22 @@ class Tenants:
         except StoreUnavailable:
             log.warning("could not settle session %s in its tenant's ledger", meta.id)
             return meta
+
+    async def settle_kept(
+        self, owner: str, meta: SessionMeta, index: bool, object_id: str, nbytes: int, ttl: float
+    ) -> SessionMeta:
+        """`settle` after a write whose session an object keeps (a stored response, whose
+        commit deferred its settlement to here): the object's `nbytes` enter the ledger
+        with the session, in one round trip, within the tenant's quota and Redis's room
+        (QuotaExceeded, StorageFull: the session's entry is settled all the same)."""
+        try:
+            self._room()
+        except StorageFull:
+            await self.settled(owner, meta, index)
+            raise
+        kept = Kept(object_id, nbytes, time.time() + ttl, self.quota_of(owner))
+        self._seen(owner, await self._counted(owner, self.store.settle(owner, meta, index, kept)))
+        return meta
 
     async def touch(self, owner: str, meta: SessionMeta) -> None:
         """A read re-armed the session's expiry: the ledger follows. Best effort: a read never

@@ -192,6 +192,7 @@ class Begun:
     cached: int  # of those, the ones its starting state already held: not prefilled
     made: bool  # the session is the response's own (a fork or a new one)
     in_place: bool = False  # it continues its chain's session, which it holds with the others
+    holds: bool = False  # its commit keeps the session, and leaves its settlement to `finish`
     replaced: str | None = None  # a conversation's former session, which this one replaces
     kept: bool = False  # `finish` kept it: closing it deletes nothing
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -229,11 +230,12 @@ class Responses:
                 start = await self._session(turn, base, ids, in_place=False)
                 run = await self._generate(start, render, gen, turn.owner)
         admitted(run)
-        if turn.store and (start.made or start.in_place):  # (its commit keeps it, and holds it)
+        holds = turn.store and (start.made or start.in_place)
+        if holds:  # (its commit keeps the session as long as the response, and holds it)
             run.keep_as(self.retention, response_id)
         replaced = base.session if turn.conversation and base and start.made else None
         return Begun(response_id, turn, run, context + messages(turn.input), len(ids),
-                     len(ids) - len(start.rest), start.made, start.in_place, replaced)  # fmt: skip
+                     len(ids) - len(start.rest), start.made, start.in_place, holds, replaced)  # fmt: skip
 
     async def _generate(self, start: Start, render: Render, gen: Generation, owner: str) -> Run:
         """The run of a response's generation from `start` (a session it made is deleted if
@@ -282,9 +284,14 @@ class Responses:
             "own": "1" if begun.made or begun.in_place else "",
             "created_at": str(begun.created_at),
         }
-        await self.service.tenants.reserve(
-            turn.owner, begun.id, sum(map(len, record.values())) + events, self.retention
-        )
+        nbytes = sum(map(len, record.values())) + events
+        tenants = self.service.tenants
+        if begun.holds:  # the session's settlement, deferred by its commit, and the record's place
+            await tenants.settle_kept(
+                turn.owner, meta, self.service.prefix_reuse, begun.id, nbytes, self.retention
+            )
+        else:
+            await tenants.reserve(turn.owner, begun.id, nbytes, self.retention)
         if not await self.store.save("response", begun.id, turn.owner, self.retention, record, worker=worker):
             await self.discard(begun)
             return False

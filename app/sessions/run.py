@@ -161,7 +161,9 @@ class Run:
 
     def keep_as(self, ttl: int, holder: str) -> None:
         """Its commit also keeps the session `ttl` seconds (sliding), held by `holder` (a
-        response whose state it is: `SessionStore.delete`), in the same step."""
+        response whose state it is: `SessionStore.delete`), in the same step; and leaves
+        the tenant's ledger to the holder, which settles it with its own record
+        (`Tenants.settle_kept`): one round trip for both."""
         self.writer.kept_as = (ttl, holder)
 
     def admitted(self, client: str, reserved: int) -> None:

@@ -381,6 +381,8 @@ class SessionService(SessionReads):
             res.n_tokens, snapshot=snapshot, delta=delta, segment=packed, tokens_hash=tokens_hash
         )
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
+        if writer.kept_as is not None:  # (its holder settles it, with its own record: `Run.keep_as`)
+            return meta
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
     async def release(self, writer: Writer, owner: str) -> None:

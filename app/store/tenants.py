@@ -13,6 +13,8 @@ prefix index: a committed state's "session_id:version" by the hash of its tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.config import Quota
 
 from .connection import Connection
@@ -22,6 +24,33 @@ from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
 # a listing's cursor: '0' (the first page), or a page's own: the microseconds and the entry
 # it ended at ('0' a session, '1' an ephemeral one, then the id)
 LISTING_CURSOR = r"^(0|[0-9]{1,17}[01][0-9a-f]{32})$"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """An object a write was for (a stored response's record), entered in its tenant's
+    ledger with the write's settlement: its id, bytes, expiry (unix s) and the limits it
+    must stay within."""
+
+    id: str
+    nbytes: int
+    expires_at: float
+    limits: Quota
+
+
+def _refused(status: bytes, usage: LedgerTotals, nbytes: int, limits: Quota) -> None:
+    """The QuotaExceeded a ledger script's refusal (`status`) stands for, if any."""
+    if status == b"sessions":
+        raise QuotaExceeded(
+            "sessions", f"this key holds {usage.sessions} sessions, its limit; delete some first", 60
+        )
+    if status == b"bytes":
+        raise QuotaExceeded(
+            "bytes",
+            f"this key's sessions hold {usage.state_bytes} bytes of state; {nbytes} more would "
+            f"pass its limit of {limits.state_bytes}: delete sessions first",
+            60,
+        )
 
 
 class TenantStore:
@@ -51,18 +80,9 @@ class TenantStore:
         )  # (a response: unlisted)
         args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind, place]
         answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
-        usage, status = LedgerTotals.of(answer), answer["status"]
-        if status == b"sessions" and limits:
-            raise QuotaExceeded(
-                "sessions", f"this key holds {usage.sessions} sessions, its limit; delete some first", 60
-            )
-        if status == b"bytes" and limits:
-            raise QuotaExceeded(
-                "bytes",
-                f"this key's sessions hold {usage.state_bytes} bytes of state; {state_bytes} more would "
-                f"pass its limit of {limits.state_bytes}: delete sessions first",
-                60,
-            )
+        usage = LedgerTotals.of(answer)
+        if limits:
+            _refused(answer["status"], usage, state_bytes, limits)
         return usage, answer["placed"] == b"1"
 
     async def hold(self, owner: str, places: list[str], expires_at: float, limits: Quota) -> LedgerTotals:
@@ -87,15 +107,34 @@ class TenantStore:
         answer = await self.connection.run("hold", self.keys.ledger(tenant_of(owner)), ["0", 0, *places])
         return LedgerTotals.of(fields(answer))
 
-    async def settle(self, owner: str, meta: SessionMeta, index: bool) -> LedgerTotals:
+    async def settle(
+        self, owner: str, meta: SessionMeta, index: bool, kept: Kept | None = None
+    ) -> LedgerTotals:
         """After a write: the session's size and expiry as the write left them and, with
-        `index`, its state in the prefix index (until the session would expire), in one step."""
+        `index`, its state in the prefix index (until the session would expire), in one step;
+        with `kept`, the object the write was for (a stored response's record) enters the
+        ledger in the same step, only within the tenant's limits (else QuotaExceeded: the
+        session's entry stands, the object's is not made)."""
         tenant = tenant_of(owner)
         keys = self.keys.ledger(tenant)
         if index:
             keys.append(self.keys.prefix_entry(tenant, meta.tokens_hash))
-        args = [meta.id, meta.stored_bytes, f"{meta.expires_at:.3f}", f"{meta.id}:{meta.version}", meta.ttl]
-        return LedgerTotals.of(fields(await self.connection.run("settle", keys, args)))
+        args: list[str | int] = [
+            meta.id, meta.stored_bytes, f"{meta.expires_at:.3f}", f"{meta.id}:{meta.version}", meta.ttl
+        ]  # fmt: skip
+        if kept is not None:
+            args += [
+                kept.id,
+                kept.nbytes,
+                f"{kept.expires_at:.3f}",
+                kept.limits.sessions,
+                kept.limits.state_bytes,
+            ]
+        answer = fields(await self.connection.run("settle", keys, args))
+        usage = LedgerTotals.of(answer)
+        if kept is not None:
+            _refused(answer["status"], usage, kept.nbytes, kept.limits)
+        return usage
 
     async def forget(self, owner: str, session_id: str) -> LedgerTotals:
         """A deleted session leaves its tenant's ledger."""
