@@ -67,6 +67,13 @@ class ServiceSettings(BaseSettings):
         "unset: start an embedded redis-server under data_dir",
     )
     data_dir: Path = Field(Path("data"), description="where the embedded Redis keeps its data")
+    data_max_mb: int = Field(
+        2048,
+        ge=16,
+        description="the embedded Redis's maxmemory in MiB (noeviction): past storage_guard of it, new sessions "
+        "and growing commits get 507 storage_full, so data_dir stays bounded (its append-only file is "
+        "rewritten at twice the data, so about 2 to 3 times this on disk). A Redis of your own is yours to size",
+    )
     key_prefix: str = Field("recur:", description="prefix of every Redis key this service writes")
     session_ttl: int = Field(86400, ge=1, description="seconds a session lives after its last use (sliding)")
     max_session_ttl: int = Field(30 * 86400, ge=1, description="largest ttl_seconds a client may ask for")

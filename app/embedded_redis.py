@@ -2,7 +2,9 @@
 by `recur serve` when no Redis URL is configured, with its data under a directory.
 
 It is the same Redis the service would use anywhere else, only started for you: the
-append-only file under `data_dir` keeps sessions across restarts. On Linux the server is
+append-only file under `data_dir` keeps sessions across restarts, and its maxmemory
+(`data_max_mb`, noeviction) keeps `data_dir` bounded: the storage guard refuses new
+sessions and growing commits (507) before Redis itself refuses a write. On Linux the server is
 asked to exit when its parent dies (even by SIGKILL), so a crashed service never leaves
 an orphan holding the data directory. It runs in a session of its own, so a Ctrl-C in the
 terminal reaches only the service, which lets its live streams end before it stops Redis.
@@ -47,8 +49,9 @@ class EmbeddedRedisError(RuntimeError):
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, max_mb: int | None = None):
         self.data_dir = Path(data_dir).resolve()
+        self.max_mb = max_mb  # its maxmemory (noeviction), None: unbounded
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self._lock: typing.IO[str] | None = None
@@ -126,6 +129,8 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
             "--pidfile", str(self.pidfile),
         ]  # fmt: skip
+        if self.max_mb is not None:  # (full: writes refused, never sessions evicted)
+            cmd += ["--maxmemory", f"{self.max_mb}mb", "--maxmemory-policy", "noeviction"]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,

@@ -75,7 +75,7 @@ def run(settings: Settings) -> int:
         if settings.redis_url:
             _check_redis(settings)
         else:
-            embedded = EmbeddedRedis(settings.data_dir)
+            embedded = EmbeddedRedis(settings.data_dir, settings.data_max_mb)
             url = embedded.start()
             log.info("embedded redis-server at %s, data in %s", url, embedded.data_dir)
             settings = settings.model_copy(update={"redis_url": url})

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 import model
 from model.chat_template import ChatTemplate, play_script
@@ -265,3 +266,43 @@ def test_redis_that_dies_at_runtime_is_one_line_then_the_server_serves_again(tin
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         redis.stop()
+
+
+def test_the_embedded_redis_keeps_the_data_dir_bounded(tiny_model_dir, tmp_path):
+    """`make run`'s Redis has a maxmemory (`--data-max-mb`, noeviction): filled to it, new
+    sessions are refused with 507 storage_full (the storage guard, before Redis itself
+    refuses), nothing is evicted, and once there is room again they are made."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny_model_dir, tmp_path, "--port", str(port), "--data-max-mb", "32")
+    try:
+        embedded = None
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if "embedded redis-server at " in line:
+                embedded = line.split("embedded redis-server at ")[1].split()[0].rstrip('",')
+                break
+        assert embedded, "the server never said where its Redis is"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # type: ignore[union-attr]
+        _ready(url, proc)
+        r = redis.Redis.from_url(embedded)
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 32 * 1024 * 1024
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        kept = httpx.post(url + "/v1/sessions", json={"prompt": "kept"}).json()["id"]
+        for i in range(40):  # someone else's bytes, a MiB at a time, until the guard sees 90%
+            if int(r.info("memory")["used_memory"]) >= 0.92 * 32 * 1024 * 1024:
+                break
+            r.set(f"filler:{i}", b"x" * (1024 * 1024))
+        deadline = time.monotonic() + 10
+        while not httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = httpx.post(url + "/v1/sessions", json={"prompt": "one more"})
+        assert refused.status_code == 507 and refused.json()["error"]["type"] == "storage_full", refused.text
+        assert httpx.get(f"{url}/v1/sessions/{kept}").status_code == 200  # (nothing evicted)
+        r.delete(*r.keys("filler:*"))
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.post(url + "/v1/sessions", json={"prompt": "one more"}).status_code == 201
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
