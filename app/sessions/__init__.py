@@ -2,7 +2,7 @@
 hot cache and the persistence policy. A reader finds the whole life of a request here:
 
 - service.py: the writes, step by step (lock, start, run, reserve, commit, settle), and
-  the persistence policy;
+  the persistence policy; making.py: the writes that make a session (create, import, fork);
 - reads.py: what every request shares (the starting state, running one engine request)
   and the requests that only read;
 - run.py: a generation in progress, from its first token to its commit;
@@ -24,10 +24,11 @@ from .background import Background, Replay
 from .cache import Held, HotCache
 from .choices import Started, needs_whole_prompt, start, stateless
 from .conversations import Conversations
+from .making import StateRejected
 from .reads import Listed, Listing, ModelMismatch, SessionReads
 from .responses import Begun, NotContinuable, Render, Responses, Turn
 from .run import ClientDisconnected, Run
-from .service import Generation, SessionService, StateRejected
+from .service import Generation, SessionService
 
 __all__ = [
     "Background",
