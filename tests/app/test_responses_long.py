@@ -51,3 +51,26 @@ def test_a_conversation_runs_past_the_prompt_limit(server):
         r = oa.responses.create(input="Speak.", conversation=conv.id, **TURN)
         assert r.usage.input_tokens_details.cached_tokens > 0
     assert r.usage.input_tokens + r.usage.output_tokens > 3 * LIMIT
+
+
+@pytest.mark.slow  # (300 turns of each: a minute or two)
+def test_300_turn_chains_and_conversations_continue_to_the_end(server):
+    """Issue 41: a chain of 300 `previous_response_id` turns, and a conversation of 300,
+    continue to the end, every turn from the state the one before committed (its tokens
+    cached, only its own prefilled), far past the kept versions of the chain's one session
+    (its holders and pruning over 300 commits)."""
+    oa = server.openai()
+    previous, held = None, 0
+    for turn in range(300):
+        r = oa.responses.create(input=f"Line {turn}.", previous_response_id=previous, **TURN)
+        assert r.status in ("completed", "incomplete"), (turn, r.error)
+        if previous is not None:
+            assert r.usage.input_tokens_details.cached_tokens >= held - 1, turn
+        previous, held = r.id, r.usage.input_tokens + r.usage.output_tokens
+    conv = oa.conversations.create(items=[{"role": "system", "content": "A street in Verona."}])
+    for turn in range(300):
+        r = oa.responses.create(input=f"Line {turn}.", conversation=conv.id, **TURN)
+        assert r.status in ("completed", "incomplete"), (turn, r.error)
+        if turn:
+            assert r.usage.input_tokens_details.cached_tokens > 0, turn
+    assert r.usage.input_tokens > 300 * 5
