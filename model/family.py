@@ -102,20 +102,7 @@ class LanguageModel(nn.Module):
         again by each module's `reset_buffers`."""
         with torch.device("meta"):
             lm = cls(config)
-        first: dict[int, str] = {}  # a tied weight's first name (giving it memory unties it)
-        ties = [
-            (name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)
-        ]
-        lm = lm.to_empty(device="cpu")
-        for name, owner in ties:
-            if name != owner:
-                path, _, attr = name.rpartition(".")
-                setattr(lm.get_submodule(path), attr, lm.get_parameter(owner))
-        for m in lm.modules():
-            reset = getattr(m, "reset_buffers", None)
-            if callable(reset):
-                reset()
-        return lm
+        return _given_memory(lm)
 
     # -- to implement -------------------------------------------------------------------
     def time_axes(self) -> dict[str, TimeAxis]:
@@ -173,15 +160,7 @@ class LanguageModel(nn.Module):
     def new_state(self, batch_size: int = 1) -> State:
         """A state for `batch_size` streams that have consumed nothing: empty time axes,
         zero fixed-size tensors (a family overrides this where its start is learned)."""
-        dev, dtype = self.device, self.param_dtype
-
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(batch_size, *shape, device=dev, dtype=dtype)
-
-        tensors = {name: zeros(axis.layers, 0, axis.width) for name, axis in self.time_axes().items()}
-        tensors.update({name: zeros(*shape) for name, shape in self.fixed_shapes().items()})
-        tensors["n_tokens"] = torch.zeros(batch_size, dtype=torch.long, device=dev)
-        return self._state(tensors)
+        return self._state(self.layout.fresh(batch_size, self.device, self.param_dtype))
 
     @property
     def layout(self) -> StateLayout:
@@ -275,16 +254,9 @@ class LanguageModel(nn.Module):
         converted: its caches rounded onto this model's grid (docs/CONFIGURATION.md)."""
         header, tensors = merge(blob, deltas, expect=self.check_declared)  # (family and fingerprint too)
         self.check_state_tensors(tensors)
-        on_gpu = self.device.type == "cuda"  # (pinned host memory lets the copy run asynchronously)
         convert = precision_of(header) != self.state_precision
-        axes = self.time_axes()
-        moved = {}
-        for k, v in tensors.items():
-            v = (v.pin_memory() if on_gpu else v).to(self.device, non_blocking=on_gpu)
-            moved[k] = v.to(self.param_dtype) if v.is_floating_point() else v
-            if convert and k in axes:
-                moved[k] = grid.snap(moved[k], self.state_precision)
-        return moved
+        snap_to = self.state_precision if convert else None
+        return self.layout.moved(tensors, self.device, self.param_dtype, snap_to)
 
     def stack_states(self, states: list[State]) -> State:
         return State.stack(states, self.batch_layouts())
@@ -350,6 +322,24 @@ def untracked(lm: nn.Module, state: State) -> bool:
     return not any(p.requires_grad for p in lm.parameters()) and not any(
         t.requires_grad for t in state.tensors.values()
     )
+
+
+def _given_memory(lm: LanguageModel) -> LanguageModel:
+    """A model built on the meta device, given memory on the CPU (uninitialised): its tied
+    weights tied again (giving a weight memory unties it) and its non-persistent buffers made
+    again by each module's `reset_buffers` (`LanguageModel.without_init`)."""
+    first: dict[int, str] = {}  # a tied weight's first name
+    ties = [(name, first.setdefault(id(p), name)) for name, p in lm.named_parameters(remove_duplicate=False)]
+    lm = lm.to_empty(device="cpu")
+    for name, owner in ties:
+        if name != owner:
+            path, _, attr = name.rpartition(".")
+            setattr(lm.get_submodule(path), attr, lm.get_parameter(owner))
+    for m in lm.modules():
+        reset = getattr(m, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    return lm
 
 
 def init_weights(m: nn.Module) -> None:

@@ -1,6 +1,7 @@
 """A family's state as data: its persistent tensors, the time axes that grow one row per
 consumed token, and the fixed-size ones (`StateLayout`), with the checks every family's
-state must pass before it runs, and the size of the largest one. A family declares its
+state must pass before it runs, the size of the largest one, a fresh state's tensors and a
+stored one's moved onto a model's device. A family declares its
 layout (`LanguageModel.time_axes`, `fixed_shapes`, `persistent`); `LanguageModel.layout`
 hands it here, and a family extends the checks with its own.
 
@@ -14,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import precision as grid
 from .blob import Declared, StateError, as_held
 from .protocol import State
 
@@ -46,6 +48,32 @@ class StateLayout:
     def lengths(self, n_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row valid lengths of the time axes, for streams that consumed `n_tokens`."""
         return {name: n_tokens.clamp(max=axis.bound) for name, axis in self.axes.items()}
+
+    def fresh(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The tensors of a state for `batch_size` streams that have consumed nothing: empty
+        time axes, zero fixed-size tensors, zero counts."""
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(batch_size, *shape, device=device, dtype=dtype)
+
+        tensors = {name: zeros(axis.layers, 0, axis.width) for name, axis in self.axes.items()}
+        tensors.update({name: zeros(*shape) for name, shape in self.fixed.items()})
+        tensors["n_tokens"] = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return tensors
+
+    def moved(
+        self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, snap_to: str | None
+    ) -> dict[str, torch.Tensor]:
+        """Verified tensors on `device`, floats at `dtype`, and where `snap_to` names a
+        precision (a state stored at another), the time axes rounded onto its grid."""
+        on_gpu = device.type == "cuda"  # (pinned host memory lets the copy run asynchronously)
+        moved = {}
+        for k, v in tensors.items():
+            v = (v.pin_memory() if on_gpu else v).to(device, non_blocking=on_gpu)
+            moved[k] = v.to(dtype) if v.is_floating_point() else v
+            if snap_to is not None and k in self.axes:
+                moved[k] = grid.snap(moved[k], snap_to)
+        return moved
 
     def check(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise StateError unless these persistent tensors fit this layout: the names, a
