@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -356,6 +357,23 @@ class Merge(nn.Module):
 
 
 # -- the model ----------------------------------------------------------------------------
+Memories = tuple[list[torch.Tensor], list[torch.Tensor]]  # per memory group: k, v (B, Mm+T, d)
+
+
+class Reach(NamedTuple):
+    """What the decoder reads over one chunk of T tokens, besides its inputs (`RLT._reach`)."""
+
+    cs: Rope  # the chunk's positions' angles
+    sk: Growth  # the window caches' keys and values (B, L_D, S, d), growing by T
+    sv: Growth
+    mem: Memories  # the memory's entries, the chunk's among them
+    S: int  # window cache rows before the chunk
+    Mm: int  # memory entries before the chunk
+    swa_first: torch.Tensor  # (B,) each row's first real window cache row
+    mem_first: torch.Tensor  # (B,) and first real memory entry
+    padded: tuple[bool, bool]  # whether the window caches, the memory hold left padding
+
+
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """bf16 logits (CUDA autocast) come back as fp32; fp64 (gradient checks) stays fp64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -435,8 +453,8 @@ class RLT(LanguageModel):
         with self.autocast():
             e = self._encode(tokens, cs, grown["enc_k"], grown["enc_v"], ctx_valid, n_min)  # (B, T, d)
             mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
-            sk, sv, token = grown["swa_k"], grown["swa_v"], how.parts.get("decode_token")
-            s_all = self._recur(e, cs, state, mem, ctx_valid, n_min, sk, sv, token)  # (B, T, d)
+            reach = self._reach(cs, grown["swa_k"], grown["swa_v"], mem, n, ctx_valid, n_min)
+            s_all = self._recur(e, state["s"], reach, how.parts.get("decode_token"))  # (B, T, d)
             logits = F.linear(rms_norm(s_all, self.norm_out), self.head.weight)  # (B, T, V)
         tensors, arenas = unzip({name: g.result(min(axes[name].bound, g.M + T)) for name, g in grown.items()})
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
@@ -460,9 +478,7 @@ class RLT(LanguageModel):
             x = blk(x, cs, kv_appender(ek, ev, i), allowed)
         return x
 
-    def _remember(
-        self, e: torch.Tensor, cs: Rope, gk: Growth, gv: Growth
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _remember(self, e: torch.Tensor, cs: Rope, gk: Growth, gv: Growth) -> Memories:
         """Append the chunk's global memory entries: per group, its cached entries then the
         chunk's, k and v (B, Mm+T, d)."""
         mk, mv = self.memory(e, cs)  # (B, G, T, d)
@@ -470,46 +486,37 @@ class RLT(LanguageModel):
         # one tensor per group: a decoder step's gradient then touches one group only
         return [gk.append(g, mk[:, g]) for g in groups], [gv.append(g, mv[:, g]) for g in groups]
 
-    def _recur(
+    def _reach(
         self,
-        e: torch.Tensor,  # (B, T, d) the chunk's encoder outputs
-        cs: Rope,
-        state: State,
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],  # per group k, v (B, Mm+T, d)
-        ctx_valid: torch.Tensor,
-        n_min: int,
-        sk: Growth,  # the window caches' keys and values (B, L_D, S, d), growing by T
-        sv: Growth,
-        token: Callable | None,  # a compiled `decode_token` to run each step with (`parts`)
-    ) -> torch.Tensor:
-        """The decoder over the chunk: s_t for every position (B, T, d)."""
-        T, S = e.shape[1], sk.M
-        Mm = mem[0][0].shape[1] - T
-        # (B,) each row's first real window cache row and memory entry; whether any is padding
-        swa_first = S - state.n_tokens.clamp(max=self.config.window - 1)
-        mem_first = Mm - ctx_valid
-        padded = (self._padded(n_min, "swa_k", S), self._padded(n_min, "mem_k", Mm))
-        if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
-            return self._decode_chunk(e, cs, sk, sv, mem, swa_first, mem_first, padded)
-        if token is not None:  # a compiled step of one shape
-            return self._decode_fixed(token, e, cs, state["s"], sk, sv, mem, swa_first, mem_first)
-        return self._decode_steps(e, cs, state["s"], sk, sv, mem, swa_first, mem_first, padded)
-
-    def _decode_chunk(
-        self,
-        x: torch.Tensor,  # (B, T, d) decoder inputs u
         cs: Rope,
         sk: Growth,
         sv: Growth,
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
-        swa_first: torch.Tensor,  # (B,) first real window cache row
-        mem_first: torch.Tensor,  # (B,) first real memory entry
-        padded: tuple[bool, bool],  # whether the window caches, the memory hold padding
-    ) -> torch.Tensor:
-        """The decoder blocks over a whole chunk (RLT-0, where u does not depend on s)."""
-        cfg = self.config
-        T, S = x.shape[1], sk.M
-        Mm = mem[0][0].shape[1] - T
+        mem: Memories,
+        n: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        n_min: int,
+    ) -> Reach:
+        """What the decoder reads over the chunk (`Reach`) for streams that have consumed n."""
+        S, Mm = sk.M, mem[0][0].shape[1] - cs[0].shape[1]
+        swa_first = S - n.clamp(max=self.config.window - 1)
+        padded = (self._padded(n_min, "swa_k", S), self._padded(n_min, "mem_k", Mm))
+        return Reach(cs, sk, sv, mem, S, Mm, swa_first, Mm - ctx_valid, padded)
+
+    def _recur(self, e: torch.Tensor, s0: torch.Tensor, reach: Reach, token: Callable | None) -> torch.Tensor:
+        """The decoder over the chunk, from its encoder outputs e (B, T, d) and s before it
+        (B, d), with a compiled `decode_token` to step with where `token` is one (`parts`): s_t
+        for every position (B, T, d)."""
+        if self.merge is None:  # RLT-0: u_t = e_t, the whole chunk at once
+            return self._decode_chunk(e, reach)
+        if token is not None:  # a compiled step of one shape
+            return self._decode_fixed(token, e, s0, reach)
+        return self._decode_steps(e, s0, reach)
+
+    def _decode_chunk(self, x: torch.Tensor, r: Reach) -> torch.Tensor:
+        """The decoder blocks over a whole chunk of inputs u (B, T, d) (RLT-0, where u does
+        not depend on s)."""
+        cfg, T = self.config, x.shape[1]
+        cs, sk, sv, mem, S, Mm, swa_first, mem_first, padded = r
         # window keys [cache (S); chunk (T)]; memory entries in reach of the chunk [lo, Mm + T)
         self_allowed = window_mask(S, T, 0, S + T, cfg.window, swa_first, padded[0])
         lo = max(0, Mm + 1 - cfg.max_context)
@@ -521,24 +528,13 @@ class RLT(LanguageModel):
             x = blk(x, cs, kv_appender(sk, sv, i), self_allowed, mk, mv, mem_allowed)
         return x
 
-    def _decode_steps(
-        self,
-        e: torch.Tensor,  # (B, T, d) the chunk's encoder outputs
-        cs: Rope,
-        s0: torch.Tensor,  # (B, d) s before the chunk
-        sk: Growth,
-        sv: Growth,
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
-        swa_first: torch.Tensor,
-        mem_first: torch.Tensor,
-        padded: tuple[bool, bool],
-    ) -> torch.Tensor:
+    def _decode_steps(self, e: torch.Tensor, s0: torch.Tensor, r: Reach) -> torch.Tensor:
         """RLT-1: the recurrence, one token at a time (u_t needs s_{t-1}). Everything that does
         not need s was done for the whole chunk; a step slices its keys to its span, so only
         left padding (rare: batched streams of different lengths) needs a mask."""
         cfg = self.config
-        T, S, W, C = e.shape[1], sk.M, cfg.window, cfg.max_context
-        Mm = mem[0][0].shape[1] - T
+        T, W, C = e.shape[1], cfg.window, cfg.max_context
+        cs, sk, sv, mem, S, Mm, swa_first, mem_first, padded = r
         swa_real, mem_real = real_keys(swa_first, S + T, padded[0]), real_keys(mem_first, Mm + T, padded[1])
         assert self.merge is not None
         ge, w_r = self.merge.prepare(e)
@@ -562,27 +558,16 @@ class RLT(LanguageModel):
     def parts(self) -> dict[str, Callable]:
         return {"decode_token": self.decode_token} if self.merge is not None else {}
 
-    def _decode_fixed(
-        self,
-        token: Callable,  # `decode_token`, or a compiled version of it
-        e: torch.Tensor,
-        cs: Rope,
-        s0: torch.Tensor,
-        sk: Growth,
-        sv: Growth,
-        mem: tuple[list[torch.Tensor], list[torch.Tensor]],
-        swa_first: torch.Tensor,
-        mem_first: torch.Tensor,
-    ) -> torch.Tensor:
+    def _decode_fixed(self, token: Callable, e: torch.Tensor, s0: torch.Tensor, r: Reach) -> torch.Tensor:
         """`_decode_steps` with every step's inputs of one shape and one layout, whatever
         the chunk, so that one compiled graph serves every token: the window's last W-1 keys
         and values and the memory's C entries in reach, left-padded with zeros where there
         are fewer and masked, in place of slices that grow token by token; per-token inputs
         time-major, so a token's slice does not depend on the chunk's length. The same keys
-        are attended; the padding is masked out."""
+        are attended; the padding is masked out. `token`: `decode_token`, or a compiled one."""
         cfg = self.config
-        T, S, W, C = e.shape[1], sk.M, cfg.window, cfg.max_context
-        Mm = mem[0][0].shape[1] - T
+        T, W, C = e.shape[1], cfg.window, cfg.max_context
+        cs, sk, sv, mem, S, Mm, swa_first, mem_first, _ = r  # (it masks, padding or not)
         dev = e.device
         assert self.merge is not None
         ge, w_r = self.merge.prepare(e)
