@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from app import logs, prefixes
 from app.engine import Engine, QueueFull, Request, Stored
@@ -162,7 +162,7 @@ class SessionMaking(SessionReads):
         if session_id is None:
             session_id = new_session_id()
             await self.tenants.admit_session(owner, session_id, ttl, ephemeral)
-        try:
+        async with self._placed(owner, session_id):
             res = await self._finish(req)
             assert res.encoded is not None and res.encoded.kind == "snapshot"
             blob = res.encoded.blob
@@ -176,11 +176,6 @@ class SessionMaking(SessionReads):
                 keep=keep or self.history_versions, transcript=[segment],
                 tokens_hash=prefixes.UNKNOWN if kind == "import" else tokens,
             )  # fmt: skip
-        except OutcomeUnknown:
-            raise  # (the session may exist: its place in the ledger stays)
-        except BaseException:
-            await self.tenants.forget(owner, session_id)
-            raise
         self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.state))
         logs.session_id.set(meta.id)
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
@@ -212,17 +207,25 @@ class SessionMaking(SessionReads):
         inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
         inherited.append(Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes())
         await self.tenants.reserve(owner, new_id, at.state.nbytes + sum(map(len, inherited)), ttl, ephemeral)
-        try:
+        async with self._placed(owner, new_id):
             meta = await self.store.create(
                 at.state, at.version.n_tokens, source.model, source.fingerprint, ttl, owner, new_id,
                 keep=source.keep_versions, transcript=inherited, tokens_hash=at.tokens_hash,
             )  # fmt: skip
-        except OutcomeUnknown:
-            raise  # (the session may exist: its place in the ledger stays)
-        except BaseException:
-            await self.tenants.forget(owner, new_id)
-            raise
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
+
+    @contextlib.asynccontextmanager
+    async def _placed(self, owner: str, session_id: str) -> AsyncIterator[None]:
+        """The block that writes a new session whose place in the tenant's ledger is taken:
+        if it fails, the place leaves the ledger, unless the write's outcome is unknown
+        (the session may exist: its place stays)."""
+        try:
+            yield
+        except OutcomeUnknown:
+            raise
+        except BaseException:
+            await self.tenants.forget(owner, session_id)
+            raise
 
 
 def _importable(blob: bytes) -> int:
