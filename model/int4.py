@@ -81,20 +81,27 @@ class Int4Linear(nn.Module):
         return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
 
     def dequantized_t(self) -> torch.Tensor:
-        """W^T (K, N') in bfloat16, from the packed layout: blocks of 64 rows, each byte of a
+        """W^T (K, N') in bfloat16: each weight computed in fp32, then rounded once (a
+        bfloat16 product, q * scale + (zero - 8 scale), would round it three times, which
+        costs the many-row product's greedy agreement with fp32 several times over)."""
+        return self.dequantized_fp32_t().to(torch.bfloat16)
+
+    def dequantized_fp32_t(self) -> torch.Tensor:
+        """W^T (K, N') in fp32, from the packed layout: blocks of 64 rows, each byte of a
         block's column k holding row d (low nibble) and row d + 32 (high nibble)."""
         K, G = self.in_features, self.group
         Nb = self.packed.shape[0] // BLOCK_N
         p = self.packed.view(Nb, K // G, G, BLOCK_N // 2)
-        q = torch.cat([p & 15, p >> 4], -1).to(torch.bfloat16)  # (Nb, K/G, G, 64)
+        q = torch.cat([p & 15, p >> 4], -1).float()  # (Nb, K/G, G, 64)
         sz = self.scales_zeros.float().view(K // G, Nb, BLOCK_N, 2).permute(1, 0, 2, 3).unsqueeze(2)
         scale, zero = sz[..., 0], sz[..., 1]  # (Nb, K/G, 1, 64)
-        w = torch.addcmul((zero - 8 * scale).to(torch.bfloat16), q, scale.to(torch.bfloat16))
+        w = torch.addcmul(zero - 8 * scale, q, scale)
         return w.permute(1, 2, 0, 3).reshape(K, Nb * BLOCK_N)
 
     def dequantized(self) -> torch.Tensor:
-        """W (N, K) in fp32 (tests and references: serving never expands it)."""
-        return self.dequantized_t()[:, : self.out_features].t().float()
+        """W (N, K) in fp32: what the row-at-a-time kernel multiplies by (tests and
+        references: serving never expands it)."""
+        return self.dequantized_fp32_t()[:, : self.out_features].t()
 
     def weight_bytes(self) -> int:
         """Bytes a product reads: the packed integers, the scales and the zeros."""

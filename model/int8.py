@@ -27,6 +27,15 @@ within a regime; across the two it differs by bfloat16's rounding of the input (
 text against the same text token by token: within the boundary tolerance that
 tests/model/test_llama.py checks). The weights' rounding is the one that matters (measured
 in docs/MODEL_CARD.md).
+
+A packed LLaMA's head and token lookup (`Int8Head`, `Int8Embedding`) are held twice: in
+`Int8Blocks`, int8 in blocks of 32 weights with a scale each (GGUF's Q8_0, read from the file
+as it is), the exact table, and as the per-row `Int8Linear` that the fast kernels want. The
+per-row rounding costs a head far more than it costs a block layer (it sets every logit: on
+the shipped Q8_0 head, most of the packed path's greedy disagreement with fp32), so a head
+product is the per-row one, then each row's `REFINE` largest logits recomputed from the
+exact blocks: the tokens greedy decoding and sampling pick among are scored exactly, at the
+price of reading `REFINE` rows of the table. The lookup reads the exact blocks.
 """
 
 from __future__ import annotations
@@ -91,15 +100,82 @@ class Int8Linear(nn.Module):
         return self.q.numel() + self.scale.numel() * 4
 
 
-class Int8Embedding(nn.Module):
-    """Token ids -> rows of an `Int8Linear`'s weight (a head tied to the embedding), in fp32."""
+BLOCK = 32  # weights sharing a scale in `Int8Blocks`: GGUF's Q8_0 block
+REFINE = 32  # a head's largest logits per row recomputed from the exact blocks
 
-    def __init__(self, table: Int8Linear):
+
+def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> int8 (N, K) and scales (N, K/block) fp32, symmetric per block (Q8_0's)."""
+    N, K = w.shape
+    g = w.detach().float().reshape(N, K // block, block)
+    scale = g.abs().amax(-1).clamp(min=1e-12) / 127
+    return torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(N, K), scale
+
+
+class Int8Blocks(nn.Module):
+    """A table (N, K) held as int8 in blocks of `BLOCK` weights, each with its own scale:
+    w[n, j] = scale[n, j // BLOCK] q[n, j] (GGUF's Q8_0)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        N, K = q.shape
+        if K % BLOCK or scale.shape != (N, K // BLOCK):
+            raise ValueError(f"an int8 block table ({N}, {K}) needs (N, K/{BLOCK}) scales")
+        self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (any shape) in fp32: (*index.shape, K)."""
+        K = self.q.shape[1]
+        q = self.q[index].float().view(*index.shape, K // BLOCK, BLOCK)
+        return (q * self.scale[index].unsqueeze(-1)).view(*index.shape, K)
+
+    def dequantized(self, chunk: int = 4096):
+        """The table in fp32, `chunk` rows at a time (an iterator: never whole)."""
+        for i in range(0, self.q.shape[0], chunk):
+            yield self.rows(torch.arange(i, min(i + chunk, self.q.shape[0])))
+
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+
+class Int8Head(nn.Module):
+    """Logits = x W^T for a head whose exact table is `Int8Blocks`: the per-row int8 product
+    (`Int8Linear`, the fast kernels), with each row's `REFINE` largest logits recomputed
+    exactly (fp32) from the blocks."""
+
+    def __init__(self, exact: Int8Blocks, refine: int = REFINE):
+        super().__init__()
+        self.exact, self.refine = exact, refine
+        q, scale = zip(*(quantize_rows(w) for w in exact.dequantized()), strict=True)
+        self.rows = Int8Linear(torch.cat(q), torch.cat(scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.rows(x).float()
+        lead, K = y.shape[:-1], x.shape[-1]
+        y, xs = y.reshape(-1, y.shape[-1]), x.reshape(-1, 1, K // BLOCK, BLOCK).float()
+        top = y.topk(min(self.refine, y.shape[-1]), -1).indices  # (n, r)
+        q = self.exact.q[top].float().view(*top.shape, K // BLOCK, BLOCK)  # (n, r, K/B, B)
+        exact = ((q * xs).sum(-1) * self.exact.scale[top]).sum(-1)  # block sums, then scales
+        return y.scatter_(-1, top, exact).view(*lead, -1)
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: the per-row table, and `refine` exact rows."""
+        return self.rows.weight_bytes() + self.refine * self.exact.weight_bytes() // self.exact.q.shape[0]
+
+
+class Int8Embedding(nn.Module):
+    """Token ids -> rows of an `Int8Blocks` table (the head's, when tied to it), in fp32."""
+
+    def __init__(self, table: Int8Blocks):
         super().__init__()
         self.table = table
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.table.q[tokens].float() * self.table.scale[tokens].unsqueeze(-1)
+        return self.table.rows(tokens)
 
 
 def int8_linear(layer: nn.Module) -> Int8Linear:

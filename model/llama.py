@@ -61,7 +61,7 @@ from torch import nn
 from .attention import KV, Pair, Span, attend_stream, kv_axes, next_sinks, span
 from .family import Execution, LanguageModel, TimeAxis, init_weights
 from .int4 import int4_linear
-from .int8 import Int8Embedding, Int8Linear, int8_linear, quantize_rows
+from .int8 import Int8Blocks, Int8Embedding, Int8Head, int8_linear, quantize_blocks
 from .mlp import SwiGLU
 from .norms import RMSNorm, rms_norm
 from .state import State, StateError, kv_appender, unzip
@@ -204,9 +204,9 @@ class Llama(LanguageModel):
     def quantize(self, precision: str = "int8") -> None:
         """Every block's linear layers (q, k, v; the attention's output; the MLP) in int8
         (`model/int8.py`) or int4 (`model/int4.py`), with bfloat16 activations into their
-        kernels; the head in int8 either way (it sets every logit: int4 there costs
-        agreement with fp32 for a fifth of the bytes). A head tied to the embedding keeps
-        one int8 table, which the token lookup reads too (`Int8Embedding`)."""
+        kernels; the head and the token lookup int8 in blocks of 32 either way (`Int8Head`:
+        the head sets every logit, so its largest are recomputed from the blocks). A head
+        tied to the embedding keeps one table, which the token lookup reads too."""
         if precision not in ("int8", "int4"):
             raise ValueError(f"no packed {precision!r} weights: int8 or int4")
         if self.device.type != "cpu":
@@ -215,15 +215,16 @@ class Llama(LanguageModel):
         for blk in self.blocks():
             blk.attn.qkv, blk.attn.proj = linear(blk.attn.qkv), linear(blk.attn.proj)
             blk.mlp.gate_up, blk.mlp.down = linear(blk.mlp.gate_up), linear(blk.mlp.down)
-        emb = self.tok_emb
-        assert isinstance(emb, nn.Embedding)
-        table = None if self.config.tie_weights else Int8Linear(*quantize_rows(emb.weight))
-        self.set_packed_ends(int8_linear(self.head), table)
+        emb, head = self.tok_emb, self.head
+        assert isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear)
+        table = None if self.config.tie_weights else Int8Blocks(*quantize_blocks(emb.weight))
+        self.set_packed_ends(Int8Blocks(*quantize_blocks(head.weight)), table)
         self.precision = precision
 
-    def set_packed_ends(self, head: Int8Linear, embedding: Int8Linear | None = None) -> None:
-        """The int8 head, and the token lookup: `embedding`'s table, or the head's when tied."""
-        self.head = head
+    def set_packed_ends(self, head: Int8Blocks, embedding: Int8Blocks | None = None) -> None:
+        """The head's table (`Int8Head`), and the token lookup's: `embedding`, or the head's
+        when tied."""
+        self.head = Int8Head(head)
         table = head if self.config.tie_weights or embedding is None else embedding
         self.tok_emb = Int8Embedding(table)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from .chat_template import ChatTemplate
 from .int4 import Int4Linear, quantize_groups
-from .int8 import Int8Linear, quantize_rows
+from .int8 import Int8Blocks, Int8Linear, quantize_blocks, quantize_rows
 from .llama import LAYER, Llama, LlamaConfig, layer_weights, serving_span
 from .native import build
 from .norms import RMSNorm
@@ -156,6 +156,26 @@ class GGUF:
             scales.append(s)
         return torch.cat(qs), torch.cat(scales)
 
+    def int8_blocks(self, name: str, chunk: int = 4096) -> Int8Blocks:
+        """A matrix as int8 blocks of 32 (`model.int8.Int8Blocks`): a Q8_0 tensor's blocks as
+        they are (scale d, its 32 int8), any other type quantized per block `chunk` rows at a time."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        K, N = (int(d) for d in t.shape)
+        if t.tensor_type.name == "Q8_0":
+            b = np.asarray(t.data).reshape(N, K // 32, 34)  # d (f16), then 32 int8
+            d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, K)
+            return Int8Blocks(torch.from_numpy(q), torch.from_numpy(d))
+        qs, scales = [], []
+        for i in range(0, N, chunk):
+            rows = np.asarray(quants.dequantize(t.data[i : i + chunk], t.tensor_type), dtype=np.float32)
+            q, s = quantize_blocks(torch.from_numpy(rows.reshape(-1, K)))
+            qs.append(q)
+            scales.append(s)
+        return Int8Blocks(torch.cat(qs), torch.cat(scales))
+
 
 GGUF_PARTS = {
     "q": "attn_q",
@@ -239,7 +259,8 @@ def packed_layer(
 def read_packed(path: Path, precision: str) -> Llama:
     """The model in the GGUF file `path` with its block weights packed (`precision` int4 or
     int8, CPU, eval mode): no layer is ever held in fp32 (int4 from Q4 blocks: never
-    dequantized). Its norms are fp32; its head and token lookup int8 (`Llama.set_packed_ends`).
+    dequantized). Its norms are fp32; its head and token lookup int8 in blocks of 32, a Q8_0
+    table as it is (`Llama.set_packed_ends`).
     Its fingerprint hashes the file's tensors as stored."""
     f = GGUF(path)
     cfg = native_config(f)
@@ -253,10 +274,8 @@ def read_packed(path: Path, precision: str) -> Llama:
         for part, norm in (("norm1", blk.norm1), ("norm2", blk.norm2)):
             set_norm(norm, f.weight(f"blk.{i}.{GGUF_PARTS[part]}.weight"))
     set_norm(lm.norm_out, f.weight("output_norm.weight"))
-    embedding = Int8Linear(*f.int8_rows("token_embd.weight"))
-    lm.set_packed_ends(
-        embedding if cfg["tie_weights"] else Int8Linear(*f.int8_rows("output.weight")), embedding
-    )
+    embedding = f.int8_blocks("token_embd.weight")
+    lm.set_packed_ends(embedding if cfg["tie_weights"] else f.int8_blocks("output.weight"), embedding)
     lm.precision = precision
     lm.tokenizer = tokenizer(f)
     lm.fingerprint = stored_fingerprint(f, lm)

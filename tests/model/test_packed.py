@@ -18,7 +18,7 @@ from torch import nn
 
 import model
 from model.int4 import DEQUANT_ROWS, Int4Linear, quantize_groups
-from model.int8 import Int8Embedding, Int8Linear
+from model.int8 import Int8Embedding, Int8Head, Int8Linear
 from model.llama import Llama
 
 from .conftest import run_chunks
@@ -50,8 +50,10 @@ def dequantized_reference(lm: Llama) -> Llama:
                 w = child.dequantized()
             elif isinstance(child, Int8Linear):
                 w = child.q.float() * child.scale[:, None]
+            elif isinstance(child, Int8Head):
+                w = torch.cat(list(child.exact.dequantized()))
             elif isinstance(child, Int8Embedding):
-                table = child.table.q.float() * child.table.scale[:, None]
+                table = torch.cat(list(child.table.dequantized()))
                 setattr(mod, name, nn.Embedding.from_pretrained(table))
                 continue
             else:
@@ -147,7 +149,11 @@ def test_gguf_float_file_is_quantized_to_int4_on_request(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="int4 measured at 0.905 (16 x 64, docs/BENCHMARKS.md): issue 42 open", strict=False)
+@pytest.mark.xfail(
+    reason="below the floor of bf16 activations: exact weights with only the products' inputs in bf16 "
+    "measured 0.897 (50 x 128, docs/BENCHMARKS.md); issue 42 open",
+    strict=False,
+)
 def test_smollm2_int4_agrees_with_fp32():
     """Issue 42's quality bound on the shipped file: greedy tokens identical to the fp32
     path's (the same file, dequantized) for at least 95% of 50 prompts x 128 tokens."""
