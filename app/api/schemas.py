@@ -28,9 +28,6 @@ MAX_TOKENS_CEILING = 2**20
 # past 2**53 a client, or a schema validator, that reads numbers as doubles rounds them
 SEED_LIMIT = 2**53
 MAX_CHOICES = 16  # `n` of the OpenAI routes: each choice is a fork and a generation
-# a temperature past which sampling is uniform to float precision (OpenAI takes up to 2; past
-# this bound a value is a mistake, and an echo of 1e308 in a Response object helps no client)
-MAX_TEMPERATURE = 100.0
 
 # A bound that depends on the served model or the settings is marked `x-limit` in the JSON
 # schema (the setting's name, or `vocab`): app/api/openapi.py writes the served value into
@@ -270,10 +267,7 @@ class SamplingFields(RequestBody):
     in the vocabulary, min_tokens within max_tokens) are checked there (422)."""
 
     temperature: float | None = Field(
-        None,
-        ge=0,
-        le=MAX_TEMPERATURE,
-        description="0 = greedy; left out: the model's recommendation (GET /v1/models), else 1",
+        None, ge=0, description="0 = greedy; left out: the model's recommendation (GET /v1/models), else 1"
     )
     top_p: float | None = Field(
         None, gt=0, le=1, description="1 = off; left out: the model's recommendation, else off"
@@ -348,7 +342,7 @@ class GenerateQuery(BaseModel):
 
     prompt: str = ""
     max_tokens: int = Field(64, ge=1, le=MAX_TOKENS_CEILING)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)  # (left out: as Generate's)
+    temperature: float | None = Field(None, ge=0)  # (left out: as Generate's)
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
