@@ -55,7 +55,7 @@ from .responses_schemas import (
     StreamEvent,
 )
 from .schemas import ErrorBody
-from .sse import SHUTTING_DOWN, respond, sse_json, stream_response, until_stopped
+from .sse import SHUTTING_DOWN, json_of, respond, sse_json, stream_response, until_stopped
 from .structured import Shape, tools_of
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -65,8 +65,8 @@ EVENTS = stream_response(
     "stream=true: the Responses event sequence, each `event: TYPE` with `data: {event}`",
     {
         "type": "object",
-        "required": ["data"],
-        "properties": {"data": {"$ref": f"#/components/schemas/{StreamEvent.__name__}"}},
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": json_of(StreamEvent)},
     },
 )
 
