@@ -108,6 +108,9 @@ class Replay:
             self.client = None
 
 
+CLOSE_WAIT = 5.0  # seconds the server's stop waits for its background workers to stop
+
+
 class Background:
     def __init__(
         self,
@@ -322,7 +325,14 @@ class Background:
         tasks = [t for t in (self._sweeper, *self.workers.values()) if t is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        # bounded: a worker whose generation does not take the cancel at once (it can land
+        # where the run's events go on) must not hold the server's stop forever; the engine
+        # stops next, which ends its run, and the worker then fails its response
+        _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT)
+        if pending:
+            log.warning("%d background responses still stopping; the engine's stop ends them", len(pending))
 
     async def _sweep(self) -> None:
         """Sweep every half lease. Redis away: one line when it goes (never a traceback),

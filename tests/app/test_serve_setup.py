@@ -292,14 +292,14 @@ def test_the_embedded_redis_keeps_the_data_dir_bounded(tiny_model_dir, tmp_path)
             if int(r.info("memory")["used_memory"]) >= 0.92 * 32 * 1024 * 1024:
                 break
             r.set(f"filler:{i}", b"x" * (1024 * 1024))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
             time.sleep(0.1)
         refused = httpx.post(url + "/v1/sessions", json={"prompt": "one more"})
         assert refused.status_code == 507 and refused.json()["error"]["type"] == "storage_full", refused.text
         assert httpx.get(f"{url}/v1/sessions/{kept}").status_code == 200  # (nothing evicted)
         r.delete(*r.keys("filler:*"))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert httpx.post(url + "/v1/sessions", json={"prompt": "one more"}).status_code == 201
