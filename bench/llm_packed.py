@@ -25,11 +25,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
-import time
 
 import torch
 from harness import arguments, publish
+from llm_peers import llama_cpp_stepper, rate, stepper
 
 import model
 from model import LanguageModel
@@ -58,40 +57,10 @@ def weight_bytes(lm: LanguageModel) -> int:
     return total
 
 
-def prompt_text() -> str:
-    return load_split("shakespeare", "test")[0][1][10_000:10_600]
-
-
-def stepper(lm: LanguageModel):
-    """The engine's decode step, batch 1, greedy, after the prompt."""
-    assert lm.tokenizer is not None
-    with torch.no_grad():
-        _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
-    box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
-
-    @torch.no_grad()
-    def step() -> None:
-        box["tok"][0, 0] = lm.next_logits(box["state"]).argmax(-1)
-        _, box["state"] = lm(box["tok"], box["state"])
-
-    return step
-
-
-def median_rate(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1 / statistics.median(times)
-
-
 def decode_rates(threads: int, steps: int, rounds: int, llama_cpp: bool) -> dict[str, float]:
     torch.set_num_threads(threads)
     steppers = {p: stepper(loaded(p)) for p in PRECISIONS}
     if llama_cpp:
-        from llm_peers import llama_cpp_stepper
-
         steppers["llama.cpp"] = llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
     for step in steppers.values():
         for _ in range(5):  # warm-up
@@ -99,7 +68,7 @@ def decode_rates(threads: int, steps: int, rounds: int, llama_cpp: bool) -> dict
     best = dict.fromkeys(steppers, 0.0)
     for _ in range(rounds):
         for name, step in steppers.items():
-            best[name] = max(best[name], median_rate(step, steps))
+            best[name] = max(best[name], rate(step, steps))
     return best
 
 

@@ -180,7 +180,11 @@ def llama_cpp_stepper(gguf: Path, threads: int):
 def recur_stepper(precision: str, threads: int):
     """recur's decode step, batch 1, greedy, after the same prompt, as the engine runs it."""
     torch.set_num_threads(threads)
-    lm = model.load("smollm2", device="cpu", precision=precision)
+    return stepper(model.load("smollm2", device="cpu", precision=precision))
+
+
+def stepper(lm: model.LanguageModel):
+    """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`)."""
     assert lm.tokenizer is not None
     with torch.no_grad():
         _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))

@@ -166,8 +166,8 @@ class GGUF:
         if t.tensor_type.name == "Q8_0":
             b = np.asarray(t.data).reshape(N, K // 32, 34)  # d (f16), then 32 int8
             d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, K)
-            return Int8Blocks(torch.from_numpy(q), torch.from_numpy(d))
+            codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, K)
+            return Int8Blocks(torch.from_numpy(codes), torch.from_numpy(d))
         qs, scales = [], []
         for i in range(0, N, chunk):
             rows = np.asarray(quants.dequantize(t.data[i : i + chunk], t.tensor_type), dtype=np.float32)

@@ -244,28 +244,25 @@ class Writer:
         delta: bytes | None = None,
         segment: bytes = b"",
         tokens_hash: str = "",
-        ttl: int | None = None,
-        holder: str = "",
     ) -> SessionMeta:
         """Commit version `meta.version + 1`, only if nobody committed since `begin`.
 
         Exactly one of `snapshot` (replaces the whole stored state) or `delta` (appended
         after the stored snapshot and deltas) is given; `segment` is appended to the
-        transcript in the same step, and so are, when given, the session's new `ttl` and a
-        `holder` (as `SessionStore.retain` sets them).
+        transcript in the same step, and so are `kept_as`'s ttl and holder, when set (as
+        `SessionStore.retain` sets them).
         """
         if self._done:
             raise RuntimeError("a writer commits at most once")
         if (snapshot is None) == (delta is None):
             raise ValueError("commit takes exactly one of snapshot= or delta=")
         s, sid = self.store, self.meta.id
-        if self.kept_as is not None and ttl is None:
-            ttl, holder = self.kept_as
+        ttl, holder = self.kept_as or ("", "")
         mode, blob = ("snapshot", snapshot) if snapshot is not None else ("delta", delta)
         assert blob is not None
         args = [
             self.meta.version, int(n_tokens), self._token, mode, blob, new_commit_id(), segment,
-            s.transcript_max_bytes, tokens_hash, "" if ttl is None else int(ttl), holder,
+            s.transcript_max_bytes, tokens_hash, ttl, holder,
         ]  # fmt: skip
         new = self.meta.version + 1
         what = f"committing version {new} of session {sid}"

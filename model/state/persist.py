@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .blob import STORAGE_DTYPES
 from .protocol import State
 
 
@@ -52,13 +53,13 @@ def snapshot_size(state: State, dtype: str) -> int:
     """About the bytes of `state`'s snapshot in `dtype`, without serialising it: its
     persistent tensors' elements at the width each is stored in (a cache at a precision
     in its compact form; float tensors else in `dtype`; the header not counted)."""
-    width = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-    store = width.get(dtype, 4)
+    store = STORAGE_DTYPES[dtype].itemsize
+    cache = 1 if state.precision == "int8" else STORAGE_DTYPES[state.precision].itemsize
     total = 0
     for name in state.persistent or tuple(state.tensors):
         t = state.tensors[name]
         if name in state.seq_dims and state.precision != "float32":
-            total += t.numel() * width.get(state.precision, 4)
+            total += t.numel() * cache
         elif t.is_floating_point():
             total += t.numel() * store
         else:
