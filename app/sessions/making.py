@@ -135,7 +135,10 @@ class SessionMaking(SessionReads):
                 blob = await body()
                 if declared is None:  # (a body of no stated length is paced once read)
                     await self.imports.pace.take(client, len(blob))
-                req = Request(Stored(blob, (), _importable(blob)), [], persist=Persist(self.state_dtype))
+                # (the loader verifies the blob before the engine takes it: its commit writes it as it
+                # is, when it is in the stored form, instead of encoding the state again)
+                stored, persist = Stored(blob, (), _importable(blob)), Persist(self.state_dtype, verified=blob)
+                req = Request(stored, [], persist=persist)
                 return await self._create(req, ttl, owner, None, "import", session_id)
             except StateError as exc:
                 await self.tenants.forget(owner, session_id)

@@ -14,7 +14,7 @@ from safetensors.torch import save as st_save
 
 import model
 from model import StateError
-from model.state import ARENA_SLACK
+from model.state import ARENA_SLACK, Persist, encode
 
 from .conftest import tiny_txl
 from .test_llama import tiny as tiny_llama
@@ -63,6 +63,20 @@ def test_half_precision_storage_halves_size(txl_and_state, dtype):
     st2 = lm.load_state(half)
     assert st2["mem"].dtype == torch.float32
     assert (st2["mem"] - st["mem"]).abs().max() < 0.05 * st["mem"].abs().max()
+
+
+def test_a_verified_snapshot_in_stored_form_is_written_as_it_is(txl_and_state):
+    """An imported snapshot, verified by read_state, is the commit's bytes themselves (no
+    second encoding) when it is in the form the commit would write; in any other form
+    (another storage dtype here) the state is encoded again, in the commit's form."""
+    lm, st = txl_and_state
+    blob = st.to_bytes()
+    loaded = lm.load_state(blob)
+    assert encode(loaded, Persist("float32", verified=blob)).blob is blob
+    half = st.to_bytes("bfloat16")
+    again = encode(lm.load_state(half), Persist("float32", verified=half)).blob
+    assert model.state.peek(again).header["dtype"] == "float32"
+    assert encode(loaded, Persist("bfloat16", verified=blob)).blob == loaded.to_bytes("bfloat16")
 
 
 def test_state_from_another_model_is_rejected(txl_and_state):
