@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from app.sessions import Conversations
+from app.store import ConversationRecord
 from model.chat_template import ChatTemplate
 
 from .chat_completions import chat_template
@@ -42,9 +43,9 @@ RoomDep = Annotated[Conversations, Depends(conversations_room)]
 TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
 
 
-def _shape(fields: dict) -> dict:
-    return {"id": fields["id"], "object": "conversation", "created_at": int(fields["created_at"]),
-            "metadata": fields["metadata"] if isinstance(fields["metadata"], dict) else {}}  # fmt: skip
+def _shape(conversation_id: str, record: ConversationRecord) -> dict:
+    return {"id": conversation_id, "object": "conversation", "created_at": record.created_at,
+            "metadata": record.metadata or {}}  # fmt: skip
 
 
 @router.post(
@@ -56,19 +57,19 @@ async def create_conversation(
 ) -> dict:  # fmt: skip
     items = [item(m) for m in body.items or []]
     made = await room.create(owner, items, body.metadata, renderer(template, settings, sessions.engine))
-    return _shape({**made, "metadata": body.metadata or {}})
+    return _shape(*made)
 
 
 @router.get("/conversations/{conversation_id}", response_model=ConversationObject, responses=NOT_FOUND)
 async def get_conversation(conversation_id: str, owner: OwnerDep, room: RoomDep) -> dict:
-    return _shape(await room.get(owner, conversation_id))
+    return _shape(conversation_id, await room.get(owner, conversation_id))
 
 
 @router.post("/conversations/{conversation_id}", response_model=ConversationObject, responses=NOT_FOUND)
 async def update_conversation(
     conversation_id: str, body: ConversationUpdate, owner: OwnerDep, room: RoomDep
 ) -> dict:
-    return _shape(await room.update(owner, conversation_id, body.metadata))
+    return _shape(conversation_id, await room.update(owner, conversation_id, body.metadata))
 
 
 @router.delete("/conversations/{conversation_id}", response_model=Deleted, responses=NOT_FOUND)
@@ -112,4 +113,4 @@ async def get_item(conversation_id: str, item_id: str, owner: OwnerDep, room: Ro
 )
 async def delete_item(conversation_id: str, item_id: str, owner: OwnerDep, room: RoomDep) -> dict:
     await room.delete_item(owner, conversation_id, item_id)
-    return _shape(await room.get(owner, conversation_id))
+    return _shape(conversation_id, await room.get(owner, conversation_id))

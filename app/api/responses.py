@@ -242,8 +242,9 @@ async def create_response(
         engine.tokenizer.token_text if logprobs else None,
         reply_shape,
     )
+    queued = framer.response("queued")  # (a background response's answer)
     if turn.background:
-        await background.queue(framer.id, owner, framer.response("queued"))
+        await background.queue(framer.id, owner, rf.dump_response(queued))
     try:
         begun = await room.begin(
             framer.id, turn, renderer(template, settings, engine, body.instructions, reply_shape), gen
@@ -259,7 +260,7 @@ async def create_response(
             framer.id, owner, begun.own_session, events,
             lambda last, nbytes: _ended(room, begun, last, nbytes), lambda: room.close(begun),
         )  # fmt: skip
-        return framer.response("queued")
+        return queued
     if body.stream:
         return _streamed(room, begun, framer, stop, settings.stream_send_timeout)
     return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
@@ -306,7 +307,7 @@ async def _stopped(room: Responses, begun: Begun, framer: rf.Framer) -> dict:
     """The server is told to stop (Ctrl-C, SIGTERM) mid-stream: the response fails, as a
     failure once streaming has begun does (kept as `failed` if stored; nothing of its state),
     and its `response.failed` event, with code `not_ready`, ends the stream."""
-    failed = framer.response("failed", error={"code": ErrorType.not_ready.value, "message": SHUTTING_DOWN})
+    failed = framer.wire("failed", error={"code": ErrorType.not_ready.value, "message": SHUTTING_DOWN})
     try:
         await _keep(room, begun, failed)
     except Exception as exc:  # (the event still goes out: the client learns why it ends)

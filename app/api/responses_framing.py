@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from app.engine import TokenEvent
 from app.sessions import Begun
 from app.store import new_object_id
@@ -21,8 +23,10 @@ from model.tool_calls import ToolCall
 
 from . import errors
 from .openai_framing import StopText
-from .responses_schemas import ResponseCreate
+from .responses_schemas import Output, ResponseCreate, ResponseObject, ResponseStatus, TextOut
 from .structured import HeldText, Shape, call_id
+
+_OUTPUT = TypeAdapter(Output)  # (a reply's items, built as the events carry them)
 
 
 @dataclass
@@ -38,25 +42,31 @@ class Framer:
     created_at: int = field(default_factory=lambda: int(time.time()))
     item_id: str = field(default_factory=lambda: new_object_id("msg"))
 
-    def response(self, status: str, output: list[dict] | None = None, **extra: Any) -> dict:
+    def response(
+        self, status: ResponseStatus, output: list[dict] | None = None, **extra: Any
+    ) -> ResponseObject:
+        """The Response object at `status` (`extra`: its usage, error, incomplete_details)."""
         b = self.body
         conversation = (
             b.conversation if isinstance(b.conversation, str) or b.conversation is None else b.conversation.id
         )
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": output or [], "usage": None, "error": None,
-            "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-            "metadata": b.metadata or {}, "parallel_tool_calls": bool(b.parallel_tool_calls),
-            "previous_response_id": b.previous_response_id,
-            "conversation": {"id": conversation} if conversation else None,
-            "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
-            "tool_choice": _dump(b.tool_choice) or "auto", "tools": [_dump(t) for t in b.tools or []],
-            "text": {"format": _dump(b.text.format) if b.text and b.text.format else {"type": "text"}},
-            "truncation": b.truncation or "disabled",
-            "background": bool(b.background), "store": b.store is not False, "user": b.user, "reasoning": None,
-            **extra,
-        }  # fmt: skip
+        fields: dict[str, Any] = {"usage": None, "error": None, "incomplete_details": None, **extra}
+        return ResponseObject(
+            id=self.id, object="response", created_at=self.created_at, status=status, model=self.model,
+            output=_OUTPUT.validate_python(output or []), instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens, metadata=b.metadata or {}, parallel_tool_calls=bool(b.parallel_tool_calls),
+            previous_response_id=b.previous_response_id,
+            conversation={"id": conversation} if conversation else None,
+            temperature=b.temperature, top_p=b.top_p, top_logprobs=b.top_logprobs,
+            tool_choice=_dump(b.tool_choice) or "auto", tools=[_dump(t) for t in b.tools or []],
+            text=TextOut(format=_dump(b.text.format) if b.text and b.text.format else {"type": "text"}),
+            truncation=b.truncation or "disabled", background=bool(b.background), store=b.store is not False,
+            user=b.user, reasoning=None, **fields,
+        )  # fmt: skip
+
+    def wire(self, status: ResponseStatus, output: list[dict] | None = None, **extra: Any) -> dict:
+        """The Response object at `status`, as it goes out (`dump_response`)."""
+        return dump_response(self.response(status, output, **extra))
 
     def part(self, text: str, logprobs: list[dict] | None) -> dict:
         out: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
@@ -88,6 +98,12 @@ class Framer:
             {**entry(ev.text, ev.logprob), "top_logprobs": [entry(text(i), lp) for i, lp in ev.top]}
             for ev in events
         ]
+
+
+def dump_response(response: ResponseObject) -> dict:
+    """A Response object as it leaves the framer, once: into an event, a record, a queue.
+    Only the fields it was built with (an output part's `logprobs` only where asked for)."""
+    return response.model_dump(mode="json", exclude_unset=True)
 
 
 def usage(begun: Begun) -> dict:
@@ -135,9 +151,9 @@ async def events(
     A reply that may call tools holds back its text from `<tool_call>` on (`HeldText`) and
     opens its message item once it has text; its calls follow as `function_call` items."""
     f = framer
-    first = "queued" if f.body.background else "in_progress"
-    yield {"type": "response.created", "response": f.response(first)}
-    yield {"type": "response.in_progress", "response": f.response("in_progress")}
+    first: ResponseStatus = "queued" if f.body.background else "in_progress"
+    yield {"type": "response.created", "response": f.wire(first)}
+    yield {"type": "response.in_progress", "response": f.wire("in_progress")}
     at = {"item_id": f.item_id, "output_index": 0, "content_index": 0}
     opening = [
         {"type": "response.output_item.added", "output_index": 0, "item": f.item("in_progress", [])},
@@ -163,18 +179,18 @@ async def events(
         if not catch:
             raise
         etype, message = errors.classify(exc)
-        failed = f.response("failed", error={"code": etype.value, "message": message})
+        failed = f.wire("failed", error={"code": etype.value, "message": message})
         if end is not None:
             await end(failed)
         yield {"type": "response.failed", "response": failed}
         return
     incomplete, output = begun.run.finish_reason == "length", list[dict]()
-    status = "incomplete" if incomplete else "completed"
+    status: ResponseStatus = "incomplete" if incomplete else "completed"
     closing = [] if opening else _message_done(f, begun, status, held.text[: held.sent], output)
     for done in [*closing, *_calls_done(f, calls, output)]:
         yield done
     details = {"reason": "max_output_tokens"} if incomplete else None
-    body = f.response(status, output, usage=usage(begun), incomplete_details=details)
+    body = f.wire(status, output, usage=usage(begun), incomplete_details=details)
     if end is not None:
         await end(body)
     yield {"type": f"response.{status}", "response": body}

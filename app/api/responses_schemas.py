@@ -284,13 +284,17 @@ class TextOut(ResponseBody):
     format: dict[str, Any]
 
 
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+Output = list[OutputMessage | FunctionCallOut]
+
+
 class ResponseObject(ResponseBody):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    status: ResponseStatus
     model: str
-    output: list[OutputMessage | FunctionCallOut]
+    output: Output
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None

@@ -41,10 +41,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from app import metrics
-from app.store import ObjectNotFound, QuotaExceeded, ResponseStore, StoreError
+from app.store import ObjectNotFound, QuotaExceeded, ResponseRecord, ResponseStore, StoreError
 from app.tenants import CLIENT, Pace, Tenants
 
-from .responses import BODY, Responses, body_of, dumps
+from .responses import Responses
 
 log = logging.getLogger("recur.responses")
 PAGE = 64  # events one read of a replay takes
@@ -97,15 +97,18 @@ class Replay:
         event = json.loads(raw)
         if "response" in event:
             return raw
-        event["response"] = body_of(
-            await self.background.store.read("response", self.response_id, self.owner, BODY)
-        )
-        return dumps(event)
+        store, names = self.background.store, ResponseRecord.BODY
+        event["response"] = (await store.read(ResponseRecord, self.response_id, self.owner, names)).response
+        return _dumps(event)
 
     async def close(self) -> None:
         if self.client is not None:
             self.background.replay_ended(self.client)
             self.client = None
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 CLOSE_WAIT = 5.0  # seconds the server's stop waits for its background workers to stop
@@ -138,13 +141,8 @@ class Background:
     async def queue(self, response_id: str, owner: str, body: dict) -> None:
         """Register a background response (status `queued`) before its worker starts."""
         until = time.time() + self.lease
-        record = {
-            "status": str(body["status"]),
-            "body": dumps(body),
-            "background": "1",
-            "lease": f"{until:.3f}",
-        }
-        await self.store.save("response", response_id, owner, self.retention, record)
+        record = ResponseRecord(status=str(body["status"]), body=body, background=True, lease=until)
+        await self.store.save(response_id, owner, self.retention, record)
         await self.store.lease("add", response_id, until)
 
     def detach(
@@ -189,7 +187,7 @@ class Background:
         """Keep each event as it comes (after the run's session is named in the response):
         (the last event, the events' bytes) once all are kept; None once it is stopped."""
         if session and not await self.store.save(
-            "response", response_id, owner, self.retention, {"run": session}, worker=True
+            response_id, owner, self.retention, ResponseRecord(run=session), worker=True
         ):
             return None
         last, seq, nbytes = None, 0, 0
@@ -239,12 +237,11 @@ class Background:
         """A stopped response's record and events stay for their retention: the key's ledger
         counts them (unless it was deleted)."""
         try:
-            f = await self.store.read("response", response_id, owner, ["body", "events_bytes"])
+            f = await self.store.read(ResponseRecord, response_id, owner, ["body", "events_bytes"])
         except (ObjectNotFound, StoreError):
             return
-        await self.tenants.recorded(
-            owner, response_id, len(f["body"]) + int(f["events_bytes"] or 0), self.retention
-        )
+        body = ResponseRecord(body=f.body).to_fields().get("body", "")
+        await self.tenants.recorded(owner, response_id, len(body) + (f.events_bytes or 0), self.retention)
 
     async def _fail(self, response_id: str, message: str) -> bool:
         """Mark a response whose worker failed (its final save, or a write to Redis raised)
@@ -262,12 +259,12 @@ class Background:
     async def _append(self, response_id: str, owner: str, event: dict) -> int:
         """Keep an event (and the response's body, when it carries one): its bytes, or 0
         once the response is stopped."""
-        until, raw = time.time() + self.lease, dumps(event)
+        until, raw = time.time() + self.lease, _dumps(event)
         ok = await self.store.append_event(response_id, owner, raw, until, self.retention, str(event["type"]))
         body = event.get("response")
         if ok and body is not None and body.get("status") in ("queued", "in_progress"):
-            record = {"status": str(body["status"]), "body": dumps(body)}
-            ok = await self.store.save("response", response_id, owner, self.retention, record, worker=True)
+            record = ResponseRecord(status=str(body["status"]), body=body)
+            ok = await self.store.save(response_id, owner, self.retention, record, worker=True)
         return len(raw) if ok else 0
 
     async def _beat(self, response_id: str, owner: str, worker: asyncio.Task | None) -> None:
@@ -287,13 +284,13 @@ class Background:
     async def cancel(self, response_id: str, owner: str) -> tuple[str, dict | None]:
         """Cancel a background response: ('ok' or 'ended', its body) or ('foreground', None).
         Its worker, on whichever replica, stops at its next write; here, at once."""
-        status, body = await self.store.cancel(response_id, owner)
+        status, record = await self.store.cancel(response_id, owner)
         if status == "ok":
             metrics.RESPONSES.labels("cancelled").inc()
             worker = self.workers.get(response_id)
             if worker is not None:
                 worker.cancel()
-        return status, body_of(body) if body else None  # (its fields)
+        return status, record.response if record else None
 
     def replay(self, response_id: str, owner: str, after: int) -> Replay:
         """A replay of the events after sequence number `after` (-1: all), for the client

@@ -11,13 +11,12 @@ and prefills the items whole in a new session, which replaces the old one.
 
 from __future__ import annotations
 
-import json
 import time
 
 from app import prefixes
-from app.store import ObjectNotFound, ResponseStore, SessionNotFound, new_object_id
+from app.store import ConversationRecord, ObjectNotFound, ResponseStore, SessionNotFound, new_object_id
 
-from .responses import Render, dumps, messages
+from .responses import Render, messages
 from .service import SessionService
 
 
@@ -27,48 +26,41 @@ class Conversations:
         self.store = store
         self.retention = retention
 
-    async def create(self, owner: str, items: list[dict], metadata: dict | None, render: Render) -> dict:
+    async def create(
+        self, owner: str, items: list[dict], metadata: dict | None, render: Render
+    ) -> tuple[str, ConversationRecord]:
         """A new conversation holding `items` (each with an id), its session prefilled
-        with them; returns its fields."""
+        with them: its id and its record."""
         conversation_id = new_object_id("conv")
         meta = await self.service.create(render.new(render(messages(items), False)), self.retention, owner)
-        record = {
-            "created_at": str(int(time.time())),
-            "metadata": dumps(metadata or {}),
-            **_state(meta.id, meta.version, meta.n_tokens),
-        }
+        record = ConversationRecord(
+            meta.id, meta.version, meta.n_tokens, metadata=metadata or {}, created_at=int(time.time())
+        )
         try:
             await self.service.tenants.reserve(
-                owner, conversation_id, sum(map(len, record.values())), self.retention
+                owner, conversation_id, sum(map(len, record.to_fields().values())), self.retention
             )
-            await self.store.save("conversation", conversation_id, owner, self.retention, record)
+            await self.store.save(conversation_id, owner, self.retention, record)
             await self.store.add_items(conversation_id, owner, self.retention, items)
         except BaseException:
             await self.service.delete(meta.id, None, owner)
             await self.service.tenants.forget(owner, conversation_id)
             raise
-        return {"id": conversation_id, **record}
+        return conversation_id, record
 
-    async def get(self, owner: str, conversation_id: str) -> dict:
-        """A conversation's id, created_at and metadata."""
-        f = await self.store.read("conversation", conversation_id, owner, ["created_at", "metadata"])
-        return {
-            "id": conversation_id,
-            "created_at": int(f["created_at"]),
-            "metadata": json.loads(f["metadata"]),
-        }
+    async def get(self, owner: str, conversation_id: str) -> ConversationRecord:
+        """A conversation's created_at and metadata."""
+        return await self.store.read(ConversationRecord, conversation_id, owner, ["created_at", "metadata"])
 
-    async def update(self, owner: str, conversation_id: str, metadata: dict) -> dict:
+    async def update(self, owner: str, conversation_id: str, metadata: dict) -> ConversationRecord:
         await self.get(owner, conversation_id)
-        await self.store.save(
-            "conversation", conversation_id, owner, self.retention, {"metadata": dumps(metadata)}
-        )
+        await self.store.save(conversation_id, owner, self.retention, ConversationRecord(metadata=metadata))
         return await self.get(owner, conversation_id)
 
     async def delete(self, owner: str, conversation_id: str) -> None:
         """Delete a conversation and its session: the session first, so that one a response
         is writing refuses the delete (SessionBusy) before anything is gone."""
-        held = (await self.store.read("conversation", conversation_id, owner, ["session"]))["session"]
+        held = (await self.store.read(ConversationRecord, conversation_id, owner, ["session"])).session or ""
         await self._drop(owner, held)
         session = await self.store.delete("conversation", conversation_id, owner)
         await self.service.tenants.forgotten(owner, conversation_id)
@@ -87,14 +79,13 @@ class Conversations:
 
     async def add(self, owner: str, conversation_id: str, new: list[dict], render: Render) -> None:
         """Append items: the conversation's session prefills just them (see the module)."""
-        names = ["session", "version", "n_tokens"]
-        items, f = await self.store.items(conversation_id, owner, names)
+        items, c = await self.store.items(conversation_id, owner, ["session", "version", "n_tokens"])
         ids = render(messages([*items, *new]), False)
-        tokens, n = self.service.with_bos(ids), int(f["n_tokens"])
+        tokens, n = self.service.with_bos(ids), c.n_tokens or 0
         held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
         try:
-            meta = await self.service.get(f["session"], owner)
-            same = n <= len(tokens) and meta.tokens_hash == held and meta.version == int(f["version"])
+            meta = await self.service.get(c.session or "", owner)
+            same = n <= len(tokens) and meta.tokens_hash == held and meta.version == c.version
         except SessionNotFound:
             same = False
         if same and tokens[n:]:
@@ -104,15 +95,10 @@ class Conversations:
         elif not same:
             meta = await self.service.create(render.new(ids), self.retention, owner)
         await self.store.add_items(conversation_id, owner, self.retention, new)
-        await self.store.save(
-            "conversation",
-            conversation_id,
-            owner,
-            self.retention,
-            _state(meta.id, meta.version, meta.n_tokens),
-        )
+        state = ConversationRecord(session=meta.id, version=meta.version, n_tokens=meta.n_tokens)
+        await self.store.save(conversation_id, owner, self.retention, state)
         if not same:
-            await self._drop(owner, f["session"])
+            await self._drop(owner, c.session or "")
 
     async def delete_item(self, owner: str, conversation_id: str, item_id: str) -> None:
         await self.store.delete_item(conversation_id, owner, item_id)
@@ -122,7 +108,3 @@ class Conversations:
         if found is None:
             raise ObjectNotFound("item", item_id)
         return found
-
-
-def _state(session: str, version: int, n_tokens: int) -> dict[str, str]:
-    return {"session": session, "version": str(version), "n_tokens": str(n_tokens)}

@@ -30,7 +30,6 @@ frames an event or knows HTTP: the caller hands it `Render` and the response's b
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,9 @@ from typing import Any, Protocol
 
 from app import metrics, prefixes
 from app.store import (
+    ConversationRecord,
     ObjectNotFound,
+    ResponseRecord,
     ResponseStore,
     SessionBusy,
     SessionNotFound,
@@ -117,30 +118,6 @@ def messages(items: list[dict]) -> list[dict[str, Any]]:
         else:
             out.append(m)
     return out
-
-
-BODY = ["body", "status", "error"]  # the fields a stored Response object is read from
-
-
-def body_of(f: dict[str, str]) -> dict:
-    """A stored Response object: its body as Python wrote it, with the `status` and the
-    `error` a script may have set since (a cancel, or a sweep's failure: `finish` in
-    app/store/lua/stored.lua, which never re-encodes the body) laid over it. A body a script
-    rewrote before it stopped doing so has its empty arrays as cjson writes them, `{}`:
-    they are arrays again."""
-    body = dict(json.loads(f["body"]))
-    if f.get("status"):
-        body["status"] = f["status"]
-    if f.get("error"):
-        body["error"] = json.loads(f["error"])
-    for name in ("output", "tools"):
-        if body.get(name) == {}:
-            body[name] = []
-    return body
-
-
-def dumps(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"))
 
 
 @dataclass
@@ -269,22 +246,22 @@ class Responses:
         if not turn.store or meta is None:  # not stored, or failed: no state to keep
             await self.discard(begun)
             if meta is None and turn.store:
-                await self.store.save("response", begun.id, turn.owner, self.retention,
-                                      {"status": status, "body": dumps(body)}, worker=worker)  # fmt: skip
+                failed = ResponseRecord(status=status, body=body)
+                await self.store.save(begun.id, turn.owner, self.retention, failed, worker=worker)
             return True
-        record = {
-            "status": status,
-            "body": dumps(body),
-            "context": dumps([*begun.context, reply]),
-            "input": dumps(turn.input),
-            "session": meta.id,
-            "version": str(meta.version),
-            "n_tokens": str(meta.n_tokens),
-            "tokens": meta.tokens_hash,
-            "own": "1" if begun.made or begun.in_place else "",
-            "created_at": str(begun.created_at),
-        }
-        nbytes = sum(map(len, record.values())) + events
+        record = ResponseRecord(
+            status=status,
+            body=body,
+            context=[*begun.context, reply],
+            input=turn.input,
+            session=meta.id,
+            version=meta.version,
+            n_tokens=meta.n_tokens,
+            tokens=meta.tokens_hash,
+            own=begun.made or begun.in_place,
+            created_at=begun.created_at,
+        )
+        nbytes = sum(map(len, record.to_fields().values())) + events
         tenants = self.service.tenants
         if begun.holds:  # the session's settlement, deferred by its commit, and the record's place
             await tenants.settle_kept(
@@ -292,7 +269,7 @@ class Responses:
             )
         else:
             await tenants.reserve(turn.owner, begun.id, nbytes, self.retention)
-        if not await self.store.save("response", begun.id, turn.owner, self.retention, record, worker=worker):
+        if not await self.store.save(begun.id, turn.owner, self.retention, record, worker=worker):
             await self.discard(begun)
             return False
         begun.kept = True  # (its commit kept the session as long as the response, `keep_as`)
@@ -326,27 +303,27 @@ class Responses:
         turn, meta = begun.turn, begun.run.meta
         assert turn.conversation is not None and meta is not None
         await self.store.add_items(turn.conversation, turn.owner, self.retention, items)
-        fields = {"session": meta.id, "version": str(meta.version), "n_tokens": str(meta.n_tokens)}
-        await self.store.save("conversation", turn.conversation, turn.owner, self.retention, fields)
+        state = ConversationRecord(session=meta.id, version=meta.version, n_tokens=meta.n_tokens)
+        await self.store.save(turn.conversation, turn.owner, self.retention, state)
         if begun.replaced:
             await self._forget(turn.owner, begun.replaced)
 
     # -- reads and deletes ----------------------------------------------------------------------
     async def get(self, owner: str, response_id: str) -> dict:
         """A stored response's body."""
-        return body_of(await self.store.read("response", response_id, owner, BODY))
+        return (await self.store.read(ResponseRecord, response_id, owner, ResponseRecord.BODY)).response
 
     async def input_items(self, owner: str, response_id: str) -> list[dict]:
         """The input items the response was given, in order (its own: not its ancestors')."""
-        fields = await self.store.read("response", response_id, owner, ["input"])
-        return list(json.loads(fields["input"] or "[]"))
+        record = await self.store.read(ResponseRecord, response_id, owner, ["input"])
+        return record.input or []
 
     async def delete(self, owner: str, response_id: str) -> None:
         """Delete a response and the state it holds. Its descendants hold their own."""
-        fields = await self.store.read("response", response_id, owner, ["own"])
+        record = await self.store.read(ResponseRecord, response_id, owner, ["own"])
         session = await self.store.delete("response", response_id, owner)
         await self.service.tenants.forgotten(owner, response_id)
-        if session and fields["own"]:  # (its chain's other responses may still hold it)
+        if session and record.own:  # (its chain's other responses may still hold it)
             await self._forget(owner, session, holder=response_id)
 
     # -- the starting state -------------------------------------------------------------------
@@ -355,20 +332,18 @@ class Responses:
         state that consumed it, if any."""
         if turn.previous is not None:
             names = ["context", "session", "version", "n_tokens", "status", "tokens"]
-            f = await self.store.read("response", turn.previous, turn.owner, names)
-            if f["status"] not in CONTINUABLE:
+            r = await self.store.read(ResponseRecord, turn.previous, turn.owner, names)
+            if r.status not in CONTINUABLE:
                 raise NotContinuable(
-                    f"previous_response_id: response {turn.previous!r} is {f['status']}; only a completed or "
+                    f"previous_response_id: response {turn.previous!r} is {r.status}; only a completed or "
                     "incomplete response can be continued"
                 )
-            base = Base(f["session"], int(f["version"]), int(f["n_tokens"]), f["tokens"] or "")
-            return json.loads(f["context"] or "[]"), base
+            return r.context or [], Base(r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "")
         if turn.conversation is not None:
-            items, f = await self.store.items(
+            items, c = await self.store.items(
                 turn.conversation, turn.owner, ["session", "version", "n_tokens"]
             )
-            context = messages(items)
-            return context, Base(f["session"], int(f["version"]), int(f["n_tokens"]))
+            return messages(items), Base(c.session or "", c.version or 0, c.n_tokens or 0)
         return [], None
 
     async def _session(self, turn: Turn, base: Base | None, ids: list[int], in_place: bool = True) -> Start:

@@ -12,6 +12,8 @@ Split the way the data is split (app/store/keys.py has the schema):
   index;
 - `responses.py`: a stored response's keys (`{resp_…}`) and a conversation's (`{conv_…}`)
   of the Responses and Conversations APIs, and the register of background workers' leases;
+- `records.py`: a response's and a conversation's records, typed, with `to_fields` /
+  `from_fields`;
 - `types.py`: what the store hands out and raises.
 
 No script touches a session's keys and a tenant's together, so each runs on one Redis
@@ -24,6 +26,7 @@ from app.config import Settings
 
 from .connection import CLIENT_NAME, Connection, parse_redis_url
 from .keys import Keys
+from .records import ConversationRecord, ResponseRecord
 from .responses import ResponseStore, new_object_id
 from .sessions import SessionStore, Writer
 from .tenants import TenantStore
@@ -54,10 +57,12 @@ __all__ = [
     "AtVersion",
     "CommitConflict",
     "Connection",
+    "ConversationRecord",
     "Keys",
     "ObjectNotFound",
     "OutcomeUnknown",
     "QuotaExceeded",
+    "ResponseRecord",
     "ResponseStore",
     "SessionBusy",
     "SessionMeta",

@@ -49,7 +49,8 @@ A stored response's keys share its id as their tag (`{resp_HEX}`), a conversatio
 own (`{conv_HEX}`); never a session's or a tenant's: each script (app/store/responses.py)
 touches one object's keys. Both expire `response_retention` seconds after their last write.
 
-    P response:{R}       hash, a response of the Responses API
+    P response:{R}       hash, a response of the Responses API (its fields are `ResponseRecord`'s,
+                         app/store/records.py; `owner` and `op` the scripts' own)
         owner            the tenant, as a session's; another owner's response is missing
         status           queued | in_progress | completed | incomplete | failed | cancelled:
                          what the body says, or a script's later word (a cancel, a sweep)
@@ -69,8 +70,9 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         events_bytes     the bytes of its events (counted in the key's quota with the record)
     P events:{R}         stream, a background response's events: entry id 0-(sequence_number+1),
                          fields t (the event's type) and e (its JSON); expires with the hash
-    P conversation:{C}   hash: owner, session, version, n_tokens (the conversation's session
-                         and what it has consumed), metadata (JSON), created_at
+    P conversation:{C}   hash (`ConversationRecord`): owner, session, version, n_tokens (the
+                         conversation's session and what it has consumed), metadata (JSON),
+                         created_at
     P items:{C}          list, the conversation's items (JSON), oldest first
     P responses:leases   sorted set, the background responses in progress by lease end
                          (one key, its own slot: the replicas' sweep of dead workers)

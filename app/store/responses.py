@@ -2,10 +2,10 @@
 own keys (`{resp_HEX}`, `{conv_HEX}`: app/store/keys.py), never a session's, so each
 script here touches one slot.
 
-A response is a hash (its body, the conversation it ends, its session and version) and,
-when it runs in the background, a Redis Stream of its events (read a page at a time, and
-waited on with `XREAD BLOCK`); a conversation is a hash and
-a list of its items. The state they continue lives in sessions (app/store/sessions.py):
+A response is a hash (its body, the conversation it ends, its session and version: a
+`ResponseRecord`, app/store/records.py) and, when it runs in the background, a Redis
+Stream of its events (read a page at a time, and waited on with `XREAD BLOCK`); a
+conversation is a hash (a `ConversationRecord`) and a list of its items. The state they continue lives in sessions (app/store/sessions.py):
 the hash only names it. A background worker writes only while its response is active, so
 a cancel, or a failure written by another replica's sweep once the worker's lease lapsed,
 always wins. This module knows nothing of HTTP, tensors or the model.
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from .connection import Connection
 from .keys import Keys
+from .records import ConversationRecord, ObjectKind, R, ResponseRecord
 from .types import ObjectNotFound, fields
 
-Kind = Literal["response", "conversation"]
 ACTIVE = ("queued", "in_progress")
 
 
@@ -56,23 +57,24 @@ class ResponseStore:
         self.connection = connection
         self.keys = keys
 
-    def _keys(self, kind: Kind, object_id: str) -> list[str]:
+    def _keys(self, kind: ObjectKind, object_id: str) -> list[str]:
         return self.keys.response(object_id) if kind == "response" else self.keys.conversation(object_id)
 
     # -- either kind --------------------------------------------------------------------------
     async def save(
         self,
-        kind: Kind,
         object_id: str,
         owner: str,
         ttl: int,
-        values: dict[str, str],
+        record: ResponseRecord | ConversationRecord,
         *,
         worker: bool = False,
     ) -> bool:
-        """Write `values` (making the object if new). `worker`: only while the response is
-        active; False when it is not (cancelled or failed meanwhile: nothing written)."""
-        pairs = [x for kv in values.items() for x in kv]
+        """Write the record's fields (making the object if new). `worker`: only while the
+        response is active; False when it is not (cancelled or failed meanwhile: nothing
+        written)."""
+        kind = record.KIND
+        pairs = [x for kv in record.to_fields().items() for x in kv]
         args = [owner, ttl, "1" if worker else "0", new_op_id(), *pairs]
         what, check = f"saving {kind} {object_id}", f"read the {kind}"
         raw = await self.connection.run("object_save", self._keys(kind, object_id), args, what, check)
@@ -81,16 +83,16 @@ class ResponseStore:
             raise ObjectNotFound(kind, object_id)
         return status == "ok"
 
-    async def read(self, kind: Kind, object_id: str, owner: str, names: list[str]) -> dict[str, str]:
-        """Fields of the owner's object ('' for an absent one), or ObjectNotFound."""
+    async def read(self, record: type[R], object_id: str, owner: str, names: Iterable[str]) -> R:
+        """The owner's object, its fields `names` read (an absent one: ''), or ObjectNotFound."""
         answer = fields(
-            await self.connection.run("object_read", self._keys(kind, object_id)[:1], [owner, *names])
+            await self.connection.run("object_read", self._keys(record.KIND, object_id)[:1], [owner, *names])
         )
         if _text(answer.pop(".status")) != "ok":
-            raise ObjectNotFound(kind, object_id)
-        return {k: _text(v) for k, v in answer.items()}
+            raise ObjectNotFound(record.KIND, object_id)
+        return record.from_fields({k: _text(v) for k, v in answer.items()})
 
-    async def delete(self, kind: Kind, object_id: str, owner: str) -> str:
+    async def delete(self, kind: ObjectKind, object_id: str, owner: str) -> str:
         """Delete the owner's object; returns the session that held its state ('' if none)."""
         what, check = f"deleting {kind} {object_id}", f"read the {kind} (not found: it was deleted)"
         args = [owner, new_op_id()]
@@ -132,10 +134,10 @@ class ResponseStore:
         the owner)."""
         return await self.connection.wait(self.keys.response(response_id)[1], f"0-{start}", block)
 
-    async def cancel(self, response_id: str, owner: str) -> tuple[str, dict[str, str]]:
-        """Cancel an active background response: ('ok', its fields), ('ended', its fields)
-        for one that had ended, ('foreground', {}) for one that did not run in the
-        background. The fields: its `body`, its `status` and its `error` ('' for none)."""
+    async def cancel(self, response_id: str, owner: str) -> tuple[str, ResponseRecord | None]:
+        """Cancel an active background response: ('ok', its record), ('ended', its record)
+        for one that had ended, ('foreground', None) for one that did not run in the
+        background. The record: its `body`, `status` and `error`."""
         what, check = f"cancelling response {response_id}", "read the response (its status)"
         answer = fields(
             await self.connection.run(
@@ -146,12 +148,9 @@ class ResponseStore:
         if status == "missing":
             raise ObjectNotFound("response", response_id)
         if status == "foreground":
-            return status, {}
-        return status, {
-            "body": _text(answer["body"]),
-            "status": _text(answer["now"]),
-            "error": _text(answer["error"]),
-        }
+            return status, None
+        names = {"body": "body", "now": "status", "error": "error"}
+        return status, ResponseRecord.from_fields({names[k]: _text(answer[k]) for k in names})
 
     async def expire(self, response_id: str, message: str, *, now: bool = False) -> Expired:
         """Fail the response if its worker's lease has lapsed (`now`: whatever its lease)."""
@@ -181,8 +180,8 @@ class ResponseStore:
         return int(answer["count"])
 
     async def items(
-        self, conversation_id: str, owner: str, names: list[str]
-    ) -> tuple[list[dict], dict[str, str]]:
+        self, conversation_id: str, owner: str, names: Iterable[str]
+    ) -> tuple[list[dict], ConversationRecord]:
         """A conversation's items, oldest first, and its fields `names`."""
         answer = fields(
             await self.connection.run("items_read", self.keys.conversation(conversation_id), [owner, *names])
@@ -190,7 +189,7 @@ class ResponseStore:
         if _text(answer.pop(".status")) != "ok":
             raise ObjectNotFound("conversation", conversation_id)
         items = [json.loads(_text(i)) for i in answer.pop("items")]
-        return items, {k: _text(v) for k, v in answer.items()}
+        return items, ConversationRecord.from_fields({k: _text(v) for k, v in answer.items()})
 
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> None:
         answer = fields(
