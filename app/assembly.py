@@ -1,5 +1,5 @@
 """Assembly: the services built in order, closed in reverse, and handed out as one typed
-object (`Services`), whose fields the routers ask for by name (app/api/deps.py).
+object (`Services`), whose fields the routers ask for by name (app/api/http/deps.py).
 
 The order: the store (Redis), the model, its chat template (checked now: a broken one fails
 the start, not a chat), the engine (started), the sessions service over both, the Responses

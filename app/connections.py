@@ -35,7 +35,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from app.api.error_types import ErrorType
+from app.api.http.error_types import ErrorType
 from app.config import Settings
 
 log = logging.getLogger("recur.connections")

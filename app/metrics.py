@@ -6,7 +6,7 @@ conventions (`_total` counters, `_seconds` and `_bytes` units) and vLLM's where 
 exists (`time_to_first_token_seconds`, `inter_token_latency_seconds`,
 `num_requests_running`, ...). Who updates what:
 
-* app/api/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
+* app/api/http/middleware.py  HTTP_REQUESTS, HTTP_REQUEST_DURATION
 * app/sessions/         TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
                          GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS_FINISHED,
                          HOT_CACHE_HITS, HOT_CACHE_MISSES, PREFIX_REUSE_* (prefix reuse)

@@ -81,7 +81,7 @@ def run(settings: Settings) -> int:
             settings = settings.model_copy(update={"redis_url": url})
         lm = _load_model(settings)
         # on Ctrl-C or SIGTERM, uvicorn stops taking requests, live streams end with their
-        # final event (app.api.sse), the app shuts down, and only then is Redis stopped
+        # final event (app.api.http.sse), the app shuts down, and only then is Redis stopped
         uvicorn.run(
             create_app(settings, lm),
             host=settings.host,
@@ -90,7 +90,7 @@ def run(settings: Settings) -> int:
             timeout_keep_alive=settings.keep_alive_timeout,
             log_level=settings.log_level,
             log_config=None,  # keep the handlers of app.logs
-            access_log=False,  # app.api.middleware logs each request, with its ids
+            access_log=False,  # app.api.http.middleware logs each request, with its ids
         )
     except (SetupError, EmbeddedRedisError) as exc:
         print(f"recur serve: {exc}", file=sys.stderr)

@@ -58,7 +58,7 @@ STRICT_MARGIN = 0.1
 
 # The client a request serves, for the engine's fairness and the stream limit: its API key's
 # owner, or (without keys, where every client is one tenant) its address. Set by the API
-# for each request (`app.api.deps.bind_client`), as the log context is.
+# for each request (`app.api.http.deps.bind_client`), as the log context is.
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("recur_client", default="")
 
 # how long a place held for a request's new sessions (`Tenants.places`) counts, if the

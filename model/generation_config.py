@@ -14,7 +14,7 @@ with 323 tokens of French-like gibberish. So the server asks the checkpoint, in 
 
 A checkpoint with none of them recommends nothing, and each control keeps its neutral value
 (temperature 1, top-p 1, no top-k, min-p or penalty). This module reads files only: it knows
-nothing of requests; the server applies the settings (app/api/deps.py).
+nothing of requests; the server applies the settings (app/api/http/deps.py).
 """
 
 from __future__ import annotations

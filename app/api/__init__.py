@@ -1,4 +1,11 @@
-"""The HTTP layer: `create_app` assembles the routers, error handlers and lifespan."""
+"""The HTTP layer: `create_app` assembles the routers, error handlers and lifespan.
+
+Three rooms, by surface: `native/` (recur's own routes: sessions, tokens, usage, health,
+metrics, the playground), `openai/` (OpenAI's completions, chat completions, Responses and
+Conversations APIs, their schemas and framing) and `http/` (the plumbing every route
+shares: middleware, errors, dependencies, SSE, the OpenAPI document, disconnects). The
+bodies every surface builds on are `schemas.py`'s.
+"""
 
 from __future__ import annotations
 
@@ -13,22 +20,11 @@ import model
 from app.assembly import assembled
 from app.config import Settings
 
-from . import (
-    chat_completions,
-    completions,
-    conversations,
-    errors,
-    health,
-    metrics,
-    openapi,
-    playground,
-    responses,
-    sessions,
-    tokens,
-    usage,
-)
-from .deps import authenticate, bind_client, bind_session, check_rate
-from .middleware import BodyLimit, BrowserGuard, RequestContext
+from .http import errors, openapi
+from .http.deps import authenticate, bind_client, bind_session, check_rate
+from .http.middleware import BodyLimit, BrowserGuard, RequestContext
+from .native import health, metrics, playground, sessions, tokens, usage
+from .openai import chat_completions, completions, conversations, responses
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 

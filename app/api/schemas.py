@@ -1,5 +1,5 @@
 """The request and response bodies of the HTTP API (pydantic); the OpenAI routes' own are in
-openai_schemas.py.
+openai/schemas.py.
 
 Request models are strict: unknown fields, wrong types, NaN and infinities are rejected
 (422). Limits that depend on the served model or the settings (vocabulary, prompt length,
@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from .error_types import ErrorType
+from .http.error_types import ErrorType
 
 # A request may ask for more tokens than the server's max_tokens setting (it is capped),
 # but not for an absurd number: past this ceiling the body is invalid (422).
@@ -30,7 +30,7 @@ SEED_LIMIT = 2**53
 MAX_CHOICES = 16  # `n` of the OpenAI routes: each choice is a fork and a generation
 
 # A bound that depends on the served model or the settings is marked `x-limit` in the JSON
-# schema (the setting's name, or `vocab`): app/api/openapi.py writes the served value into
+# schema (the setting's name, or `vocab`): app/api/http/openapi.py writes the served value into
 # the OpenAPI document as its `maximum`; the routers enforce it (422).
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-limit": "vocab"})]
 

@@ -8,7 +8,7 @@ n - 1 in forks of that session taken before any starts. All start, or none does:
 started are closed and the sessions this request made deleted. The places of the sessions
 it makes are held in the tenant's quota first, all or none (`Tenants.places`), so that
 requests racing for a tenant's last places cannot each take some and all fail. The OpenAI routes frame
-the result (app/api/openai_framing.py); they never make or clean up a session.
+the result (app/api/openai/framing.py); they never make or clean up a session.
 """
 
 from __future__ import annotations

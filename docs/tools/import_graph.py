@@ -45,7 +45,7 @@ ROOMS = ("app/api", "app", "app/sessions", "app/store", "app/engine", "model")
 class Import:
     """One import statement's arrow from a project module to a project module."""
 
-    source: str  # dotted module name, e.g. "app.api.errors"
+    source: str  # dotted module name, e.g. "app.api.http.errors"
     target: str
     path: str  # the importing file, relative to the root
     line: int
@@ -317,7 +317,7 @@ def room(module: str, known: Iterable[str]) -> str:
 
 
 def label(module: str) -> str:
-    """`api/sessions` for app.api.sessions, `model/hf` for model.hf, `app` for the package."""
+    """`api/native/sessions` for app.api.native.sessions, `model/hf` for model.hf, `app` for the package."""
     parts = module.split(".")
     return "/".join(parts[1:] if parts[0] == "app" and len(parts) > 1 else parts)
 

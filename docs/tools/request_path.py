@@ -319,7 +319,7 @@ def trace(model_dir: Path = MODEL, redis_url: str | None = None) -> Trace:
 
 
 def label(path: str) -> str:
-    """The names ARCHITECTURE.md uses: `api/sessions.py` for app/api/sessions.py, `model/state.py`."""
+    """The names ARCHITECTURE.md uses: `api/native/sessions.py` for app/api/native/sessions.py, `model/state.py`."""
     return path.removeprefix("app/")
 
 

@@ -1,12 +1,12 @@
-"""app/api/structured.py without a server: what a body's tools and formats make of a
+"""app/api/openai/structured.py without a server: what a body's tools and formats make of a
 reply's shape, and a streamed reply's text held back from `<tool_call>` on."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.api.errors import ApiError
-from app.api.structured import HeldText, Shape
+from app.api.http.errors import ApiError
+from app.api.openai.structured import HeldText, Shape
 from model.tool_calls import Tool, ToolCall
 
 ADD = Tool("add", "a + b", {"type": "object", "properties": {"a": {"type": "integer"}}})

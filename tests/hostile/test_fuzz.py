@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from app.api.errors import ErrorType
+from app.api.http.errors import ErrorType
 from tests.conftest import example_count
 
 # at the full count (`make test-slow`; a fifth in `make test`: tests/conftest.py example_count)

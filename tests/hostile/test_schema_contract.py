@@ -33,8 +33,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 import model
-from app.api.deps import IF_MATCH
-from app.api.openapi import range_pattern
+from app.api.http.deps import IF_MATCH
+from app.api.http.openapi import range_pattern
 from tests.conftest import TINY, ServerProcess, example_count
 from tests.sensitive import write_sensitive
 

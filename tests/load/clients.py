@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from app.api.error_types import ErrorType
-from app.api.errors import STATUS
+from app.api.http.error_types import ErrorType
+from app.api.http.errors import STATUS
 from tests.app.sse_client import events
 from tests.conftest import ServerProcess
 

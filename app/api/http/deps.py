@@ -1,5 +1,5 @@
 """Dependencies the routers inject with `Depends` (settings, the sessions service, the
-engine, If-Match, and the caller's tenant by API key), and the checks every route that
+engine, the chat template, If-Match, and the caller's tenant by API key), and the checks every route that
 runs the model makes of its body (`prompt_ids`, `sampling_params`)."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from app.engine import Engine
 from app.sessions import SessionService
 from app.store import owner_of
 from app.tenants import CLIENT
+from model.chat_template import ChatTemplate
 from model.sampling import SamplingParams
 
+from ..schemas import SamplingFields
 from .errors import ApiError, ErrorType
-from .schemas import SamplingFields
 
 # If-Match: `*`, or one session version as its ETag ("3"), weak ETag (W/"3") or bare (3).
 # The OpenAPI document carries this pattern, and the server checks the same one.
@@ -204,6 +205,18 @@ async def bind_session(request: Request) -> None:
     sid = request.path_params.get("session_id")
     if sid is not None:
         logs.session_id.set(logs.clip(sid))
+
+
+def chat_template(services: ServicesDep) -> ChatTemplate:
+    """The served checkpoint's chat template (read at startup), or 400."""
+    template = services.chat_template
+    if template is None:
+        raise ApiError(
+            ErrorType.no_chat_template,
+            "the served model has no chat template, so it cannot chat: use /v1/completions, or serve a "
+            "checkpoint with one (chat_template.jinja, or tokenizer_config.json's chat_template)",
+        )
+    return template
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .deps import EngineDep, SettingsDep, in_vocabulary, served_model
-from .errors import ErrorType, responses
-from .schemas import Detokenize, DetokenizeResult, Tokenize, TokenizeResult
+from ..http.deps import EngineDep, SettingsDep, in_vocabulary, served_model
+from ..http.errors import ErrorType, responses
+from ..schemas import Detokenize, DetokenizeResult, Tokenize, TokenizeResult
 
 router = APIRouter(tags=["tokens"])
 

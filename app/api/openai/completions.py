@@ -7,7 +7,7 @@ back in the `X-Session-Id` header and the body, and the generation is committed 
 exactly as `POST /v1/sessions/{id}/generate` would (the same transaction: app/sessions/).
 `prompt` takes OpenAI's four forms; an array of several prompts is a batch, one choice
 (and one new session) per prompt; with `n`, n choices per prompt, the others in forks of
-its session. What the OpenAI routes share is in openai_framing.py.
+its session. What the OpenAI routes share is in framing.py.
 
 Stop strings and stop tokens are left out of `text` (OpenAI's semantics; vLLM's
 `include_stop_str_in_output` keeps them), though the session's state has consumed them.
@@ -37,8 +37,7 @@ from sse_starlette import EventSourceResponse
 from app.config import Settings
 from app.engine import Alternatives, Engine, Logprobs, TokenEvent
 
-from . import openai_framing as oai
-from .deps import (
+from ..http.deps import (
     EngineDep,
     OwnerDep,
     ServicesDep,
@@ -47,8 +46,9 @@ from .deps import (
     SettingsDep,
     prompt_ids,
 )
-from .errors import ApiError, ErrorType
-from .openai_schemas import (
+from ..http.errors import ApiError, ErrorType
+from . import framing as oai
+from .schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,

@@ -3,7 +3,7 @@
 
 Its own module so that both the schemas (which document the body) and the error handlers
 (which map exceptions to it) can import it without importing each other. Values only:
-the HTTP status of each type lives with the handlers, in `app/api/errors.py`.
+the HTTP status of each type lives with the handlers, in `app/api/http/errors.py`.
 """
 
 from __future__ import annotations

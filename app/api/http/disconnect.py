@@ -6,7 +6,7 @@ request before its next step, the session's lock is released, nothing is committ
 `ClientDisconnected` ends the request (499 in the access log: nobody is left to read an
 answer). A request that asked to keep its work (`on_disconnect: "commit"`) is not watched:
 it runs to its commit whoever listens. Streamed generations watch the stream itself
-(`app.sessions.Run`), and the OpenAI routes their choices (`openai_framing.complete`), the
+(`app.sessions.Run`), and the OpenAI routes their choices (`openai/framing.py`: `complete`), the
 same way.
 """
 

@@ -8,9 +8,9 @@ from fastapi import APIRouter
 
 from app.store import tenant_of
 
-from .deps import OwnerDep, ServicesDep
-from .errors import ErrorType, responses
-from .schemas import Limits, TenantUsage
+from ..http.deps import OwnerDep, ServicesDep
+from ..http.errors import ErrorType, responses
+from ..schemas import Limits, TenantUsage
 
 router = APIRouter(prefix="/v1", tags=["quotas"])
 

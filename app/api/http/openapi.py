@@ -10,7 +10,7 @@ routes, plus what FastAPI cannot see in a route's signature.
 - **Auth.** With API keys set, the routes behind `authenticate` require a bearer key (or
   `access_token` in the query, for EventSource), and so does `/metrics` with
   `metrics_access=api_key` (off, it is left out); an open server declares no security.
-- **Served limits.** A schema field marked `x-limit` (schemas.py) gets the served value as
+- **Served limits.** A schema field marked `x-limit` (app/api/schemas.py) gets the served value as
   its `maximum`: the vocabulary for token ids, a setting for the others.
 - **Links** from each response that names a session to every operation on a session, so
   that a stateful client (schemathesis's stateful phase) can follow create -> generate ->
@@ -37,7 +37,10 @@ from pydantic.json_schema import models_json_schema
 
 from app.config import Settings
 
-from . import deps, errors, openai_schemas, responses_schemas, schemas
+from .. import schemas
+from ..openai import responses_schemas
+from ..openai import schemas as openai_schemas
+from . import deps, errors
 from .error_types import ErrorType
 
 # what each dependency can answer, whatever the route that runs it
@@ -114,7 +117,7 @@ def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, ke
 
 
 def _metrics_access(op: dict | None, settings: Settings, keys: bool) -> None:
-    """`GET /metrics` checks its access itself, by a setting (app/api/metrics.py): with
+    """`GET /metrics` checks its access itself, by a setting (app/api/native/metrics.py): with
     api_key it asks for a key when the server has keys."""
     if op is not None and settings.metrics_access == "api_key" and keys:
         errors.document(op["responses"], [ErrorType.unauthorized])
@@ -137,11 +140,11 @@ def _calls(dependant: Dependant) -> Iterator[Callable[..., Any]]:
 
 
 def _document_errors(op: dict, calls: list[Callable[..., Any]], keys: bool) -> None:
-    types = [ErrorType.internal_error, ErrorType.forbidden]  # (app/api/middleware.py's BrowserGuard)
+    types = [ErrorType.internal_error, ErrorType.forbidden]  # (app/api/http/middleware.py's BrowserGuard)
     if op.get("parameters") or "requestBody" in op:
         types.append(ErrorType.invalid_request)
     if "requestBody" in op:
-        types.append(ErrorType.body_too_large)  # app/api/middleware.py's BodyLimit
+        types.append(ErrorType.body_too_large)  # app/api/http/middleware.py's BodyLimit
     for call in calls:
         types += RAISED_BY.get(call, ())
     if not keys:  # an open server never asks for a key

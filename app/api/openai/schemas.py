@@ -1,7 +1,7 @@
 """The bodies of the OpenAI-compatible routes (completions, chat completions, models), as
 OpenAI's API names them; recur's additions (`session_id`, a choice's `session`, vLLM's
 sampling fields) are marked in their descriptions. Strict as every request body
-(schemas.py)."""
+(app/api/schemas.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
-from .schemas import (
+from ..schemas import (
     MAX_CHOICES,
     MAX_TOKENS_CEILING,
     SEED_LIMIT,

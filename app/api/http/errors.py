@@ -38,8 +38,8 @@ from model.chat_template import ChatTemplateError
 from model.grammar import GrammarError
 from model.tool_calls import ToolError
 
+from ..schemas import ErrorBody
 from .error_types import ErrorType
-from .schemas import ErrorBody
 
 log = logging.getLogger("recur.api")
 
@@ -166,7 +166,7 @@ _ERROR_BODY = f"#/components/schemas/{ErrorBody.__name__}"
 
 def responses(*types: ErrorType) -> dict[int | str, dict]:
     """OpenAPI `responses=` entries for the error types a route raises itself. (What every
-    route can answer, from the framework and the dependencies around it, app/api/openapi.py
+    route can answer, from the framework and the dependencies around it, app/api/http/openapi.py
     adds to each operation.)"""
     out: dict[int | str, dict] = {}
     document(out, types)

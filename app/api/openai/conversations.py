@@ -12,9 +12,8 @@ from app.sessions import Conversations
 from app.store import ConversationRecord
 from model.chat_template import ChatTemplate
 
-from .chat_completions import chat_template
-from .deps import OwnerDep, ServicesDep, SessionsDep, SettingsDep
-from .errors import ErrorType, responses
+from ..http.deps import OwnerDep, ServicesDep, SessionsDep, SettingsDep, chat_template
+from ..http.errors import ErrorType, responses
 from .responses import PageDep, PageQuery, item, page, renderer
 from .responses_schemas import (
     ConversationCreate,

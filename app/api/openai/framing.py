@@ -6,7 +6,7 @@ its usage chunk and `data: [DONE]`.
 
 A route parses its own body and frames its own choices (a `Framer`); everything between
 the parsed body and the framed bytes is here, once. It never builds an error body
-(errors.py) and never knows the model family.
+(http/errors.py) and never knows the model family.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from app.engine import Engine, FinishReason, Logprobs, TokenEvent
 from app.sessions import Generation, Run, SessionService
 from app.sessions import start as start_choices
 
-from .deps import reply_bound, sampling_params, served_model
-from .disconnect import until_disconnect
-from .errors import ApiError, ErrorType, responses
-from .openai_schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
-from .schemas import ErrorBody, SessionRef
-from .sse import data_events, guarded, respond, sse_json, stream_response
+from ..http.deps import reply_bound, sampling_params, served_model
+from ..http.disconnect import until_disconnect
+from ..http.errors import ApiError, ErrorType, responses
+from ..http.sse import data_events, guarded, respond, sse_json, stream_response
+from ..schemas import ErrorBody, SessionRef
+from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
 
 # OpenAI knows no "eos": the model ending its text is a stop
 FINISH: dict[FinishReason, Literal["stop", "length"]] = {"eos": "stop", "stop": "stop", "length": "length"}

@@ -3,7 +3,7 @@
 The messages become text through the served checkpoint's chat template (data in the
 checkpoint, rendered in Jinja's sandbox: model/chat_template.py); a checkpoint without one
 answers 400 `no_chat_template`, and its `/v1/completions` still works. The text then runs
-as a completion does (openai_framing.py): `session_id` or `X-Session-Id` continues a
+as a completion does (framing.py): `session_id` or `X-Session-Id` continues a
 session, and then only the new messages are sent; without one, a new session is made.
 
 Generation stops at the template's turn stop (as well as at the body's `stop`), and a stop
@@ -29,10 +29,10 @@ from app.sessions import SessionService
 from model import tool_calls
 from model.chat_template import ChatTemplate
 
-from . import openai_framing as oai
-from .deps import OwnerDep, ServicesDep, SessionIdHeader, SessionsDep, SettingsDep, prompt_ids
-from .errors import ApiError, ErrorType
-from .openai_schemas import (
+from ..http.deps import OwnerDep, SessionIdHeader, SessionsDep, SettingsDep, chat_template, prompt_ids
+from ..http.errors import ErrorType
+from . import framing as oai
+from .schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -54,18 +54,6 @@ from .openai_schemas import (
 from .structured import HeldText, Shape, call_id, tools_of
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-def chat_template(services: ServicesDep) -> ChatTemplate:
-    """The served checkpoint's chat template (read at startup), or 400."""
-    template = services.chat_template
-    if template is None:
-        raise ApiError(
-            ErrorType.no_chat_template,
-            "the served model has no chat template, so it cannot chat: use /v1/completions, or serve a "
-            "checkpoint with one (chat_template.jinja, or tokenizer_config.json's chat_template)",
-        )
-    return template
 
 
 async def _rendered(

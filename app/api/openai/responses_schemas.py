@@ -1,5 +1,5 @@
 """The bodies of the Responses and Conversations APIs (`/v1/responses`, `/v1/conversations`),
-as OpenAI's API names them. Requests are strict as every request body (schemas.py); the
+as OpenAI's API names them. Requests are strict as every request body (app/api/schemas.py); the
 fields OpenAI has that recur does not implement are accepted where harmless, and refused
 with 400 `unsupported` naming the field where not (responses.py `unsupported`)."""
 
@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from .schemas import MAX_TOKENS_CEILING, SEED_LIMIT, RequestBody, ResponseBody, SamplingFields
+from ..schemas import MAX_TOKENS_CEILING, SEED_LIMIT, RequestBody, ResponseBody, SamplingFields
 
 Text = Annotated[str, Field(max_length=1_000_000)]
 Metadata = Annotated[
@@ -192,6 +192,11 @@ class ConversationUpdate(RequestBody):
 
 # -- responses ------------------------------------------------------------------------------
 class TopLogprob(ResponseBody):
+    # another model shares this name (schemas.TopLogprob), so the OpenAPI document names
+    # both by their modules: this one keeps the name it was published under before the
+    # move into openai/ (renaming it is a change of the document, not of a file)
+    __module__ = "app.api.responses_schemas"
+
     token: str
     logprob: float
     bytes: list[int]

@@ -26,21 +26,23 @@ from app.store import new_object_id
 from model import tool_calls
 from model.chat_template import ChatTemplate
 
-from . import openai_framing as oai
-from . import responses_framing as rf
-from .chat_completions import chat_template
-from .deps import (
+from ..http.deps import (
     OwnerDep,
     ServicesDep,
     SessionsDep,
     SettingsDep,
+    chat_template,
     in_vocabulary,
     reply_bound,
     sampling_params,
     served_model,
 )
-from .disconnect import until_disconnect
-from .errors import ApiError, ErrorType, classify, responses
+from ..http.disconnect import until_disconnect
+from ..http.errors import ApiError, ErrorType, classify, responses
+from ..http.sse import SHUTTING_DOWN, json_of, respond, sse_json, stream_response, until_stopped
+from ..schemas import ErrorBody
+from . import framing as oai
+from . import responses_framing as rf
 from .responses_schemas import (
     LOGPROBS,
     Deleted,
@@ -54,8 +56,6 @@ from .responses_schemas import (
     ResponseObject,
     StreamEvent,
 )
-from .schemas import ErrorBody
-from .sse import SHUTTING_DOWN, json_of, respond, sse_json, stream_response, until_stopped
 from .structured import Shape, tools_of
 
 router = APIRouter(prefix="/v1", tags=["responses"])

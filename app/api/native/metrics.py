@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from .deps import SettingsDep, check_key, presented_key
-from .errors import ApiError, ErrorType
+from ..http.deps import SettingsDep, check_key, presented_key
+from ..http.errors import ApiError, ErrorType
 
 router = APIRouter(tags=["operations"])
 

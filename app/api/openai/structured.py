@@ -7,7 +7,7 @@ grammar the reply is sampled under (model/grammar.py: compiled here, in a worker
 never on the event loop or the engine thread), and the reading of the reply's text back
 into text and calls; and it streams a reply's text while holding back what may open a call.
 Request errors (a named tool that is not offered, a schema that does not compile) are raised
-as `ApiError`s or model errors that errors.py maps to 400 `invalid_schema`.
+as `ApiError`s or model errors that http/errors.py maps to 400 `invalid_schema`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from model.grammar import Grammar, Matcher
 from model.tool_calls import OPEN as CALL_OPENS
 from model.tool_calls import Tool, ToolCall, grammar, might_open, parse
 
-from .errors import ApiError, ErrorType
+from ..http.errors import ApiError, ErrorType
 
 
 def call_id() -> str:

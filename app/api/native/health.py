@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from .deps import get_services
-from .errors import ErrorType, responses
-from .schemas import Health, Ready
+from ..http.deps import get_services
+from ..http.errors import ErrorType, responses
+from ..schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
 

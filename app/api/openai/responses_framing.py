@@ -21,8 +21,8 @@ from app.sessions import Begun
 from app.store import new_object_id
 from model.tool_calls import ToolCall
 
-from . import errors
-from .openai_framing import StopText
+from ..http import errors
+from .framing import StopText
 from .responses_schemas import Output, ResponseCreate, ResponseObject, ResponseStatus, TextOut
 from .structured import HeldText, Shape, call_id
 

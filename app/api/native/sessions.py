@@ -8,7 +8,7 @@ parameters come in the query string, and it always streams.
 Routers only translate HTTP: they parse and check bodies, call the sessions service
 (app/sessions/, where each request's transaction runs from lock to commit), and frame
 its results as JSON or SSE. They never touch tensors or Redis and never build error
-bodies (see errors.py).
+bodies (see http/errors.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,20 @@ from app.tenants import LISTING_CURSOR
 from app.transcript import conversation
 from model.chat_template import ChatTemplate
 
-from .chat_completions import chat_template
-from .deps import IfMatchDep, OwnerDep, ServicesDep, SessionsDep, SettingsDep, prompt_ids, sampling_params
-from .disconnect import HangupDep, until_disconnect
-from .errors import ApiError, ErrorType, responses
-from .schemas import (
+from ..http.deps import (
+    IfMatchDep,
+    OwnerDep,
+    ServicesDep,
+    SessionsDep,
+    SettingsDep,
+    chat_template,
+    prompt_ids,
+    sampling_params,
+)
+from ..http.disconnect import HangupDep, until_disconnect
+from ..http.errors import ApiError, ErrorType, responses
+from ..http.sse import guarded, named_events, respond, sse_json, stream_response
+from ..schemas import (
     CreateSession,
     ErrorBody,
     ForkAt,
@@ -59,11 +68,10 @@ from .schemas import (
     VersionInfo,
     VersionList,
 )
-from .sse import guarded, named_events, respond, sse_json, stream_response
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])  # auth: see create_app
 
-# (the errors of the dependencies, auth and quotas among them, app/api/openapi.py adds)
+# (the errors of the dependencies, auth and quotas among them, app/api/http/openapi.py adds)
 _SESSION_ERRORS = (ErrorType.session_not_found, ErrorType.redis_unavailable, ErrorType.invalid_request)
 _WRITE_ERRORS = (
     *_SESSION_ERRORS,
