@@ -70,7 +70,7 @@ def _assemble(settings: Settings, lifespan: Lifespan) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
-        # (sized by the served model, once it is loaded: `sessions.build`)
+        # (sized by the served model, once it is loaded: `SessionService.import_limit`)
         by_path={"/v1/sessions/import": lambda: _import_limit(app)},
     )
     app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts)

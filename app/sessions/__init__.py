@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .background import Background, Replay
 from .cache import Held, HotCache
-from .choices import Started, needs_whole_prompt, start, stateless
+from .choices import Started, needs_whole_prompt, start_generations, stateless
 from .conversations import Conversations
 from .making import StateRejected
 from .reads import Listed, Listing, ModelMismatch, SessionReads
@@ -52,6 +52,6 @@ __all__ = [
     "Started",
     "StateRejected",
     "needs_whole_prompt",
-    "start",
+    "start_generations",
     "stateless",
 ]

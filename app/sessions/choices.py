@@ -1,7 +1,7 @@
 """Many generations of one request, as a sessions-service operation: OpenAI's `n` choices
 and prompts, and requests that name no session.
 
-`start` starts `n` generations per prompt, together so that the engine batches them:
+`start_generations` starts `n` generations per prompt, together so that the engine batches them:
 choice j of prompt i runs in session `sid`, or (none named) a session of its own that
 starts from the longest committed prefix of the prompt's tokens (prefix reuse); the other
 n - 1 in forks of that session taken before any starts. All start, or none does: those
@@ -39,7 +39,7 @@ class Started:
     cached: list[int]
 
 
-async def start(
+async def start_generations(
     service: SessionService,
     owner: str,
     sid: str | None,

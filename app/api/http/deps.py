@@ -27,7 +27,7 @@ from .errors import ApiError, ErrorType
 # The OpenAPI document carries this pattern, and the server checks the same one.
 IF_MATCH = r'^(\*|[0-9]{1,18}|(W/)?"[0-9]{1,18}")$'
 # X-Session-Id: a session id as app.store.new_session_id makes them (128 bits, hex)
-SESSION_ID = r"^[0-9a-f]{32}$"
+SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
 
 
 def get_settings(request: Request) -> Settings:
@@ -228,7 +228,7 @@ SessionIdHeader = Annotated[
     str | None,
     Header(
         alias="X-Session-Id",
-        pattern=SESSION_ID,
+        pattern=SESSION_ID_PATTERN,
         description="the session to continue (or the body's session_id); absent: a new session",
     ),
 ]

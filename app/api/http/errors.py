@@ -164,7 +164,7 @@ _RETRIES = {*RETRY_AFTER, ErrorType.session_busy, ErrorType.quota_exceeded}
 _ERROR_BODY = f"#/components/schemas/{ErrorBody.__name__}"
 
 
-def responses(*types: ErrorType) -> dict[int | str, dict]:
+def error_docs(*types: ErrorType) -> dict[int | str, dict]:
     """OpenAPI `responses=` entries for the error types a route raises itself. (What every
     route can answer, from the framework and the dependencies around it, app/api/http/openapi.py
     adds to each operation.)"""

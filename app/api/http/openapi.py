@@ -82,7 +82,7 @@ def install(app: FastAPI, routers: Routers) -> None:
         )
         services = app.state.services
         vocab = services.engine.vocab_size if services is not None else None
-        build(doc, routers, app.state.settings, vocab, keys=bool(app.state.api_keys))
+        complete_document(doc, routers, app.state.settings, vocab, keys=bool(app.state.api_keys))
         if vocab is not None:  # before the model is loaded, the token ids have no bound yet
             app.openapi_schema = doc
         return doc
@@ -90,7 +90,7 @@ def install(app: FastAPI, routers: Routers) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build(doc: dict, routers: Routers, settings: Settings, vocab: int | None, keys: bool) -> None:
+def complete_document(doc: dict, routers: Routers, settings: Settings, vocab: int | None, keys: bool) -> None:
     """Complete FastAPI's document `doc` in place."""
     for route, included in _routes(routers):
         calls = [d.dependency for d in included if d.dependency] + list(_calls(route.dependant))

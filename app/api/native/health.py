@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..http.deps import get_services
-from ..http.errors import ErrorType, responses
+from ..http.errors import ErrorType, error_docs
 from ..schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
@@ -20,7 +20,7 @@ async def healthz() -> Health:
     "/readyz",
     response_model=Ready,
     summary="The model is loaded, its engine is not stalled, and Redis answers",
-    responses=responses(ErrorType.redis_unavailable, ErrorType.not_ready, ErrorType.engine_stalled),
+    responses=error_docs(ErrorType.redis_unavailable, ErrorType.not_ready, ErrorType.engine_stalled),
 )
 async def readyz(request: Request) -> Ready:
     services = get_services(request)  # 503 until the model is loaded

@@ -39,7 +39,7 @@ from ..http.deps import (
     sampling_params,
 )
 from ..http.disconnect import HangupDep, until_disconnect
-from ..http.errors import ApiError, ErrorType, responses
+from ..http.errors import ApiError, ErrorType, error_docs
 from ..http.sse import guarded, named_events, respond, sse_json, stream_response
 from ..schemas import (
     CreateSession,
@@ -130,7 +130,7 @@ def _created(response: Response, meta: SessionMeta) -> SessionInfo:
     status_code=201,
     response_model=SessionInfo,
     summary="Create a session (BOS and the optional prompt consumed)",
-    responses=responses(
+    responses=error_docs(
         *_MODEL_ERRORS, ErrorType.invalid_request, ErrorType.redis_unavailable, ErrorType.outcome_unknown
     ),
 )
@@ -159,7 +159,7 @@ async def create_session(
     "",
     response_model=SessionList,
     summary="List the caller's own sessions, newest first, a page at a time",
-    responses=responses(ErrorType.redis_unavailable, ErrorType.invalid_request),
+    responses=error_docs(ErrorType.redis_unavailable, ErrorType.invalid_request),
 )
 async def list_sessions(
     services: ServicesDep,
@@ -231,7 +231,7 @@ class _Preview:
             "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
         }
     },
-    responses=responses(
+    responses=error_docs(
         ErrorType.invalid_state,
         ErrorType.invalid_request,
         ErrorType.body_too_large,
@@ -268,7 +268,7 @@ async def import_session(
     response_class=Response,
     responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-        **responses(
+        **error_docs(
             *_SESSION_ERRORS,
             ErrorType.version_mismatch,
             ErrorType.version_gone,
@@ -302,7 +302,7 @@ async def export_state(
     "/{session_id}",
     response_model=SessionDetail,
     summary="Read a session's metadata (ETag = version)",
-    responses=responses(*_SESSION_ERRORS),
+    responses=error_docs(*_SESSION_ERRORS),
 )
 async def get_session(
     session_id: str, response: Response, sessions: SessionsDep, owner: OwnerDep
@@ -318,7 +318,7 @@ async def get_session(
     "/{session_id}",
     status_code=204,
     summary="Delete a session",
-    responses=responses(
+    responses=error_docs(
         *_SESSION_ERRORS, ErrorType.session_busy, ErrorType.version_mismatch, ErrorType.invalid_request
     ),
 )
@@ -334,7 +334,7 @@ async def delete_session(
     status_code=201,
     response_model=SessionInfo,
     summary="Copy a session's committed state (or a kept version's) into a new, independent session",
-    responses=responses(
+    responses=error_docs(
         *_SESSION_ERRORS,
         ErrorType.version_mismatch,
         ErrorType.version_gone,
@@ -359,7 +359,7 @@ async def fork_session(
     "/{session_id}/rollback",
     response_model=SessionInfo,
     summary="Make a kept version's state current again, as a new version (undo, regenerate)",
-    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.version_gone, ErrorType.session_conflict),
+    responses=error_docs(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.version_gone, ErrorType.session_conflict),
 )
 async def rollback(
     session_id: str,
@@ -379,7 +379,7 @@ async def rollback(
     "/{session_id}/versions",
     response_model=VersionList,
     summary="The versions a session keeps: each can be forked, exported or rolled back to",
-    responses=responses(*_SESSION_ERRORS),
+    responses=error_docs(*_SESSION_ERRORS),
 )
 async def versions(
     session_id: str, response: Response, sessions: SessionsDep, owner: OwnerDep
@@ -401,7 +401,7 @@ async def versions(
     response_model=Transcript,
     summary="The tokens the session's state consumed, commit by commit, with the action mask and "
     "behaviour log-probs",
-    responses=responses(*_SESSION_ERRORS),
+    responses=error_docs(*_SESSION_ERRORS),
 )
 async def transcript(
     session_id: str,
@@ -430,7 +430,7 @@ async def transcript(
     response_model=SessionMessages,
     summary="The chat the session holds: its messages, read back from its transcript by the served "
     "model's chat template",
-    responses=responses(*_SESSION_ERRORS, ErrorType.no_chat_template, ErrorType.model_mismatch),
+    responses=error_docs(*_SESSION_ERRORS, ErrorType.no_chat_template, ErrorType.model_mismatch),
 )
 async def messages(
     session_id: str,
@@ -461,7 +461,7 @@ async def messages(
     "/{session_id}/score",
     response_model=ScoreResult,
     summary="Teacher-forced log-probs of the given tokens, continuing the session",
-    responses=responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
+    responses=error_docs(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
 )
 async def score(
     session_id: str,
@@ -502,7 +502,7 @@ _SSE_DOC = stream_response(
     response_model=GenerateResult,
     response_model_exclude_none=True,
     summary="Consume the prompt, then sample tokens (SSE stream or one JSON object)",
-    responses={200: _SSE_DOC, **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict)},
+    responses={200: _SSE_DOC, **error_docs(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict)},
 )
 async def generate(
     session_id: str,
@@ -541,7 +541,7 @@ async def generate(
     summary="The streaming generate for EventSource: parameters in the query string",
     responses={
         200: stream_response("`token` events, then `done` (or `error`), as POST with stream=true", _EVENTS),
-        **responses(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
+        **error_docs(*_WRITE_ERRORS, *_MODEL_ERRORS, ErrorType.session_conflict),
     },
 )
 async def generate_get(

@@ -6,12 +6,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from ..http.deps import EngineDep, SettingsDep, in_vocabulary, served_model
-from ..http.errors import ErrorType, responses
+from ..http.errors import ErrorType, error_docs
 from ..schemas import Detokenize, DetokenizeResult, Tokenize, TokenizeResult
 
 router = APIRouter(tags=["tokens"])
 
-_ERRORS = responses(ErrorType.invalid_request, ErrorType.model_not_found)
+_ERRORS = error_docs(ErrorType.invalid_request, ErrorType.model_not_found)
 
 
 @router.post("/tokenize", response_model=TokenizeResult, summary="A text's token ids", responses=_ERRORS)

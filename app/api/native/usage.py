@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from app.store import tenant_of
 
 from ..http.deps import OwnerDep, ServicesDep
-from ..http.errors import ErrorType, responses
+from ..http.errors import ErrorType, error_docs
 from ..schemas import Limits, TenantUsage
 
 router = APIRouter(prefix="/v1", tags=["quotas"])
@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1", tags=["quotas"])
     "/usage",
     response_model=TenantUsage,
     summary="What the caller's key holds, and its limits",
-    responses=responses(ErrorType.redis_unavailable),
+    responses=error_docs(ErrorType.redis_unavailable),
 )
 async def usage(services: ServicesDep, owner: OwnerDep) -> TenantUsage:
     held = await services.tenants.usage(owner)

@@ -1,10 +1,10 @@
 """What the OpenAI-compatible routes (`completions.py`, `chat_completions.py`) share: a
-body's generation and its choices as the sessions service starts them (`app.sessions.start`:
+body's generation and its choices as the sessions service starts them (`app.sessions.start_generations`:
 each in a new or a continued session, or with `n` > 1 in forks); stop strings cut from the
 returned text OpenAI's way; the response head; the chunk stream merged from every choice,
 its usage chunk and `data: [DONE]`.
 
-A route parses its own body and frames its own choices (a `Framer`); everything between
+A route parses its own body and frames its own choices (a `OpenAIFramer`); everything between
 the parsed body and the framed bytes is here, once. It never builds an error body
 (http/errors.py) and never knows the model family.
 """
@@ -26,12 +26,11 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from app import logs
 from app.config import Settings
 from app.engine import Engine, FinishReason, Logprobs, TokenEvent
-from app.sessions import Generation, Run, SessionService
-from app.sessions import start as start_choices
+from app.sessions import Generation, Run, SessionService, start_generations
 
 from ..http.deps import reply_bound, sampling_params, served_model
 from ..http.disconnect import until_disconnect
-from ..http.errors import ApiError, ErrorType, responses
+from ..http.errors import ApiError, ErrorType, error_docs
 from ..http.sse import data_events, guarded, respond, sse_json, stream_response
 from ..schemas import ErrorBody, SessionRef
 from .schemas import CompletionUsage, OpenAIBody, PromptTokensDetails
@@ -68,7 +67,7 @@ def route_responses(chunk: type[BaseModel], name: str, *errors: ErrorType) -> di
     stream = stream_response(
         f"stream=true: `data: {{{name}}}` events (or `data: {{error}}`), then `data: [DONE]`", events
     )
-    return {200: stream, **responses(*errors, *ERRORS)}
+    return {200: stream, **error_docs(*errors, *ERRORS)}
 
 
 def generation(
@@ -212,10 +211,10 @@ async def start(
     user: str | None = None,
 ) -> Choices:
     """`n` choices per prompt, choices i*n .. i*n+n-1 for prompt i (OpenAI's order), as the
-    sessions service starts them (`app.sessions.start`: all start, or none does). `user` is
+    sessions service starts them (`app.sessions.start_generations`: all start, or none does). `user` is
     OpenAI's end-user id: logged for the operator (with the session), never used."""
     _check_batch(settings, sid, len(prompts), n)
-    started = await start_choices(sessions, owner, sid, prompts, gen, n)
+    started = await start_generations(sessions, owner, sid, prompts, gen, n)
     choices = Choices(
         [
             Choice(i, i // n, r, StopText(gen.stop, keep_stop, gen.params.min_tokens), started.cached[i // n])
@@ -273,7 +272,7 @@ async def complete(choices: Choices, request: Request) -> None:
         await choices.close()
 
 
-class Framer(Protocol):
+class OpenAIFramer(Protocol):
     """A route's shapes: the chunk body around choice entries, and each entry."""
 
     def chunk(self, entries: list[Any], usage: CompletionUsage | None) -> BaseModel: ...
@@ -283,7 +282,7 @@ class Framer(Protocol):
 
 
 def stream(
-    choices: Choices, framer: Framer, include_usage: bool, send_timeout: float = 0
+    choices: Choices, framer: OpenAIFramer, include_usage: bool, send_timeout: float = 0
 ) -> EventSourceResponse:
     """The SSE response: each choice's chunks as its tokens come, a closing chunk per choice
     once it has committed (its finish_reason and session), the usage chunk if asked, then
@@ -292,7 +291,9 @@ def stream(
     return respond(choices, _then_done(frames), headers=session_header(choices), send_timeout=send_timeout)
 
 
-async def _frames(choices: Choices, framer: Framer, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+async def _frames(
+    choices: Choices, framer: OpenAIFramer, include_usage: bool
+) -> AsyncIterator[ServerSentEvent]:
     def frame(entry: BaseModel | None) -> ServerSentEvent | None:
         return None if entry is None else _event(framer.chunk([entry], None))
 

@@ -38,7 +38,7 @@ from ..http.deps import (
     served_model,
 )
 from ..http.disconnect import until_disconnect
-from ..http.errors import ApiError, ErrorType, classify, responses
+from ..http.errors import ApiError, ErrorType, classify, error_docs
 from ..http.sse import SHUTTING_DOWN, json_of, respond, sse_json, stream_response, until_stopped
 from ..schemas import ErrorBody
 from . import framing as oai
@@ -71,16 +71,16 @@ EVENTS = stream_response(
 )
 
 
-def responses_room(services: ServicesDep) -> Responses:
+def get_responses(services: ServicesDep) -> Responses:
     return services.responses
 
 
-def background_room(services: ServicesDep) -> Background:
+def get_background(services: ServicesDep) -> Background:
     return services.background
 
 
-ResponsesDep = Annotated[Responses, Depends(responses_room)]
-BackgroundDep = Annotated[Background, Depends(background_room)]
+ResponsesDep = Annotated[Responses, Depends(get_responses)]
+BackgroundDep = Annotated[Background, Depends(get_background)]
 TemplateDep = Annotated[ChatTemplate, Depends(chat_template)]
 
 
@@ -203,7 +203,7 @@ def renderer(
     "/responses",
     response_model=ResponseObject,
     summary="OpenAI Responses API: a response, continuing a previous one or a conversation",
-    responses={200: EVENTS, **responses(*ERRORS)},
+    responses={200: EVENTS, **error_docs(*ERRORS)},
 )
 async def create_response(
     body: ResponseCreate,
@@ -212,7 +212,7 @@ async def create_response(
     settings: SettingsDep,
     owner: OwnerDep,
     template: TemplateDep,
-    room: ResponsesDep,
+    responses: ResponsesDep,
     background: BackgroundDep,
 ) -> Any:
     started = time.perf_counter()
@@ -235,7 +235,7 @@ async def create_response(
     )
     logprobs = LOGPROBS in (body.include or [])
     gen = await _generation(body, settings, engine, template, reply_shape, logprobs, started)
-    framer = rf.Framer(
+    framer = rf.ResponseFramer(
         new_object_id("resp"),
         body,
         engine.name,
@@ -246,7 +246,7 @@ async def create_response(
     if turn.background:
         await background.queue(framer.id, owner, rf.dump_response(queued))
     try:
-        begun = await room.begin(
+        begun = await responses.begin(
             framer.id, turn, renderer(template, settings, engine, body.instructions, reply_shape), gen
         )
     except BaseException:
@@ -258,12 +258,12 @@ async def create_response(
         events = rf.events(begun, framer, stop, catch=True)
         background.detach(
             framer.id, owner, begun.own_session, events,
-            lambda last, nbytes: _ended(room, begun, last, nbytes), lambda: room.close(begun),
+            lambda last, nbytes: _ended(responses, begun, last, nbytes), lambda: responses.close(begun),
         )  # fmt: skip
         return queued
     if body.stream:
-        return _streamed(room, begun, framer, stop, settings.stream_send_timeout)
-    return await _complete(room, begun, rf.events(begun, framer, stop, catch=False), request)
+        return _streamed(responses, begun, framer, stop, settings.stream_send_timeout)
+    return await _complete(responses, begun, rf.events(begun, framer, stop, catch=False), request)
 
 
 async def _generation(
@@ -291,51 +291,55 @@ async def _generation(
 
 
 def _streamed(
-    room: Responses, begun: Begun, framer: rf.Framer, stop: oai.StopText, send_timeout: float
+    responses: Responses, begun: Begun, framer: rf.ResponseFramer, stop: oai.StopText, send_timeout: float
 ) -> EventSourceResponse:
     """The response's events, streamed; a server told to stop first ends them (`_stopped`)."""
-    events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(room, begun, b))
-    frames = _sse(until_stopped(events, lambda: _stopped(room, begun, framer)))
-    return respond(_Closing(room, begun), frames, send_timeout=send_timeout)
+    events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(responses, begun, b))
+    frames = _sse(until_stopped(events, lambda: _stopped(responses, begun, framer)))
+    return respond(_Closing(responses, begun), frames, send_timeout=send_timeout)
 
 
-async def _keep(room: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0) -> None:
-    await room.finish(begun, body, rf.reply(body), body["output"], worker=worker, events=events)
+async def _keep(
+    responses: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0
+) -> None:
+    await responses.finish(begun, body, rf.reply(body), body["output"], worker=worker, events=events)
 
 
-async def _stopped(room: Responses, begun: Begun, framer: rf.Framer) -> dict:
+async def _stopped(responses: Responses, begun: Begun, framer: rf.ResponseFramer) -> dict:
     """The server is told to stop (Ctrl-C, SIGTERM) mid-stream: the response fails, as a
     failure once streaming has begun does (kept as `failed` if stored; nothing of its state),
     and its `response.failed` event, with code `not_ready`, ends the stream."""
     failed = framer.wire("failed", error={"code": ErrorType.not_ready.value, "message": SHUTTING_DOWN})
     try:
-        await _keep(room, begun, failed)
+        await _keep(responses, begun, failed)
     except Exception as exc:  # (the event still goes out: the client learns why it ends)
         log.warning("could not keep response %s as failed on shutdown: %s", begun.id, exc)
     return {"type": "response.failed", "response": failed}
 
 
-async def _ended(room: Responses, begun: Begun, last: dict, events: int) -> None:
+async def _ended(responses: Responses, begun: Begun, last: dict, events: int) -> None:
     """A background response's last event is out: keep the body it carries (and count its
     `events` bytes)."""
     try:
-        await _keep(room, begun, last["response"], worker=True, events=events)
+        await _keep(responses, begun, last["response"], worker=True, events=events)
     finally:
-        await room.close(begun)
+        await responses.close(begun)
 
 
 class _Closing:
     """What a streamed response closes when it ends (sse.respond): the response's run,
     and the session it made unless kept."""
 
-    def __init__(self, room: Responses, begun: Begun):
-        self.room, self.begun = room, begun
+    def __init__(self, responses: Responses, begun: Begun):
+        self.responses, self.begun = responses, begun
 
     async def close(self) -> None:
-        await self.room.close(self.begun)
+        await self.responses.close(self.begun)
 
 
-async def _complete(room: Responses, begun: Begun, events: AsyncIterator[dict], request: Request) -> dict:
+async def _complete(
+    responses: Responses, begun: Begun, events: AsyncIterator[dict], request: Request
+) -> dict:
     """Drain the events to the final body, kept; a client that hangs up abandons it."""
 
     async def drain() -> dict:
@@ -351,11 +355,11 @@ async def _complete(room: Responses, begun: Begun, events: AsyncIterator[dict], 
         if not work.done():
             raise ApiError(ErrorType.client_disconnected, "the client disconnected; nothing was kept")
         body = work.result()
-        await _keep(room, begun, body)
+        await _keep(responses, begun, body)
     finally:
         work.cancel()
         hangup.cancel()
-        await room.close(begun)
+        await responses.close(begun)
     return body
 
 
@@ -371,19 +375,19 @@ async def _sse(events: AsyncIterator[dict], first: int = 0) -> AsyncIterator[Ser
     "/responses/{response_id}",
     response_model=ResponseObject,
     summary="A stored response; with stream=true, a background response's events after starting_after",
-    responses={200: EVENTS, **responses(ErrorType.object_not_found, ErrorType.unsupported)},
+    responses={200: EVENTS, **error_docs(ErrorType.object_not_found, ErrorType.unsupported)},
 )
 async def get_response(
     response_id: str,
     owner: OwnerDep,
-    room: ResponsesDep,
+    responses: ResponsesDep,
     background: BackgroundDep,
     settings: SettingsDep,
     stream: bool = False,
     starting_after: Annotated[int, Query(ge=-1)] = -1,
     include: Annotated[list[str] | None, Query(max_length=16)] = None,
 ) -> Any:
-    body = await room.get(owner, response_id)
+    body = await responses.get(owner, response_id)
     if not stream:
         return body
     if not body.get("background"):
@@ -428,10 +432,10 @@ async def _replay_stopped(replay: Replay) -> ServerSentEvent:
     "/responses/{response_id}",
     response_model=Deleted,
     summary="Delete a response and its state (its descendants keep theirs)",
-    responses=responses(ErrorType.object_not_found),
+    responses=error_docs(ErrorType.object_not_found),
 )
-async def delete_response(response_id: str, owner: OwnerDep, room: ResponsesDep) -> dict:
-    await room.delete(owner, response_id)
+async def delete_response(response_id: str, owner: OwnerDep, responses: ResponsesDep) -> dict:
+    await responses.delete(owner, response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
@@ -439,7 +443,7 @@ async def delete_response(response_id: str, owner: OwnerDep, room: ResponsesDep)
     "/responses/{response_id}/cancel",
     response_model=ResponseObject,
     summary="Cancel a background response: it stops, and commits nothing more",
-    responses=responses(ErrorType.object_not_found, ErrorType.unsupported),
+    responses=error_docs(ErrorType.object_not_found, ErrorType.unsupported),
 )
 async def cancel_response(response_id: str, owner: OwnerDep, background: BackgroundDep) -> dict:
     status, body = await background.cancel(response_id, owner)
@@ -452,15 +456,15 @@ async def cancel_response(response_id: str, owner: OwnerDep, background: Backgro
     "/responses/{response_id}/input_items",
     response_model=ItemList,
     summary="The input items a response was given (its own, not its ancestors')",
-    responses=responses(ErrorType.object_not_found),
+    responses=error_docs(ErrorType.object_not_found),
 )
 async def list_input_items(
     response_id: str,
     owner: OwnerDep,
-    room: ResponsesDep,
+    responses: ResponsesDep,
     query: PageDep,
 ) -> dict:
-    return page(await room.input_items(owner, response_id), query)
+    return page(await responses.input_items(owner, response_id), query)
 
 
 @dataclass(frozen=True)

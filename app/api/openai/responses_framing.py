@@ -30,7 +30,7 @@ _OUTPUT = TypeAdapter(Output)  # (a reply's items, built as the events carry the
 
 
 @dataclass
-class Framer:
+class ResponseFramer:
     """What every body of one response repeats, and its token log-probs' shape."""
 
     id: str
@@ -136,7 +136,7 @@ def reply(body: dict) -> dict[str, Any]:
 
 async def events(
     begun: Begun,
-    framer: Framer,
+    framer: ResponseFramer,
     stop: StopText,
     *,
     catch: bool,
@@ -196,7 +196,7 @@ async def events(
     yield {"type": f"response.{status}", "response": body}
 
 
-def _message_done(f: Framer, begun: Begun, status: str, text: str, output: list[dict]) -> list[dict]:
+def _message_done(f: ResponseFramer, begun: Begun, status: str, text: str, output: list[dict]) -> list[dict]:
     """The events that close the reply's message item (appended to `output`)."""
     at = {"item_id": f.item_id, "output_index": 0, "content_index": 0}
     all_lp = f.logprobs(begun.run.tokens) if f.token_text is not None else None
@@ -209,7 +209,7 @@ def _message_done(f: Framer, begun: Begun, status: str, text: str, output: list[
     ]
 
 
-def _calls_done(f: Framer, calls: list[ToolCall], output: list[dict]) -> list[dict]:
+def _calls_done(f: ResponseFramer, calls: list[ToolCall], output: list[dict]) -> list[dict]:
     """Each call's events, a `function_call` item after the others (appended to `output`)."""
     events = []
     for k in calls:
