@@ -4,10 +4,12 @@ activations into torch's weight-only kernels: model/int8.py, model/int4.py).
 
 Per precision:
   * batch-1 decode tokens/s at 1 and 2 threads: the step the engine runs (next_logits, pick,
-    forward), after a 600-character prompt; the sides alternate for `--rounds` rounds and
-    each keeps its best median (a shared machine's load then falls on all alike). With
-    `--llama-cpp`, llama.cpp's own step on the same file joins them (bench/llm_peers.py's
-    build in .bench-peers/, which `make bench-peers` makes);
+    forward), after a 600-character prompt, eager and as a server with `--compile` serves it
+    (`served`: the engine's `DecodeStep`, whose background probe is run to its end first at
+    that thread count; compiled where it adopted the compiled step, else eager); the sides
+    alternate for `--rounds` rounds and each keeps its best median (a shared machine's load
+    then falls on all alike). With `--llama-cpp`, llama.cpp's own step on the same file joins
+    them (bench/llm_peers.py's build in .bench-peers/, which `make bench-peers` makes);
   * weight bytes a decode step reads (every block matrix and the head once; the token
     lookup reads one row) over the file's bytes: the issue's target is <= 1.2;
   * greedy agreement with fp32 on the same file (`agreement`): `--prompts` prompts of 32
@@ -16,12 +18,13 @@ Per precision:
     token after it as different) and the share of prompts identical throughout.
 
 Ratios, not times, are the result; no test asserts a time. Usage:
-    python bench/llm_packed.py [--threads 1,2] [--prompts 50 --tokens 128] [--llama-cpp] [--write]
+    python bench/llm_packed.py [--threads 1,2] [--prompts 50 --tokens 128] [--llama-cpp] [--no-compile] [--write]
 `--write` puts the section "## Packed weights: fp32, int8, int4" into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -31,6 +34,7 @@ from harness import arguments, publish
 from llm_peers import llama_cpp_stepper, rate, stepper
 
 import model
+from app.engine.compiler import DecodeStep
 from model import LanguageModel
 from model.corpus import load_split
 from model.int4 import Int4Linear
@@ -57,9 +61,28 @@ def weight_bytes(lm: LanguageModel) -> int:
     return total
 
 
-def decode_rates(threads: int, steps: int, rounds: int, llama_cpp: bool) -> dict[str, float]:
+def served(precision: str) -> DecodeStep:
+    """The engine's decode step for batch 1 with `--compile`, at this thread count: its
+    background probe (compile, check, time against eager) run to its end here."""
+    step = DecodeStep(loaded(precision), compile=True, max_rows=1)
+    step.start()
+    assert step._thread is not None
+    step._thread.join()
+    print(f"{precision}, {torch.get_num_threads()} thread(s): {step.status}", flush=True)
+    return step
+
+
+def decode_rates(
+    threads: int, steps: int, rounds: int, llama_cpp: bool, compile: bool
+) -> tuple[dict[str, float], dict[str, bool]]:
+    """Tokens/s of each side, and for each precision whether the served step is compiled."""
     torch.set_num_threads(threads)
     steppers = {p: stepper(loaded(p)) for p in PRECISIONS}
+    adopted = {}
+    for p in PRECISIONS if compile else ():
+        step = served(p)
+        adopted[p] = step.serves_compiled(1)
+        steppers[f"{p} served"] = stepper(loaded(p), step)
     if llama_cpp:
         steppers["llama.cpp"] = llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
     for step in steppers.values():
@@ -69,7 +92,7 @@ def decode_rates(threads: int, steps: int, rounds: int, llama_cpp: bool) -> dict
     for _ in range(rounds):
         for name, step in steppers.items():
             best[name] = max(best[name], rate(step, steps))
-    return best
+    return best, adopted
 
 
 def prompts(n: int) -> torch.Tensor:
@@ -109,24 +132,37 @@ def agreement(precision: str, prompts: int = 50, tokens: int = 128, detail: bool
 
 
 def section(r: dict) -> str:
-    cols = [p for p in (*PRECISIONS, "llama.cpp") if p in next(iter(r["decode"].values()))]
+    first = next(iter(r["decode"].values()))
+    cols = [c for p in PRECISIONS for c in (p, f"{p} served") if c in first]
+    cols += ["llama.cpp"] if "llama.cpp" in first else []
+    head = [c.replace(" served", ", served") for c in cols]
     lines = [
         SECTION,
         "",
         f"`python bench/llm_packed.py` on a {r['cpus']}-core machine shared with other jobs: the shipped "
         f"SmolLM2-135M-Instruct Q4_1 file ({r['file_bytes'] / 1e6:.1f} MB) in each weight precision, decode "
-        f"alternating the sides for {r['rounds']} rounds (each side's best median step).",
+        f"alternating the sides for {r['rounds']} rounds (each side's best median step). Each precision eager, "
+        "and served as `recur serve --compile` serves it (the engine's `DecodeStep` after its probe at that "
+        "thread count: **compiled** where the probe adopted the compiled step, else eager).",
         "",
         "| batch-1 decode, tokens/s | "
-        + " | ".join(cols)
+        + " | ".join(head)
         + " | int4 / fp32 |"
-        + (" int4 / llama.cpp |" if "llama.cpp" in cols else ""),
+        + (" int4 served / llama.cpp |" if "llama.cpp" in cols else ""),
         "|---" * (len(cols) + 2 + ("llama.cpp" in cols)) + "|",
     ]
     for threads, row in r["decode"].items():
-        cells = " | ".join(f"{row[c]:.1f}" for c in cols)
-        vs = f" {row['int4'] / row['llama.cpp']:.2f}x |" if "llama.cpp" in row else ""
-        lines.append(f"| {threads} thread(s) | {cells} | {row['int4'] / row['fp32']:.2f}x |{vs}")
+        marks = r["adopted"].get(threads, {})
+        cells = " | ".join(
+            f"{row[c]:.1f}"
+            + (" (compiled)" if marks.get(c.removesuffix(" served")) and c.endswith("served") else "")
+            for c in cols
+        )
+        int4 = row.get("int4 served", row["int4"])
+        vs = f" {int4 / row['llama.cpp']:.2f}x |" if "llama.cpp" in row else ""
+        lines.append(
+            f"| {threads} thread(s) | {cells} | {int4 / row.get('fp32 served', row['fp32']):.2f}x |{vs}"
+        )
     lines += [
         "",
         "| | fp32 | int8 | int4 |",
@@ -155,14 +191,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's step too (.bench-peers/ build)")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also each precision as `recur serve --compile` serves it (a compile per precision and thread count)",
+    )
     args = ap.parse_args()
     path = model.checkpoint.resolve("smollm2")
     r: dict = {"cpus": os.cpu_count(), "rounds": args.rounds, "file_bytes": path.stat().st_size}
     r["weight_bytes"] = {p: weight_bytes(loaded(p)) for p in PRECISIONS}
     print(f"weight bytes: {json.dumps(r['weight_bytes'])} (file {r['file_bytes']})", flush=True)
-    r["decode"] = {}
+    r["decode"], r["adopted"] = {}, {}
     for t in (int(x) for x in args.threads.split(",")):
-        r["decode"][t] = decode_rates(t, args.steps, args.rounds, args.llama_cpp)
+        r["decode"][t], r["adopted"][t] = decode_rates(
+            t, args.steps, args.rounds, args.llama_cpp, args.compile
+        )
         print(f"decode tokens/s, {t} thread(s): {json.dumps(r['decode'][t])}", flush=True)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     r["agreement"] = {"prompts": args.prompts, "tokens": args.tokens}

@@ -183,9 +183,12 @@ def recur_stepper(precision: str, threads: int):
     return stepper(model.load("smollm2", device="cpu", precision=precision))
 
 
-def stepper(lm: model.LanguageModel):
-    """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`)."""
+def stepper(lm: model.LanguageModel, forward=None):
+    """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`); `forward`
+    (tokens, state) -> (logits, state) is the forward it runs: `lm`'s eager one, or the
+    engine's `DecodeStep` (compiled where its probe adopted it)."""
     assert lm.tokenizer is not None
+    forward = forward or lm
     with torch.no_grad():
         _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
     box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
@@ -193,7 +196,7 @@ def stepper(lm: model.LanguageModel):
     @torch.no_grad()
     def step() -> None:
         box["tok"][0, 0] = lm.next_logits(box["state"]).argmax(-1)
-        _, box["state"] = lm(box["tok"], box["state"])
+        _, box["state"] = forward(box["tok"], box["state"])
 
     return step
 
