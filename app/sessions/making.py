@@ -21,6 +21,7 @@ from app.store import (
     StateBlobs,
     VersionGone,
     VersionMismatch,
+    fork_id,
     new_session_id,
 )
 from app.tenants import CLIENT, Pace, Tenants
@@ -137,7 +138,10 @@ class SessionMaking(SessionReads):
                     await self.imports.pace.take(client, len(blob))
                 # (the loader verifies the blob before the engine takes it: its commit writes it as it
                 # is, when it is in the stored form, instead of encoding the state again)
-                stored, persist = Stored(blob, (), _importable(blob)), Persist(self.state_dtype, verified=blob)
+                stored, persist = (
+                    Stored(blob, (), _importable(blob)),
+                    Persist(self.state_dtype, verified=blob),
+                )
                 req = Request(stored, [], persist=persist)
                 return await self._create(req, ttl, owner, None, "import", session_id)
             except StateError as exc:
@@ -195,26 +199,41 @@ class SessionMaking(SessionReads):
         ephemeral: bool = False,
     ) -> SessionMeta:
         """A new session holding the state `session_id` had at `version` (a kept one; None:
-        the current one), its transcript starting with that state's lineage. With
+        the current one), its transcript starting with that state's lineage: a session of
+        its family, naming that version's pages in Redis (no state read or written). With
         `tokens_hash`, only if that state's tokens are those (else VersionGone); `ephemeral`
         as `create`'s."""
-        at = await self.store.read_at(session_id, version, owner, state=True, transcript=True)
-        source = at.meta
-        await self.tenants.touch(owner, source)
-        if expected is not None and source.version != expected:
-            raise VersionMismatch(session_id, expected, source.version)
-        if tokens_hash is not None and at.tokens_hash != tokens_hash:
-            raise VersionGone(session_id, at.version.version, -1)
-        assert at.state is not None and at.transcript is not None
-        new_id, ttl = new_session_id(), ttl or source.ttl
-        inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
-        inherited.append(Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes())
-        await self.tenants.reserve(owner, new_id, at.state.nbytes + sum(map(len, inherited)), ttl, ephemeral)
-        async with self._placed(owner, new_id):
-            meta = await self.store.create(
-                at.state, at.version.n_tokens, source.model, source.fingerprint, ttl, owner, new_id,
-                keep=source.keep_versions, transcript=inherited, tokens_hash=at.tokens_hash,
-            )  # fmt: skip
+        for attempt in range(FORK_TRIES):
+            at = await self.store.read_at(session_id, version, owner, transcript=True)
+            source = at.meta
+            await self.tenants.touch(owner, source)
+            if expected is not None and source.version != expected:
+                raise VersionMismatch(session_id, expected, source.version)
+            if tokens_hash is not None and at.tokens_hash != tokens_hash:
+                raise VersionGone(session_id, at.version.version, -1)
+            assert at.transcript is not None
+            new_id, ttl = fork_id(session_id), ttl or source.ttl
+            inherited = _lineage_bytes(at.transcript, session_id, at.version.version)
+            inherited.append(
+                Segment(new_id, 0, "fork", at.version.n_tokens, committed_at=time.time()).to_bytes()
+            )
+            # (its quota counts the state it holds, though its pages are its source's: a key
+            # may not hold more state than its quota by forking and deleting the source)
+            size = at.state_bytes + sum(map(len, inherited))
+            await self.tenants.reserve(owner, new_id, size, ttl, ephemeral)
+            try:
+                async with self._placed(owner, new_id):
+                    meta = await self.store.fork(
+                        session_id, at.version.version, owner, new_id, ttl=ttl, keep=source.keep_versions,
+                        transcript=inherited, tokens_hash=at.tokens_hash,
+                    )  # fmt: skip
+            except VersionGone:
+                # the current version, read a moment ago, was replaced meanwhile (and not kept):
+                # the fork asked for the current one, so it takes the new one
+                if version is not None or tokens_hash is not None or attempt == FORK_TRIES - 1:
+                    raise
+                continue
+            break
         return await self.tenants.settled(owner, meta, index=self.prefix_reuse)
 
     @contextlib.asynccontextmanager
@@ -229,6 +248,9 @@ class SessionMaking(SessionReads):
         except BaseException:
             await self.tenants.forget(owner, session_id)
             raise
+
+
+FORK_TRIES = 3  # a fork of the current version, while commits replace it
 
 
 def _importable(blob: bytes) -> int:

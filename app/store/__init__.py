@@ -6,7 +6,7 @@ Split the way the data is split (app/store/keys.py has the schema):
   scripts' runner and failover, and the storage guard's reading of Redis's memory;
 - `scripts.py` and `lua/`: the Lua scripts, one file each, registered once; they answer
   field/value pairs that Python reads by name;
-- `sessions.py`: a session's keys (`{ID}`): create, read, the kept versions, the writer
+- `sessions.py`: a session's keys (`{F}`, its family's tag: its forks' too): create, read, the kept versions, the writer
   lock and the fenced commit;
 - `tenants.py`: a tenant's keys (`{T}`): the quota ledger, the token buckets, the prefix
   index;
@@ -25,7 +25,7 @@ from __future__ import annotations
 from app.config import Settings
 
 from .connection import CLIENT_NAME, Connection, parse_redis_url
-from .keys import Keys
+from .keys import Keys, fork_id
 from .records import ConversationRecord, ResponseRecord
 from .responses import ResponseStore, new_object_id
 from .sessions import SessionStore, Writer
@@ -81,6 +81,7 @@ __all__ = [
     "Writer",
     "new_object_id",
     "new_session_id",
+    "fork_id",
     "owner_of",
     "parse_redis_url",
     "tenant_of",

@@ -1,10 +1,12 @@
 """The Redis key schema, in one place (`P` is `Settings.key_prefix`).
 
-A session's keys share its id as their hash tag (`{ID}`, 32 lowercase hex digits, 128
-random bits), so all of them live in one Redis Cluster slot and every session script
-touches one slot:
+A session's id is 32 lowercase hex digits (128 random bits), or for a fork, its source's
+first 32, a dot and 16 more (64 random bits). Those first 32 are its *family* `F`, the hash
+tag its keys share with every fork made from it, down the line (`R` is the rest of its id:
+'' or the fork's '.HEX'). So a session, its forks and the pages they share live in one
+Redis Cluster slot, and every session script (a fork's too) touches one slot:
 
-    P session:{ID}     hash, the session itself; Redis TTL = its `ttl` field (sliding)
+    P session:{F}R     hash, the session itself; Redis TTL = its `ttl` field (sliding)
         version        int, +1 per committed change (0 at creation)
         n_tokens       int, tokens the state has consumed
         model          name of the model the session was created with
@@ -12,8 +14,10 @@ touches one slot:
         created_at     unix seconds (Redis server clock)
         expires_at     unix seconds; moved forward by every use
         ttl            seconds of idleness after which the session expires
-        state          the state snapshot (`State.to_bytes`: safetensors + JSON; never pickled)
-        delta_bytes    total size of the deltas below
+        state          the id of its snapshot's page (below)
+        snapshot_bytes, delta_bytes   the size of that page, and the deltas' below
+        paged          '1': the state is in pages (a session stored before pages, its
+                       bytes in these fields, moves them into pages at its next use)
         commit         random id of the commit that wrote the current state (never reused)
         owner          the tenant: a hash of the API key that created it (never the key);
                        absent = '' (no keys). Every script treats another owner's session as missing
@@ -25,13 +29,23 @@ touches one slot:
         holders, r:RESP    the stored responses whose states it holds (a chain continued in
                            place), by name, and their count: deleting one lets go, and the
                            last one deletes the session
-    P deltas:{ID}      list, the state deltas committed since the snapshot, oldest first
-    P lock:{ID}        string, the writer lock: a random token, with a short lease (PX)
-    P history:{ID}     hash, the session's past versions (the last `keep` stay readable):
+    P deltas:{F}R      list, the ids of the delta pages committed since the snapshot, oldest first
+    P lock:{F}R        string, the writer lock: a random token, with a short lease (PX)
+    P history:{F}R     hash, the session's past versions (the last `keep` stay readable):
         n:V, t:V, b:V, h:V   per kept version V: n_tokens, commit time, the version of the
                              snapshot it is built on, its tokens' hash
-        s:V, d:V             the snapshot and the delta a replaced chain committed as V
-    P transcript:{ID}  list, one packed segment per commit, oldest first (app/transcript.py)
+        s:V, d:V             the pages of the snapshot and the delta a replaced chain
+                             committed as V
+    P transcript:{F}R  list, one packed segment per commit, oldest first (app/transcript.py)
+    P pages:{F}        hash, the family's pages: page id -> how many names it has (the
+                       sessions' `state`, deltas and history fields above); at zero the
+                       page is deleted. A fork names its source's pages: it copies none
+    P pages:{F}:ID     string, one page: a snapshot or a delta as written (`State.to_bytes`,
+                       `State.delta_bytes`: safetensors + JSON; never pickled), immutable;
+                       its id is the commit id of the write that made it (and `.N` for a
+                       create's Nth delta). Its TTL is at least that of every session
+                       naming it, re-armed by each use of one: a page whose sessions
+                       expired (rather than being deleted) goes by time
 
 A tenant's keys share its own tag (`{T}`: `tenant_of` its owner), never a session's; no
 script touches both:
@@ -81,33 +95,57 @@ touches one object's keys. Both expire `response_retention` seconds after their 
 from __future__ import annotations
 
 import re
+import secrets
 
-SESSION_ID = re.compile(r"[0-9a-f]{32}")
+# a session's id: 32 hex digits (a new session's, 128 random bits), and for a fork, a dot and
+# 16 more (64 random bits): the first 32 are its family, its keys' hash tag
+SESSION_ID = re.compile(r"[0-9a-f]{32}(?:\.[0-9a-f]{16})?")
+
+
+def family(session_id: str) -> str:
+    """The hash tag a session's keys share with its family: the id of the session it was
+    forked from, down to the first (its own id, for a session that is no fork)."""
+    return session_id[:32]
+
+
+def fork_id(source: str) -> str:
+    """A new id for a fork of `source`, in `source`'s family."""
+    return f"{family(source)}.{secrets.token_hex(8)}"
 
 
 class Keys:
     def __init__(self, prefix: str):
         self.prefix = prefix
 
+    def _tagged(self, kind: str, session_id: str) -> str:
+        return f"{self.prefix}{kind}:{{{family(session_id)}}}{session_id[32:]}"
+
     def of_session(self, session_id: str) -> list[str]:
         """A session's keys, as every session script takes them: session, deltas, lock,
-        history, transcript (one hash slot)."""
-        return [f(session_id) for f in (self.session, self.deltas, self.lock, self.history, self.transcript)]
+        history, transcript, and its family's pages (one hash slot)."""
+        return [
+            *(f(session_id) for f in (self.session, self.deltas, self.lock, self.history, self.transcript)),
+            self.pages(session_id),
+        ]
 
     def session(self, session_id: str) -> str:
-        return f"{self.prefix}session:{{{session_id}}}"
+        return self._tagged("session", session_id)
 
     def deltas(self, session_id: str) -> str:
-        return f"{self.prefix}deltas:{{{session_id}}}"
+        return self._tagged("deltas", session_id)
 
     def lock(self, session_id: str) -> str:
-        return f"{self.prefix}lock:{{{session_id}}}"
+        return self._tagged("lock", session_id)
 
     def history(self, session_id: str) -> str:
-        return f"{self.prefix}history:{{{session_id}}}"
+        return self._tagged("history", session_id)
 
     def transcript(self, session_id: str) -> str:
-        return f"{self.prefix}transcript:{{{session_id}}}"
+        return self._tagged("transcript", session_id)
+
+    def pages(self, session_id: str) -> str:
+        """The family's pages: a hash of page id -> references; each page at `NAME:ID`."""
+        return f"{self.prefix}pages:{{{family(session_id)}}}"
 
     def response(self, response_id: str) -> list[str]:
         """A response's keys: its hash and its events (one slot)."""

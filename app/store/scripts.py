@@ -16,7 +16,7 @@ SCRIPTS = (
     "record", "settle", "forget", "usage", "listing", "find_prefix", "bucket",
     "object_save", "object_read", "object_delete", "response_event", "response_events", "response_cancel",
     "response_expire", "leases", "items_add", "items_read", "items_delete",
-    "unindex", "retain", "hold",
+    "unindex", "retain", "hold", "fork",
 )  # fmt: skip
 
 # The writes whose effect a request's answer reports. One that was sent and got no answer
@@ -24,11 +24,11 @@ SCRIPTS = (
 # `Connection.run` raises OutcomeUnknown. The client's retry (a lost connection only,
 # never a timeout: a timed-out command may still be queued in Redis and run after the
 # retry) is safe for these because each recognises its own first run: a commit or create
-# by its commit id, a begin or delete by its lock token. The other scripts read, or write
+# by its commit id (a fork too), a begin or delete by its lock token. The other scripts read, or write
 # what the next write of the same kind overwrites (the ledger, leases, the lock's lease).
 WRITES = frozenset(
     {
-        "create", "commit", "delete", "object_save", "object_delete", "items_add", "items_delete",
+        "create", "fork", "commit", "delete", "object_save", "object_delete", "items_add", "items_delete",
         "response_cancel", "response_event", "response_expire",
     }
 )  # fmt: skip

@@ -9,9 +9,9 @@ drops what no kept version needs any more, and appends its transcript segment: s
 version, the transcript and the current state never disagree. Reads accept the commit id
 of the state the caller already holds (a hot cache) and then return no state bytes when it
 is still the current one. Commit ids, unlike version numbers, are never issued twice, even
-after Redis loses a commit. Each use of a session re-arms its TTL (sliding expiry). No
-script spans two sessions: a fork is a read followed by a create, which is as safe, since
-the source is only read. The key schema: app/store/keys.py; the scripts: app/store/lua/.
+after Redis loses a commit. Each use of a session re-arms its TTL (sliding expiry). A fork
+is one script over both sessions, which share a family and so a slot: it names the
+source's pages (a kept version's snapshot and deltas) instead of copying them. The key schema: app/store/keys.py; the scripts: app/store/lua/.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from app import metrics
 
 from .connection import Connection
-from .keys import SESSION_ID, Keys
+from .keys import SESSION_ID, Keys, family
 from .types import (
     AtVersion,
     CommitConflict,
@@ -141,7 +141,43 @@ class SessionStore:
         segments = [bytes(x) for x in answer["transcript"]] if transcript else None
         trimmed = transcript and answer["trimmed"] == b"1"
         blobs = _read_blobs(answer) if state else None
-        return AtVersion(meta, at, blobs, segments, trimmed, bytes(answer["tokens_hash"]).decode())
+        tokens_hash = bytes(answer["tokens_hash"]).decode()
+        return AtVersion(meta, at, blobs, segments, trimmed, tokens_hash, int(answer["state_bytes"]))
+
+    async def fork(
+        self,
+        source: str,
+        version: int,
+        owner: str,
+        new_id: str,
+        *,
+        ttl: int,
+        keep: int,
+        transcript: list[bytes],
+        tokens_hash: str = "",
+    ) -> SessionMeta:
+        """A new session `new_id` (a `fork_id` of `source`: its family) holding `source`'s
+        kept `version`, whose tokens hash to `tokens_hash` ('' for any; else VersionGone):
+        it names that version's pages, and no state is read or written. Its transcript
+        starts with the `transcript` segments."""
+        if not (SESSION_ID.fullmatch(source) and SESSION_ID.fullmatch(new_id)):
+            raise SessionNotFound(source)
+        assert family(new_id) == family(source), "a fork lives in its source's family"
+        keys = self.keys.of_session(source) + self.keys.of_session(new_id)[:5]
+        args = [
+            owner, int(version), tokens_hash, int(ttl), new_commit_id(), int(keep), self.transcript_max_bytes,
+            *transcript,
+        ]  # fmt: skip
+        what, check = (
+            f"forking session {source} as {new_id}",
+            f"read session {new_id} (not found: it was not made)",
+        )
+        answer = _checked(await self.connection.run("fork", keys, args, what, check), source, None)
+        if answer["status"] == b"gone":
+            raise VersionGone(source, version, int(answer["oldest"]))
+        if answer["status"] == b"taken":
+            raise StoreError(f"session id {new_id} is taken")
+        return SessionMeta.from_fields(new_id, answer["meta"])
 
     async def versions(self, session_id: str, owner: str) -> tuple[SessionMeta, list[Version]]:
         """The session and its kept versions, oldest first."""

@@ -22,8 +22,8 @@ from .keys import SESSION_ID, Keys
 from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
 
 # a listing's cursor: '0' (the first page), or a page's own: the microseconds and the entry
-# it ended at ('0' a session, '1' an ephemeral one, then the id)
-LISTING_CURSOR = r"^(0|[0-9]{1,17}[01][0-9a-f]{32})$"
+# it ended at ('0' a session, '1' an ephemeral one, then the id: a fork's is 49 characters)
+LISTING_CURSOR = r"^(0|[0-9]{1,17}[01][0-9a-f]{32}(\.[0-9a-f]{16})?)$"
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,8 @@ class TenantStore:
         A session that lives through the whole listing appears exactly once."""
         top, after = "", ""
         if cursor:
-            top, after = cursor[:-33], ("e:" if cursor[-33] == "1" else "s:") + cursor[-32:]
+            n = 49 if "." in cursor else 32  # (the id's length: a fork's, or another session's)
+            top, after = cursor[: -n - 1], ("e:" if cursor[-n - 1] == "1" else "s:") + cursor[-n:]
         args = [top, after, count, "1" if ephemeral else "0"]
         answer = fields(await self.connection.run("listing", self.keys.ledger(tenant_of(owner)), args))
         ids = [bytes(i).decode() for i in answer["ids"]]

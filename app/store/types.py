@@ -186,6 +186,7 @@ class AtVersion:
     transcript: list[bytes] | None  # the packed segments, oldest first, when asked for
     trimmed: bool = False  # the transcript's oldest segments were dropped (its size bound)
     tokens_hash: str = ""  # the version's (`app.prefixes`; '' unknown)
+    state_bytes: int = 0  # the stored bytes of its state (its snapshot and deltas)
 
 
 @dataclass(frozen=True)

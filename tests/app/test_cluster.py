@@ -26,7 +26,7 @@ import redis.cluster
 
 import model
 from app.config import Settings
-from app.store import CLIENT_NAME, SessionStore, StateBlobs, Store, StoreUnavailable, parse_redis_url
+from app.store import CLIENT_NAME, SessionStore, StateBlobs, Store, StoreUnavailable, fork_id, parse_redis_url
 from tests.app.sse_client import events, generate
 from tests.conftest import ServerProcess
 from tests.faults.harness import error_type, race, store_for, stored, stream_generate
@@ -113,11 +113,14 @@ def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
             )
             node = cluster.primary_for(store.keys.session(meta.id))
             seen.add(node.port)
-            keys = store.keys.of_session(meta.id)  # session, deltas, lock, history, transcript
+            # session, deltas, lock, history, transcript, the family's pages
+            keys = store.keys.of_session(meta.id)
             r = node.client()
-            assert len({r.cluster("KEYSLOT", k) for k in keys}) == 1
             w = await store.begin(meta.id)
-            assert r.exists(*keys) == 5  # (all five on this primary, the lock held)
+            pages = [f"{keys[5]}:{p.decode()}" for p in r.hkeys(keys[5])]
+            assert len(pages) == 2  # (the snapshot's and the delta's)
+            assert len({r.cluster("KEYSLOT", k) for k in [*keys, *pages]}) == 1
+            assert r.exists(*keys, *pages) == 8  # (all on this primary, the lock held)
             after = await w.commit(2, delta=b"d1")
             assert after.version == 1 and r.exists(keys[2]) == 0
             _, blobs = await store.read(meta.id, with_state=True)
@@ -126,10 +129,16 @@ def test_store_on_cluster_keeps_each_session_in_one_slot(cluster):
             await w.commit(3, snapshot=b"new")
             past = await store.read_at(meta.id, 1, "", state=True, transcript=True)  # from the history
             assert past.state == StateBlobs(b"snap", (b"d0", b"d1")) and past.transcript == [b"t"]
+            # a fork lives in its source's slot, and names its pages: it outlives its source
+            fork = await store.fork(meta.id, 2, "", fork_id(meta.id), ttl=60, keep=3, transcript=[b"f"])
+            assert len({r.cluster("KEYSLOT", k) for k in [*keys, *store.keys.of_session(fork.id)]}) == 1
             await store.delete(meta.id)
+            assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"new")
+            await store.delete(fork.id)
             # all gone but the lock, a tombstone holding the delete's token for at most a minute
             # (a retried delete recognises its own first run: app/store/lua/delete.lua)
             assert r.exists(*keys[:2], *keys[3:]) == 0 and 0 < r.pttl(keys[2]) <= 60_000
+            assert not r.hkeys(keys[5]) and not list(r.scan_iter(f"{keys[5]}:*"))
         await store.connection.ping()
         await store.connection.close()
 

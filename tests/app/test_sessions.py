@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from app.store import Keys
+from tests.stored_pages import plant
 
 from .sse_client import events, generate
 
@@ -450,7 +451,8 @@ def test_foreign_model_and_corrupt_state_are_refused_cleanly(http, server, redis
         error(http.post(f"/v1/sessions/{a['id']}{path}", json=body), 409, "model_mismatch")
     # a damaged state under a new commit id, as any other writer's commit would leave it
     # (the replica's hot copy belongs to the old commit id, so the bytes are read and checked)
-    direct.hset(keys.session(b["id"]), mapping={"state": b"\x00" * 40, "commit": "feedfacefeedface"})
+    plant(direct, keys, b["id"], snapshot=b"\x00" * 40)
+    direct.hset(keys.session(b["id"]), "commit", "feedfacefeedface")
     error(http.post(f"/v1/sessions/{b['id']}/score", json={"prompt": "x"}), 500, "state_corrupt")
     error(
         http.post(f"/v1/sessions/{b['id']}/generate", json={"max_tokens": 2, "stream": False}),

@@ -32,6 +32,7 @@ from tests.app.sse_client import events
 from tests.conftest import ServerProcess, _wait_redis, free_port, tiny_model_of
 from tests.model.llama_files import random_weights, write_gguf
 from tests.sensitive import write_sensitive
+from tests.stored_pages import state_blobs
 
 # Transformer-XL and RLT, as small as they come: every fault test runs on each (the faults
 # are in the plumbing, not the maths)
@@ -149,8 +150,7 @@ def stored(r: redis.Redis, keys: Keys, sid: str, lm: model.LanguageModel) -> Sto
     """
     h = r.hgetall(keys.session(sid))
     assert h, f"session {sid} is gone from Redis"
-    snapshot = h[b"state"]
-    deltas = r.lrange(keys.deltas(sid), 0, -1)
+    snapshot, deltas = state_blobs(r, keys, sid)
     header, tensors = merge(snapshot, deltas)
     assert header["fingerprint"] == h[b"fingerprint"].decode() == lm.fingerprint
     state = lm.load_state(snapshot, deltas)

@@ -184,12 +184,13 @@ def test_a_hot_cache_never_outlives_a_commit_redis_lost(cluster, rdb):
     keys = store_for(cluster.a)
     with cluster.a.client() as ca, cluster.b.client() as cb:
         sid = create(ca, "lost")["id"]
-        saved = {k: rdb.dump(k) for k in (keys.session(sid), keys.deltas(sid)) if rdb.exists(k)}
+        lost = (keys.session(sid), keys.deltas(sid), keys.pages(sid))
+        saved = {k: rdb.dump(k) for k in lost if rdb.exists(k)}
         assert (
             ca.post(f"/v1/sessions/{sid}/score", json={"prompt": " first", "commit": True}).status_code == 200
         )
         # Redis loses that commit: the keys are as they were at v0
-        rdb.delete(keys.session(sid), keys.deltas(sid))
+        rdb.delete(*lost)
         for k, v in saved.items():
             rdb.restore(k, 0, v)
         rb = cb.post(f"/v1/sessions/{sid}/score", json={"prompt": " other", "commit": True})  # same length

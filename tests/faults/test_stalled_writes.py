@@ -111,7 +111,7 @@ Ctx = dict[str, Any]
 
 
 def sessions_of(srv: ServerProcess, r: redis.Redis) -> int:
-    return count(r, store_for(srv).session("*"))
+    return count(r, store_for(srv).session("*") + "*")  # (a fork's keys: {F}.HEX)
 
 
 def responses_of(srv: ServerProcess, r: redis.Redis) -> int:
@@ -287,14 +287,14 @@ CASES: dict[str, tuple[str, Callable]] = {
     "generate": ("commit", case_generate),
     "generate-stream": ("commit", case_stream),
     "score": ("commit", case_score),
-    "fork": ("create", case_fork),
+    "fork": ("fork", case_fork),
     "rollback": ("commit", case_rollback),
     "import": ("create", case_import),
     "delete": ("delete", case_delete),
     "response": ("object_save", case_response),
     "response-session": ("create", case_response),
     "continue": ("commit", case_continue),  # (in place, in the chain's session)
-    "continue-branch": ("create", case_branch),  # (a fork of the version continued)
+    "continue-branch": ("fork", case_branch),  # (a fork of the version continued)
     "continue-ledger": ("settle", case_continue),
     "continue-record": ("object_save", case_continue),
     "background": ("object_save", case_background),

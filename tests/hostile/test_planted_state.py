@@ -19,6 +19,7 @@ import redis
 import torch
 
 from tests.faults.harness import store_for, stream_events
+from tests.stored_pages import plant
 
 from .conftest import assert_error
 
@@ -63,11 +64,14 @@ def test_a_planted_pickle_is_refused_never_run(hostile_servers, redis_url, tmp_p
         assert c.post(f"/v1/sessions/{sid}/score", json={"prompt": "!", "commit": True}).status_code == 200
         skey = keys.session(sid)
         if variant == "pickle-delta":
-            r.rpush(keys.deltas(sid), _pickle(marker))
+            plant(r, keys, sid, delta=_pickle(marker))
         else:
-            blob = _pickle(marker) if variant == "pickle-snapshot" else _torch_save(marker)
-            r.delete(keys.deltas(sid))
-            r.hset(skey, mapping={"state": blob, "delta_bytes": 0})
+            plant(
+                r,
+                keys,
+                sid,
+                snapshot=_pickle(marker) if variant == "pickle-snapshot" else _torch_save(marker),
+            )
         version = _as_a_new_commit(r, skey)
 
         for path, body in [

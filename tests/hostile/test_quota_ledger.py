@@ -19,8 +19,9 @@ from collections.abc import Callable
 import httpx
 import redis
 
-from app.store import owner_of, tenant_of
+from app.store import Keys, owner_of, tenant_of
 from tests.app.sse_client import events
+from tests.stored_pages import stored_bytes
 
 from .conftest import LEDGER, SMALL, as_key
 
@@ -59,13 +60,13 @@ def _mismatches(r: redis.Redis, prefix: str, key: str, c: httpx.Client) -> list[
     }
     sizes = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}tenant:{{{tenant}}}:bytes").items()}
     held = {}
+    keys = Keys(prefix)
     for k in r.scan_iter(f"{prefix}session:*", count=1000):
-        o, exp, deltas, hist, trans = r.hmget(
-            k, "owner", "expires_at", "delta_bytes", "history_bytes", "transcript_bytes"
-        )
+        o, exp, hist, trans = r.hmget(k, "owner", "expires_at", "history_bytes", "transcript_bytes")
         if (o or b"").decode() == owner:
-            stored = r.hstrlen(k, "state") + int(deltas or 0) + int(hist or 0) + int(trans or 0)
-            held[k.decode().rsplit("{", 1)[1].rstrip("}")] = (float(exp), stored)
+            sid = k.decode().split("{", 1)[1].replace("}", "")  # (a fork's: {F}.HEX)
+            stored = stored_bytes(r, keys, sid) + int(hist or 0) + int(trans or 0)
+            held[sid] = (float(exp), stored)
     out = []
     if set(ledger) != set(held):
         out.append(f"ledger sessions {sorted(ledger)} != Redis's {sorted(held)}")

@@ -26,8 +26,9 @@ from .errors import ApiError, ErrorType
 # If-Match: `*`, or one session version as its ETag ("3"), weak ETag (W/"3") or bare (3).
 # The OpenAPI document carries this pattern, and the server checks the same one.
 IF_MATCH = r'^(\*|[0-9]{1,18}|(W/)?"[0-9]{1,18}")$'
-# X-Session-Id: a session id as app.store.new_session_id makes them (128 bits, hex)
-SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
+# X-Session-Id: a session id as the store makes them (app/store/keys.py: 32 hex digits, and
+# a fork's, a dot and 16 more)
+SESSION_ID_PATTERN = r"^[0-9a-f]{32}(\.[0-9a-f]{16})?$"
 
 
 def get_settings(request: Request) -> Settings:

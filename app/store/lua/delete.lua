@@ -1,5 +1,5 @@
 --! uses: now session
--- Delete a session. KEYS: the session's five. ARGV: expected version or '', owner, a token,
+-- Delete a session. KEYS: the session's six. ARGV: expected version or '', owner, a token,
 -- and a holder's id ('': none): then the holder lets go (`hold`), and the session is
 -- deleted only if no other holder is left, else {'status', 'held'}. A session being
 -- written is busy. Returns {'status', 'ok'}, {'status', 'missing'}, {'status', 'held'},
@@ -13,6 +13,8 @@ if (ARGV[4] or '') ~= '' and owned(KEYS[1], ARGV[2]) then
 end
 local refused = refusal(KEYS, ARGV[2], ARGV[1])
 if refused then return refused end
+upgrade(KEYS)
+for _, id in ipairs(pages_of(KEYS)) do drop_page(KEYS, id) end  -- (its own pages go; a fork's stay)
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
 redis.call('SET', KEYS[3], ARGV[3], 'EX', 60)
 return {'status', 'ok'}

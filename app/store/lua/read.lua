@@ -1,5 +1,5 @@
 --! uses: now session
--- A session's metadata, and its state when asked for. KEYS: the session's five. ARGV: '1'
+-- A session's metadata, and its state when asked for. KEYS: the session's six. ARGV: '1'
 -- to include the state, the commit id whose state the caller holds or '', owner, '0' to
 -- leave the TTL as it is (a listing), and optionally how many of the transcript's first
 -- segments to include (a listing's previews). Returns {'meta', meta[, 'snapshot', s,
@@ -7,6 +7,7 @@
 if not owned(KEYS[1], ARGV[3]) then
   return false
 end
+upgrade(KEYS)
 if ARGV[4] ~= '0' then touch(KEYS) end
 local out = {'meta', meta(KEYS[1])}
 if ARGV[1] == '1' then with_state(out, KEYS, ARGV[2]) end

@@ -1,10 +1,11 @@
 --! uses: now session
--- A session and its kept versions. KEYS: the session's five. ARGV: owner. Returns
+-- A session and its kept versions. KEYS: the session's six. ARGV: owner. Returns
 -- {'status', 'ok', 'meta', meta, 'versions', {{'version', v, 'n_tokens', n, 'committed_at', t}...}}
 -- (oldest first) or {'status', 'missing'}. Re-arms the TTL.
 if not owned(KEYS[1], ARGV[1]) then
   return {'status', 'missing'}
 end
+upgrade(KEYS)
 touch(KEYS)
 local current = num(KEYS[1], 'version')
 local kept = {}
