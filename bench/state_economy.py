@@ -12,7 +12,7 @@ slice of a held-out play as the history:
    (a) a stored response with `previous_response_id` continuing the chain's latest response:
        the chain's session is continued in place (a delta commit);
    (b) a branch, continuing an earlier response the chain has already gone on from: that
-       version is forked (`read_at` + `create`, the whole state: the old path);
+       version is forked (`read_at` for its lineage, then `fork.lua`, naming its pages);
    (c) the session route, `POST /v1/sessions/{id}/generate`.
    Per turn: the scripts Redis ran (`INFO commandstats`: evalsha, eval, fcall), the bytes it
    received (`total_net_input_bytes`: written) and sent
@@ -480,21 +480,24 @@ def _closing(r: dict) -> list[str]:
         )
     if not met["fork"]:
         why.append(
-            "The fork misses: it copies the whole state (the branch's turn above pays the same copy) until the "
-            "paged store (issue 41, item 1) makes a fork a manifest that names shared pages."
+            "The fork misses: it writes more than the manifest of names a paged fork should "
+            '(docs/ARCHITECTURE.md, "the manifest and the pages").'
         )
     return [
         *table,
         "",
         "A turn that continues the chain's latest response commits a delta in the chain's own session, so "
-        "its bytes follow the positions it added; a branch (a second continuation of a response) forks that "
-        "version whole (`read_at` + `create`), the path every turn took before commit b780d0d, and its bytes "
-        "follow the state: the (b) ÷ (a) column is today's whole-state copy against the delta. "
+        "its bytes follow the positions it added. A branch (a second continuation of a response) forks that "
+        "version: the fork names its pages (`fork.lua`, no state written), and the branch's `begin` then "
+        "reads that state once, since the hot cache holds the chain's latest commit, not the older one "
+        "branched from; its writes are its own delta, as (a)'s. Before pages (until 85c6d17) a branch also wrote "
+        "the whole state (52 MB a turn here) and read it twice, and a fork copied 100% of it. "
         + " ".join(why),
         "",
-        "Not measured yet: Redis `used_memory` for 1,000 sessions of 20 turns with 4 kept versions; "
+        "Not measured here: "
         + ("" if len(r["histories"]) > 1 else "8,000 tokens of history (`--long`); ")
-        + "`shakespeare` (`--model shakespeare` runs it; only smollm2's figures are written here).",
+        + "`shakespeare` (`--model shakespeare` runs it; only smollm2's figures are written here); Redis "
+        '`used_memory` for 1,000 sessions is in "Sessions at scale" (bench/session_scale.py).',
         "",
         "Reproduce: `python bench/state_economy.py` (`--long` adds 8,000 tokens of history; `--write` "
         "rewrites this section).",
