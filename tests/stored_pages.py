@@ -55,3 +55,25 @@ def plant(
         )
     else:
         r.rpush(keys.deltas(session_id), pid)
+
+
+def loose_pages(r: redis.Redis, keys: Keys) -> list[str]:
+    """Pages that Redis's expiry would never reclaim, or counts that name none: a page key
+    with no TTL, a page no family counts, a count of a page that is gone or of none. Empty:
+    every page is counted and goes by count or by time."""
+    out = []
+    for raw in r.scan_iter(f"{keys.prefix}pages:*", count=1000):
+        key = raw.decode()
+        if key.endswith("}"):  # a family's counts
+            for pid, n in r.hgetall(key).items():
+                if int(n) <= 0 or not r.exists(f"{key}:{pid.decode()}"):
+                    out.append(
+                        f"{key} counts {pid.decode()} as {int(n)}, page there: {r.exists(f'{key}:{pid.decode()}')}"
+                    )
+            continue
+        family, pid = key.rsplit(":", 1)
+        if r.ttl(key) == -1:
+            out.append(f"{key} has no TTL")
+        if not r.hexists(family, pid):
+            out.append(f"{key} is counted nowhere")
+    return out

@@ -15,7 +15,7 @@ import redis
 from app.config import Settings
 from app.store import SessionNotFound, SessionStore, StateBlobs, Store, VersionGone, fork_id
 from app.store.keys import family
-from tests.stored_pages import page_key, state_blobs
+from tests.stored_pages import loose_pages, page_key, state_blobs
 
 MB = 2**20
 
@@ -65,6 +65,7 @@ def test_a_fork_names_its_sources_pages_and_outlives_it(redis_url):
         await store.delete(fork.id, owner="o")
         assert pages_in_redis(r, store, src.id) == set()
         assert not r.exists(store.keys.pages(src.id))
+        assert not loose_pages(r, store.keys)
 
     asyncio.run(go())
 
@@ -89,6 +90,7 @@ def test_a_fork_of_a_kept_version_names_its_history_pages(redis_url):
         with pytest.raises(VersionGone):
             await store.read_at(src.id, 1, "")
         assert (await store.read(fork.id, with_state=True))[1] == StateBlobs(b"s0", (b"d1",))
+        assert not loose_pages(r, store.keys)
         # a version past the kept history, or not the one the caller read, is no fork
         with pytest.raises(VersionGone):
             await store.fork(src.id, 1, "", fork_id(src.id), ttl=60, keep=1, transcript=[])

@@ -20,6 +20,7 @@ import redis
 
 import model
 from tests.conftest import ServerProcess
+from tests.stored_pages import loose_pages
 
 from .harness import (
     MORE_FAMILIES,
@@ -132,6 +133,8 @@ def sigkill_mid_traffic(red: DurableRedis, srv: ServerProcess, lm: model.Languag
                     local_logprobs(lm, replayed, PROBE), abs=1e-4
                 ), sid
             before[sid] = s
+        # and no page that is neither counted nor expiring (the kill left no write half done)
+        assert not loose_pages(r, keys)
 
         srv.start()
         with srv.client() as c:
