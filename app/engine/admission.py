@@ -1,7 +1,7 @@
 """Admission control: the requests submitted and not yet admitted, counted against the
 queue's limits. Past `max_queued_requests`, or `max_queued_tokens` of their prompts, a
-request is refused at once (QueueFull: the API's 429), before any work; one tenant's
-requests may fill only `queue_share` of either, so a tenant flooding the queue never shuts
+request is refused at once (QueueFull: the API's 429), before any work; one client's
+requests may fill only `queue_share` of either, so a client flooding the queue never shuts
 another out of it.
 
 Requests are counted from the event loop (and the loader thread) and released by the
@@ -23,13 +23,13 @@ class QueueLimits:
         self._lock = threading.Lock()
         self.requests = 0  # submitted, not yet admitted
         self.tokens = 0  # their prompt tokens
-        self._requests_by: collections.Counter[str] = collections.Counter()  # by tenant
+        self._requests_by: collections.Counter[str] = collections.Counter()  # by client
         self._tokens_by: collections.Counter[str] = collections.Counter()
 
     def reserve(self, req: Request) -> None:
-        """Count `req` in the queue, or raise QueueFull when the queue, or its tenant's share
+        """Count `req` in the queue, or raise QueueFull when the queue, or its client's share
         of it, is at its limits."""
-        tokens, tenant = len(req.prompt), req.tenant
+        tokens, client = len(req.prompt), req.client
         with self._lock:
             if self.requests >= self.max_requests:
                 raise QueueFull(
@@ -39,9 +39,9 @@ class QueueLimits:
                 raise QueueFull(
                     f"the server's queue is full ({self.tokens} prompt tokens waiting); retry shortly"
                 )
-            mine = self._requests_by[tenant]
+            mine = self._requests_by[client]
             if mine >= math.ceil(self.share * self.max_requests) or (
-                mine and self._tokens_by[tenant] + tokens > self.share * self.max_tokens
+                mine and self._tokens_by[client] + tokens > self.share * self.max_tokens
             ):
                 raise QueueFull(
                     f"this client's requests fill its share of the server's queue ({mine} waiting); "
@@ -49,13 +49,13 @@ class QueueLimits:
                 )
             self.requests += 1
             self.tokens += tokens
-            self._requests_by[tenant] += 1
-            self._tokens_by[tenant] += tokens
+            self._requests_by[client] += 1
+            self._tokens_by[client] += tokens
 
     def admitted(self, req: Request) -> None:
         """`req` leaves the queue (admitted, or cancelled while it waited)."""
         with self._lock:
             self.requests -= 1
             self.tokens -= len(req.prompt)
-            self._requests_by[req.tenant] -= 1
-            self._tokens_by[req.tenant] -= len(req.prompt)
+            self._requests_by[req.client] -= 1
+            self._tokens_by[req.client] -= len(req.prompt)

@@ -151,7 +151,7 @@ class Request:
     prompt_logprobs: bool = False
     persist: Persist | None = None
     top_logprobs: int = 0  # alternatives per sampled token (and prompt token, with prompt_logprobs)
-    tenant: str = ""  # who asks (an API key's owner, or a client's address): the scheduler's fairness
+    client: str = ""  # who asks (an API key's owner, or, keyless, an address): the scheduler's fairness
     grammar: Matcher | None = None  # the output's grammar (compiled off the engine thread), its own copy
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -167,7 +167,7 @@ class Request:
 
     @property
     def unread(self) -> int:
-        """Events sent and not yet taken: what a stream's client has left unread."""
+        """Events sent and not yet taken: what a stream's reader has left unread."""
         return self.sent - self.taken
 
     # -- event loop side ---------------------------------------------------------------------

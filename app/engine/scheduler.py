@@ -2,7 +2,7 @@
 
 Each step the scheduler
   1. admits waiting requests while fewer than `max_batch_size` are running, fairly
-     between tenants (below);
+     between clients (below);
   2. picks the next prompt chunk (at most `lm.segment_len` tokens) of admitted requests
      that still have prompt to consume, grouped by chunk length so each group is one
      forward pass without padding (chunked prefill). While other rows decode, the chunks
@@ -18,16 +18,16 @@ Each step the scheduler
 A cancelled request leaves before its next step: nothing of it is committed.
 
 Admission control (app/engine/admission.py): requests not yet admitted are bounded by
-`max_queued_requests` and their prompt tokens by `max_queued_tokens`, one tenant's by
+`max_queued_requests` and their prompt tokens by `max_queued_tokens`, one client's by
 `Fairness.queue_share` of either; past them, `submit` raises QueueFull at once.
 
-Fairness between tenants (`Request.tenant`: an API key, or a client's address): each
-tenant waits in its own line, and admission takes from the one that `Shares`
-(app/engine/fairness.py) names; a tenant past its share beside a lighter one has its
-newest rows parked, their states kept, at the front of its line.
+Fairness between clients (`Request.client`: an API key's owner, or, without a key, the
+caller's address): each client waits in its own line, and admission takes from the one
+that `Shares` (app/engine/fairness.py) names; a client past its share beside a lighter one
+has its newest rows parked, their states kept, at the front of its line.
 
-A stream whose client does not read: once `Fairness.buffer_tokens` of its tokens wait
-unread, its row is paused (out of the batch, its state kept) until its client has read
+A stream whose reader does not read: once `Fairness.buffer_tokens` of its tokens wait
+unread, its row is paused (out of the batch, its state kept) until its reader has read
 half of them; it never holds a place in the batch while it waits.
 
 `submit` and the counters are called from the event loop; everything else runs on the
@@ -72,11 +72,11 @@ class Scheduler:
         self.shares = Shares(fairness, max_batch_size)
         self.limits = QueueLimits(max_queued_requests, max_queued_tokens, fairness.queue_share)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lines = self.shares.lines  # each tenant's: parked rows (to resume) first, then its requests
+        self._lines = self.shares.lines  # each client's: parked rows (to resume) first, then its requests
         self._prefilling: list[Row] = []
         self._decoding: list[Row] = []
         self._done: list[Row] = []
-        self._paused: list[Row] = []  # streams whose clients do not read
+        self._paused: list[Row] = []  # streams whose readers do not read
         self._num_running = 0
 
     # -- the event loop's side ---------------------------------------------------------------
@@ -93,7 +93,7 @@ class Scheduler:
         return self.limits.requests
 
     def submit(self, req: Request) -> None:
-        """Queue a request; raises QueueFull when the queue, or its tenant's share of it, is
+        """Queue a request; raises QueueFull when the queue, or its client's share of it, is
         at its limits."""
         self.reserve(req)
         self.deliver(req)
@@ -136,7 +136,7 @@ class Scheduler:
         if any(item is _STOP for item in items):
             return False
         for req in items:
-            self._lines.setdefault(req.tenant, collections.deque()).append(req)
+            self._lines.setdefault(req.client, collections.deque()).append(req)
         return True
 
     def admit(self) -> list[Request]:
@@ -144,27 +144,27 @@ class Scheduler:
         rows that may run again are placed back here themselves."""
         self._pause_unread()
         self._resume_read()
-        running = collections.Counter(r.req.tenant for r in self._running())
+        running = collections.Counter(r.req.client for r in self._running())
         waiting = {t for t, line in self._lines.items() if line}
         self.shares.tick(running, waiting)
         self._park_past_share(running, waiting)
         out: list[Request] = []
         while sum(running.values()) < self.max_batch_size:
-            tenant = self.shares.next_tenant(running, waiting)
-            if tenant is None:
+            client = self.shares.next_client(running, waiting)
+            if client is None:
                 break
-            item = self._lines[tenant].popleft()
-            if not self._lines[tenant]:
-                waiting.discard(tenant)
+            item = self._lines[client].popleft()
+            if not self._lines[client]:
+                waiting.discard(client)
             if isinstance(item, Row):
                 if not item.req.cancelled:
                     self._place(item)
-                    running[tenant] += 1
+                    running[client] += 1
                 continue
             self.limits.admitted(item)
             if not item.cancelled:
                 out.append(item)
-                running[tenant] += 1
+                running[client] += 1
         return out
 
     def add(self, row: Row) -> None:
@@ -256,22 +256,22 @@ class Scheduler:
         return [*self._prefilling, *self._decoding, *self._done]
 
     def _park_past_share(self, running: collections.Counter[str], waiting: set[str]) -> None:
-        """Rows of a tenant past its cap go back to the front of its line, newest first
+        """Rows of a client past its cap go back to the front of its line, newest first
         out: a row still consuming its prompt before one that is decoding."""
         active = self.shares.active(running, waiting)
         if len(active) < 2:
             return
-        for tenant in list(running):
-            excess = running[tenant] - self.shares.cap(tenant, running, active)
+        for client in list(running):
+            excess = running[client] - self.shares.cap(client, running, active)
             if excess <= 0:
                 continue
-            mine = [r for r in (*self._decoding, *self._prefilling) if r.req.tenant == tenant]
+            mine = [r for r in (*self._decoding, *self._prefilling) if r.req.client == client]
             parked = mine[-excess:]
             self.drop(parked)
-            line = self._lines.setdefault(tenant, collections.deque())
+            line = self._lines.setdefault(client, collections.deque())
             line.extendleft(reversed(parked))
-            running[tenant] -= len(parked)
-            waiting.add(tenant)
+            running[client] -= len(parked)
+            waiting.add(client)
 
     def _only_paused(self) -> bool:
         return bool(self._paused) and not (
@@ -279,7 +279,7 @@ class Scheduler:
         )
 
     def _pause_unread(self) -> None:
-        """Streams whose clients have left `buffer_tokens` tokens unread leave the batch."""
+        """Streams whose readers have left `buffer_tokens` tokens unread leave the batch."""
         limit = self.fairness.buffer_tokens
         if not limit:
             return
@@ -289,14 +289,14 @@ class Scheduler:
             self._paused += slow
 
     def _resume_read(self) -> None:
-        """Paused streams whose clients have read half their backlog wait to run again (at
-        the front of their tenant's line); those whose clients left, leave."""
-        keep: list[Row] = []
+        """Paused streams whose readers have read half their backlog wait to run again (at
+        the front of their client's line); those whose readers left, leave."""
+        still: list[Row] = []
         back: list[Row] = []
         for r in self._paused:
             if r.req.cancelled:
                 continue
-            (back if r.req.unread <= self.fairness.buffer_tokens // 2 else keep).append(r)
-        self._paused = keep
+            (back if r.req.unread <= self.fairness.buffer_tokens // 2 else still).append(r)
+        self._paused = still
         for r in reversed(back):
-            self._lines.setdefault(r.req.tenant, collections.deque()).appendleft(r)
+            self._lines.setdefault(r.req.client, collections.deque()).appendleft(r)

@@ -119,7 +119,7 @@ class SessionReads:
             return at.meta, version, res.encoded.blob
         meta, start = await self._read(session_id, expected, owner)
         res = await self._finish(Request(start, [], persist=Persist(dtype)))
-        self._keep_loaded(meta, res)
+        self._cache_loaded(meta, res)
         await self.tenants.touch(owner, meta)
         assert res.encoded is not None
         return meta, meta.version, res.encoded.blob
@@ -130,7 +130,7 @@ class SessionReads:
         """Teacher-forced log-probs of `ids` continuing the session, which stays as it is."""
         meta, start = await self._read(session_id, expected, owner)
         res = await self._finish(Request(start, ids, prompt_logprobs=True))
-        self._keep_loaded(meta, res)
+        self._cache_loaded(meta, res)
         await self.tenants.touch(owner, meta)
         return meta, res.prompt_logprobs
 
@@ -178,14 +178,14 @@ class SessionReads:
 
     def _submit(self, req: Request) -> Request:
         """Queue `req` with the engine, as its client's (the scheduler shares it out by client)."""
-        req.tenant = CLIENT.get()
+        req.client = CLIENT.get()
         return self.engine.submit(req)
 
     async def _finish(self, req: Request) -> Finished:
         """Run `req` to its end, for a request whose tokens nobody streams."""
         return await self._submit(req).finished()
 
-    def _keep_loaded(self, meta: SessionMeta, res: Finished) -> None:
+    def _cache_loaded(self, meta: SessionMeta, res: Finished) -> None:
         """A read-only request loaded the current state from bytes: keep it hot."""
         if res.loaded is not None:
             self.cache.put(meta.id, Held(meta.version, meta.commit_id, res.loaded))

@@ -1,4 +1,4 @@
-"""One tenant cannot crowd out another (issue 25, attack 5).
+"""One client cannot crowd out another (issue 25, attack 5).
 
 500 streams that never read, from one key, held the batch (32), the queue (256) and the
 Redis pool for as long as their connections stayed open: another key got 15 x 429
@@ -52,9 +52,9 @@ def lm_and_start(hostile_models) -> tuple[model.LanguageModel, Stored]:
     return lm, Stored(state.to_bytes(), (), int(state.n_tokens[0]))
 
 
-def _req(start: Stored, tenant: str, max_tokens: int) -> Request:
+def _req(start: Stored, client: str, max_tokens: int) -> Request:
     return Request(
-        start, [5], SamplingParams(temperature=0.0), None, max_tokens, [], persist=Persist(), tenant=tenant
+        start, [5], SamplingParams(temperature=0.0), None, max_tokens, [], persist=Persist(), client=client
     )
 
 
@@ -81,8 +81,8 @@ class Stepper:
         for _ in range(3):
             await asyncio.sleep(0)  # the events reach their readers
 
-    def running(self, tenant: str) -> int:
-        return sum(r.req.tenant == tenant for r in (*self.s._prefilling, *self.s._decoding))
+    def running(self, client: str) -> int:
+        return sum(r.req.client == client for r in (*self.s._prefilling, *self.s._decoding))
 
 
 def test_a_flood_fills_the_batch_alone_and_holds_its_share_beside_another(lm_and_start):
