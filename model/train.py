@@ -266,7 +266,7 @@ def plot_curve(log_csv: str | Path, png: str | Path, title: str = "") -> Path:
 
 # -- a run: its setup, where it starts, one optimiser step -----------------------------------------
 @dataclass
-class Run:
+class TrainingRun:
     """What a training run works with: its model, optimiser and corpus (`_setup`)."""
 
     cfg: TrainConfig
@@ -284,7 +284,7 @@ class Run:
         return self.cfg.batch_size * self.lm.segment_len * self.cfg.bptt_segments
 
 
-def _setup(cfg: TrainConfig) -> Run:
+def _setup(cfg: TrainConfig) -> TrainingRun:
     """The seeded model in the run's precision, its optimiser, and the corpus as streams."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,10 +310,10 @@ def _setup(cfg: TrainConfig) -> Run:
         cfg.seed,
     )
     cpu_autocast = precision == "bf16" and device.type == "cpu"
-    return Run(cfg, out, lm, opt, batches, splits["valid"], cpu_autocast)
+    return TrainingRun(cfg, out, lm, opt, batches, splits["valid"], cpu_autocast)
 
 
-def _start(run: Run, resume: bool) -> tuple[int, State | None, dict]:
+def _start(run: TrainingRun, resume: bool) -> tuple[int, State | None, dict]:
     """(step, carried state, trainer metadata) to start from: OUT/last's, with log.csv cut
     back to its step, or a fresh start."""
     log_path, last_dir = run.out / "log.csv", run.out / "last"
@@ -331,7 +331,7 @@ def _start(run: Run, resume: bool) -> tuple[int, State | None, dict]:
     return step, state, meta
 
 
-def _optimise(run: Run, state: State | None, step: int, lr: float) -> tuple[float, State]:
+def _optimise(run: TrainingRun, state: State | None, step: int, lr: float) -> tuple[float, State]:
     """Optimiser step `step`: its `bptt_segments` consecutive segments, back-propagated
     through all of them. Returns the mean loss and the carried state, cut from the graph."""
     cfg, lm, device = run.cfg, run.lm, run.lm.device
@@ -368,7 +368,7 @@ class Report:
     state: a run stopped mid-window logs the same means after resuming as one that never
     stopped."""
 
-    def __init__(self, run: Run, meta: dict, step: int, progress: bool):
+    def __init__(self, run: TrainingRun, meta: dict, step: int, progress: bool):
         self.cfg, self.out, self.tokens_per_step = run.cfg, run.out, run.tokens_per_step
         self.n_params = sum(p.numel() for p in run.lm.parameters())
         self.running, self.running_n = float(meta.get("running_loss", 0.0)), int(meta.get("running_n", 0))
