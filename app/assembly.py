@@ -83,7 +83,7 @@ async def assembled(settings: Settings, lm: LanguageModel | None = None) -> Asyn
 
 def build_engine(settings: Settings, lm: LanguageModel, name: str) -> Engine:
     """The engine as `settings` describe it (not yet started)."""
-    lm.keep_states_in(settings.state_dtype)  # before any state, or compiled step, is made
+    lm.set_state_dtype(settings.state_dtype)  # before any state, or compiled step, is made
     return Engine(
         lm,
         name=name,
@@ -123,7 +123,7 @@ def build_sessions(settings: Settings, store: Store, engine: Engine, tenants: Te
         HotCache(int(settings.hot_cache_mb * 2**20)),
         # the model keeps the precision in its states where it can (`build_engine` told it);
         # else a commit rounds to it
-        state_dtype=engine.lm.keep_states_in(settings.state_dtype),
+        state_dtype=engine.lm.set_state_dtype(settings.state_dtype),
         delta_persistence=settings.delta_persistence,
         history_versions=settings.history_versions,
         prefix_reuse=settings.prefix_reuse,

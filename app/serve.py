@@ -141,7 +141,7 @@ def _load_model(settings: Settings) -> model.LanguageModel:
             precision=settings.precision,
             options=settings.model_options,
         )
-        lm.keep_states_in(settings.state_dtype)
+        lm.set_state_dtype(settings.state_dtype)
         return lm
     except FileNotFoundError as exc:
         raise SetupError(_no_model(exc)) from None

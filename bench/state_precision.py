@@ -45,7 +45,7 @@ def held_out(lm: model.LanguageModel) -> list[int]:
 def at(lm: model.LanguageModel, dtype: str) -> model.LanguageModel:
     """The one model, making and stepping states of `dtype` (a state's precision is its own;
     the model stamps it on the states it makes)."""
-    lm.keep_states_in(dtype)
+    lm.set_state_dtype(dtype)
     return lm
 
 

@@ -79,7 +79,7 @@ class LanguageModel(nn.Module):
     # positions are bounded tighter says so here.
     max_stream_tokens: ClassVar[int] = 2**53
     # the precisions a family keeps its caches at, rounding each row as it is appended
-    # (`keep_states_in`): those whose state is a cache of keys and values say so
+    # (`set_state_dtype`): those whose state is a cache of keys and values say so
     cache_precisions: ClassVar[tuple[str, ...]] = ("float32",)
 
     def __init__(self, config: Any):
@@ -90,7 +90,7 @@ class LanguageModel(nn.Module):
         # "bf16": autocast on the model's device (CUDA, or CPU when asked); weights and states stay fp32
         self.precision = "fp32"
         self.generation_config = GenerationConfig()  # the checkpoint's recommended sampling (`load`)
-        # the precision of the states it makes and steps (`keep_states_in`)
+        # the precision of the states it makes and steps (`set_state_dtype`)
         self.state_precision = "float32"
         self.register_state_dict_post_hook(_contiguous_state)
 
@@ -151,10 +151,10 @@ class LanguageModel(nn.Module):
         args = (self.persistent, arenas or {}, fills, self.state_precision)
         return State(self.family, self.fingerprint, tensors, seq_dims, *args)
 
-    def keep_states_in(self, dtype: str) -> str:
-        """Serve states at `dtype` (`recur serve --state-dtype`; `model.state.precision.kept`
+    def set_state_dtype(self, dtype: str) -> str:
+        """Serve states at `dtype` (`recur serve --state-dtype`; `model.state.precision.choose`
         says what each kind of family does). Returns the dtype a commit rounds them to."""
-        self.state_precision, commit = grid.kept(dtype, self.cache_precisions, self.family)
+        self.state_precision, commit = grid.choose(dtype, self.cache_precisions, self.family)
         return commit
 
     def new_state(self, batch_size: int = 1) -> State:

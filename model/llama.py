@@ -42,7 +42,7 @@ State, per stream (batch-first; everything persistent):
 and a cache, never stored: `next_logits` [B, V], the head's output at the last position,
 which a forward computes anyway (the head is a fifth of a small model's weights: a decode
 step that computed it twice would read them twice); a state loaded from bytes recomputes it.
-At a state precision below float32 (`keep_states_in`: bfloat16, int8) every key and value
+At a state precision below float32 (`set_state_dtype`: bfloat16, int8) every key and value
 is rounded as it is appended, and every query, its own chunk's included, attends to the
 rounded rows, which are the sinks too (`model.state.precision`). Early in a stream a
 position can be both in the window and a sink: the window part masks it. Rows shorter than the batch's longest are left-padded; a key's position (negative for

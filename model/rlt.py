@@ -28,7 +28,7 @@ State (batch-first; all persistent, nothing derived):
   swa_k/v [B, L_D, S, d]     per-decoder-layer window cache, at most W-1 past positions
   n_tokens [B]               absolute position of the next token (RoPE uses it)
 Keys are stored already rotated at their absolute position. At a state precision below
-float32 (`keep_states_in`) every cache row is rounded as it is appended and every query,
+float32 (`set_state_dtype`) every cache row is rounded as it is appended and every query,
 its own chunk's included, reads the rounded rows (`model.state.precision`); s stays
 float32. Time axes are left-padded when streams of different lengths are batched; masks
 ignore the padding. Nothing in the state

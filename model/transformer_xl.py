@@ -14,7 +14,7 @@ Two attention modes (config.attention):
 
 Memory (Sec. 3.2): each layer keeps the last `mem_len` hidden states of its *input*,
 detached (StopGrad, Eq. h~ = [SG(m); h]). At a state precision below float32
-(`keep_states_in`) each row is rounded as it is appended (`model.state.precision`), and
+(`set_state_dtype`) each row is rounded as it is appended (`model.state.precision`), and
 its keys and values are projected from the rounded row, in its own chunk too. At inference the layer's keys and values for
 the memory rows are also cached in the state, so a decode step projects one new row
 instead of re-projecting the whole memory; the cache is derived data and is rebuilt from

@@ -47,7 +47,7 @@ def check(precision: str) -> str:
     return precision
 
 
-def kept(dtype: str, cache_precisions: tuple[str, ...], family: str) -> tuple[str, str]:
+def choose(dtype: str, cache_precisions: tuple[str, ...], family: str) -> tuple[str, str]:
     """What a family does with `--state-dtype dtype`: (its states' precision, the dtype a
     commit rounds them to). A family whose state is a cache of keys and values (its
     `cache_precisions`) keeps the precision in the state, rounded as each row is appended,

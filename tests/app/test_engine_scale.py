@@ -164,7 +164,7 @@ def test_a_narrower_stored_dtype_continues_the_same_on_every_replica(redis_url):
     # the trained model: a random tiny one barely reads its state, so rounding it would
     # move its log-probs by less than fp32 rounding does
     lm = model.load("shakespeare-mamba", device="cpu")
-    assert lm.keep_states_in("bfloat16") == "bfloat16"  # rounded when stored
+    assert lm.set_state_dtype("bfloat16") == "bfloat16"  # rounded when stored
 
     async def serve(order: str, **settings):
         replicas = {name: Replica(lm, redis_url, prefix, **bf16, **settings) for name in sorted(set(order))}

@@ -40,7 +40,7 @@ LENGTH = 24  # past every config's window
 
 def kept_at(family: str, precision: str, dtype: torch.dtype = torch.float64) -> model.LanguageModel:
     lm = sensitive_model(family, CONFIGS[family]).to(dtype)
-    assert lm.keep_states_in(precision) == "float32"  # kept in the state: nothing rounds at commit
+    assert lm.set_state_dtype(precision) == "float32"  # kept in the state: nothing rounds at commit
     return lm
 
 
@@ -134,7 +134,7 @@ def test_state_bytes_are_half_and_about_a_quarter_of_float32():
     for precision in ("float32", *ROUNDED):
         torch.manual_seed(0)
         lm = model.build("llama", cfg).eval()
-        lm.keep_states_in(precision)
+        lm.set_state_dtype(precision)
         with torch.no_grad():
             _, state = lm(torch.randint(0, 64, (1, 300)))
         blob = state.to_bytes()
@@ -226,12 +226,12 @@ def test_a_family_without_a_cache_keeps_float32_states():
     """Mamba's state is no cache of keys and values: it keeps float32 and the server rounds
     it when stored, as before (bfloat16, float16); int8 is refused, before any state exists."""
     lm = tiny_ssm("mamba")
-    assert lm.keep_states_in("bfloat16") == "bfloat16"
+    assert lm.set_state_dtype("bfloat16") == "bfloat16"
     assert lm.new_state(1).precision == "float32"
     with pytest.raises(ValueError, match="not a cache of keys and values"):
-        lm.keep_states_in("int8")
+        lm.set_state_dtype("int8")
     with pytest.raises(ValueError, match="state precision"):
-        lm.keep_states_in("int4")
+        lm.set_state_dtype("int4")
 
 
 def test_states_of_two_precisions_never_share_a_batch():
