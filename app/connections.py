@@ -183,12 +183,14 @@ def protocol(settings: Settings) -> type[GuardedH11Protocol]:
     connections stays `RESERVED_FILES` below the open-file limit, so that accepting never
     fails for want of a descriptor (each failure asyncio logs, with its traceback)."""
     max_connections = settings.max_connections
-    room = open_file_limit() - RESERVED_FILES
-    if max_connections > room:
+    headroom = open_file_limit() - RESERVED_FILES
+    if max_connections > headroom:
         log.warning(
-            "max_connections %d is more than the open-file limit leaves room for: %d", max_connections, room
+            "max_connections %d is more than the open-file limit leaves room for: %d",
+            max_connections,
+            headroom,
         )
-        max_connections = max(1, room)
+        max_connections = max(1, headroom)
     guard = ConnectionGuard(max_connections, settings.max_connections_per_address, settings.header_timeout)
     attrs: dict[str, Any] = {"guard": guard}
     return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)

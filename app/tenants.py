@@ -9,7 +9,7 @@ in its middle:
   overdraw it;
 - **reservation**: a new session's place (`admit_session`, before any model time is spent)
   and its bytes (`reserve`, before it is written), checked in the tenant's ledger in Redis
-  (shared by every replica) and against Redis's room (the storage guard); a commit that
+  (shared by every replica) and against Redis's headroom (the storage guard); a commit that
   grows a session (`reserve_growth`) is checked against this replica's last reading of the
   tenant's ledger while the tenant is well within its byte quota (no round trip), and in
   the ledger itself once it is near it (the last `STRICT_MARGIN` of it);
@@ -180,7 +180,7 @@ class Tenants:
         if count <= 1:
             yield
             return
-        self._room()
+        self._check_headroom()
         quota = self.quota_of(owner)
         ids = [f"place:{uuid.uuid4().hex}:{i}" for i in range(count)]
         self._seen(
@@ -200,16 +200,16 @@ class Tenants:
 
     async def admit_session(self, owner: str, session_id: str, ttl: float, ephemeral: bool = False) -> None:
         """A new session's place in its tenant's ledger, before any model time is spent: within
-        the tenant's session quota and Redis's room (QuotaExceeded, StorageFull)."""
+        the tenant's session quota and Redis's headroom (QuotaExceeded, StorageFull)."""
         await self.reserve(owner, session_id, 0, ttl, ephemeral)
 
     async def reserve(
         self, owner: str, session_id: str, state_bytes: int, ttl: float, ephemeral: bool = False
     ) -> None:
         """Enter a session's size in its tenant's ledger before writing it, only within the
-        tenant's quota and Redis's room (QuotaExceeded, StorageFull). A new session enters
+        tenant's quota and Redis's headroom (QuotaExceeded, StorageFull). A new session enters
         the tenant's listing, hidden by default when `ephemeral` (made for one request)."""
-        self._room()
+        self._check_headroom()
         quota = self.quota_of(owner)
         expiry = time.time() + ttl
         held = PLACES.get()
@@ -230,13 +230,13 @@ class Tenants:
         growth = state_bytes - old.stored_bytes
         if growth <= 0:
             return
-        self._room()
+        self._check_headroom()
         quota, seen = self.quota_of(owner), self._totals.get(owner)
         if seen is not None and seen.state_bytes + growth <= (1 - STRICT_MARGIN) * quota.state_bytes:
             return
         await self.reserve(owner, old.id, state_bytes, old.ttl)
 
-    def _room(self) -> None:
+    def _check_headroom(self) -> None:
         if self.connection.memory_full:
             raise StorageFull("Redis is nearly full: new sessions and growing ones wait until it has room")
 
@@ -265,10 +265,10 @@ class Tenants:
     ) -> SessionMeta:
         """`settle` after a write whose session an object keeps (a stored response, whose
         commit deferred its settlement to here): the object's `nbytes` enter the ledger
-        with the session, in one round trip, within the tenant's quota and Redis's room
+        with the session, in one round trip, within the tenant's quota and Redis's headroom
         (QuotaExceeded, StorageFull: the session's entry is settled all the same)."""
         try:
-            self._room()
+            self._check_headroom()
         except StorageFull:
             await self.settled(owner, meta, index)
             raise

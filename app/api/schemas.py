@@ -121,7 +121,7 @@ class ErrorBody(ResponseBody):
 
 # -- sessions -------------------------------------------------------------------------------
 OnDisconnect = Literal["discard", "commit"]
-_KEEP_WORK = (
+_ON_DISCONNECT = (
     "a client that hangs up before the commit: `discard` commits nothing (the work is cancelled); `commit` "
     "runs to the commit anyway (fenced, as any commit)"
 )
@@ -129,7 +129,7 @@ _KEEP_WORK = (
 
 class CreateSession(RequestBody):
     prompt: Prompt = ""
-    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
+    on_disconnect: OnDisconnect = Field("discard", description=_ON_DISCONNECT)
     ttl_seconds: int | None = Field(
         None,
         ge=1,
@@ -393,7 +393,7 @@ class GenerateResult(GenerateDone):
 class Score(RequestBody):
     prompt: Prompt
     commit: bool = False
-    on_disconnect: OnDisconnect = Field("discard", description=_KEEP_WORK)
+    on_disconnect: OnDisconnect = Field("discard", description=_ON_DISCONNECT)
 
 
 class ScoredToken(ResponseBody):

@@ -171,7 +171,7 @@ class Begun:
     in_place: bool = False  # it continues its chain's session, which it holds with the others
     holds: bool = False  # its commit keeps the session, and leaves its settlement to `finish`
     replaced: str | None = None  # a conversation's former session, which this one replaces
-    kept: bool = False  # `finish` kept it: closing it deletes nothing
+    resolved: bool = False  # `finish` kept it, or `discard` dropped it: closing deletes nothing more
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -272,16 +272,16 @@ class Responses:
         if not await self.store.save(begun.id, turn.owner, self.retention, record, worker=worker):
             await self.discard(begun)
             return False
-        begun.kept = True  # (its commit kept the session as long as the response, `keep_as`)
+        begun.resolved = True  # (its commit kept the session as long as the response, `keep_as`)
         if turn.conversation:
             await self._extend_conversation(begun, [*turn.input, *output])
         return True
 
     async def close(self, begun: Begun) -> None:
         """Always, once a response's request ends (a background one's too: cancelled, deleted
-        or failed): its generation stopped, its lock released, and then, unless kept, the
-        session it made deleted."""
-        if begun.kept:
+        or failed): its generation stopped, its lock released, and then, unless `finish` kept
+        it or `discard` ran already, the session it made deleted."""
+        if begun.resolved:
             await begun.run.close()
         else:
             await self.discard(begun)
@@ -289,7 +289,7 @@ class Responses:
     async def discard(self, begun: Begun) -> None:
         """Leave nothing of a response behind: its run closed (its lock released), then the
         session it made deleted."""
-        begun.kept = True  # (once)
+        begun.resolved = True  # (once)
         run = begun.run
         await run.close()
         if begun.made:

@@ -62,11 +62,11 @@ class Run:
         self.started = started
         self.meta: SessionMeta | None = None  # the committed session, once committed
         self.tokens: list[TokenEvent] = []  # as handed to the client
-        self.keep_on_disconnect = False  # `close` before the commit commits the tokens sent
+        self.commit_on_disconnect = False  # `close` before the commit commits the tokens sent
         self.client: str | None = None  # whose stream it is, once admitted (`Tenants.starting`)
         self.reserved = 0  # tokens reserved for it in its tenant's bucket, once admitted
         self._ended = False
-        self._keeping: asyncio.Future[None] | None = None
+        self._committing_sent: asyncio.Future[None] | None = None
         metrics.PROMPT_TOKENS.inc(self.prompt_tokens)
 
     @property
@@ -145,17 +145,17 @@ class Run:
 
     async def close(self) -> None:
         """Stop the generation (if still running) and release the lock (if not committed).
-        With `keep_on_disconnect`, a generation cut short first commits the tokens it had
+        With `commit_on_disconnect`, a generation cut short first commits the tokens it had
         handed out: in a task of its own, which completes even when the caller that
         started it is being cancelled (as a stream's is when its client hangs up)."""
         self.req.cancel()
-        if self.keep_on_disconnect and self.meta is None and self.tokens and self._keeping is None:
+        if self.commit_on_disconnect and self.meta is None and self.tokens and self._committing_sent is None:
             # the tokens handed out by now, and no later one: the stream may yet take another
             # from the engine before it sees the close, and the commit and its transcript must
             # hold the same tokens
-            self._keeping = asyncio.ensure_future(self._keep(list(self.tokens)))
-        if self._keeping is not None:
-            await asyncio.shield(self._keeping)
+            self._committing_sent = asyncio.ensure_future(self._commit_sent(list(self.tokens)))
+        if self._committing_sent is not None:
+            await asyncio.shield(self._committing_sent)
         await asyncio.shield(self._end())
         await self.service.release(self.writer, self.owner)
 
@@ -177,7 +177,7 @@ class Run:
             self._ended = True
             await self.service.tenants.ended(self.owner, self.client, self.reserved, len(self.tokens))
 
-    async def _keep(self, handed: list[TokenEvent]) -> None:
+    async def _commit_sent(self, handed: list[TokenEvent]) -> None:
         """Commit the starting state with the prompt and exactly the tokens handed out
         consumed: teacher-forced anew (a recurrent state cannot be rolled back), which by
         boundary invariance is the state the generation had after them. On failure the
@@ -189,6 +189,6 @@ class Run:
             res = await s._finish(Request(self.req.start, ids, persist=self.req.persist))
             self.meta = await s.commit(self.writer, res, self.owner, self.segment("keep", handed))
         except Exception:
-            log.warning("could not keep the tokens of a generation cut short", exc_info=True)
+            log.warning("could not commit the tokens of a generation cut short", exc_info=True)
         finally:
             await s.release(self.writer, self.owner)

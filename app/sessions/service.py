@@ -7,7 +7,7 @@ here; the writes that make one (create, import, fork) are making.py's:
   2. start: find the starting state (reads.py: the hot copy Redis confirmed, or bytes);
   3. run: one engine `Request`, which carries the starting state in and the committed
      state, already encoded, out (the engine never calls back here);
-  4. reserve: a commit that grows the session, within its tenant's quota and Redis's room
+  4. reserve: a commit that grows the session, within its tenant's quota and Redis's headroom
      (`Tenants.reserve_growth`);
   5. commit: write a delta or a snapshot (the persistence policy, `persist_for`), fenced on
      the version the lock was taken at, so a writer whose lease lapsed can never overwrite
@@ -56,14 +56,14 @@ from .run import Run
 @dataclass
 class Generation:
     """What a generation samples, and how: the sampling controls, seed, limits and stop
-    strings; with `keep_on_disconnect`, a stream cut short commits the tokens it sent;
+    strings; with `commit_on_disconnect`, a stream cut short commits the tokens it sent;
     `logprobs` asks for alternatives and the prompt's log-probs (`Run.result`)."""
 
     params: SamplingParams
     max_tokens: int
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    keep_on_disconnect: bool = False
+    commit_on_disconnect: bool = False
     logprobs: Logprobs = field(default_factory=Logprobs)
     started: float = field(default_factory=time.perf_counter)
     grammar: Matcher | None = None  # the output's grammar, compiled; each run samples under a copy
@@ -128,7 +128,7 @@ class SessionService(SessionMaking):
             await self.release(writer, owner)
             raise
         run = Run(self, req, writer, owner, ids, gen.started)
-        run.keep_on_disconnect = gen.keep_on_disconnect
+        run.commit_on_disconnect = gen.commit_on_disconnect
         return run
 
     async def rollback(self, session_id: str, version: int, expected: int | None, owner: str) -> SessionMeta:

@@ -127,7 +127,7 @@ class Window:
     precision: str = "float32"
 
     def grow(self, T: int, in_place: bool, time_major: bool = False) -> Growth:
-        """Make room for T new rows per layer, in place (`model.family.Execution`) or
+        """Make space for T new rows per layer, in place (`model.family.Execution`) or
         functionally; `time_major` picks the layout of a new arena (see `Arena`)."""
         if in_place and torch.is_grad_enabled():
             raise RuntimeError("a state grows in place only without autograd: run this forward functionally")

@@ -4,7 +4,7 @@ Every route that writes or runs the model hands its service call to `Hangup` (a
 dependency): if the client hangs up first, the call is cancelled (the engine drops its
 request before its next step, the session's lock is released, nothing is committed) and
 `ClientDisconnected` ends the request (499 in the access log: nobody is left to read an
-answer). A request that asked to keep its work (`on_disconnect: "commit"`) is not watched:
+answer). A request that asked to commit anyway (`on_disconnect: "commit"`) is not watched:
 it runs to its commit whoever listens. Streamed generations watch the stream itself
 (`app.sessions.Run`), and the OpenAI routes their choices (`openai/framing.py`: `complete`), the
 same way.
@@ -45,11 +45,11 @@ class Hangup:
         finally:
             self._body_read.set()
 
-    async def __call__(self, work: Awaitable[T], keep: bool = False, reads_body: bool = False) -> T:
+    async def __call__(self, work: Awaitable[T], unwatched: bool = False, reads_body: bool = False) -> T:
         """The result of `work`, unless the client hangs up first (then ClientDisconnected,
-        and `work` was cancelled). With `keep`, `work` runs to its end regardless. With
+        and `work` was cancelled). With `unwatched`, `work` runs to its end regardless. With
         `reads_body`, `work` reads the body through `self.body`, and the watch waits for it."""
-        if keep:
+        if unwatched:
             return await work
         if not reads_body:
             self._body_read.set()

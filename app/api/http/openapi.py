@@ -157,10 +157,10 @@ def _never_null(parameter: dict) -> None:
     `anyOf: [X, null]` for `X | None` becomes X (else a client sends the text `null`)."""
     schema = parameter["schema"]
     branches = schema.get("anyOf", [])
-    kept = [b for b in branches if b.get("type") != "null"]
-    if len(kept) == 1 and len(branches) == 2:
+    values = [b for b in branches if b.get("type") != "null"]
+    if len(values) == 1 and len(branches) == 2:
         del schema["anyOf"]
-        schema.update(kept[0])
+        schema.update(values[0])
 
 
 def _no_empty_json(response: dict) -> None:

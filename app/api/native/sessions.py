@@ -152,7 +152,7 @@ async def create_session(
         )
     ids = prompt_ids(sessions.engine, settings.max_prompt_tokens, body.prompt)
     created = sessions.create(ids, ttl, owner, body.keep_versions)
-    return _created(response, await hangup(created, keep=body.on_disconnect == "commit"))
+    return _created(response, await hangup(created, unwatched=body.on_disconnect == "commit"))
 
 
 @router.get(
@@ -475,7 +475,7 @@ async def score(
     engine = sessions.engine
     ids = prompt_ids(engine, settings.max_prompt_tokens, body.prompt)
     scored = sessions.score(session_id, ids, commit=body.commit, expected=expected, owner=owner)
-    meta, logprobs = await hangup(scored, keep=body.on_disconnect == "commit")
+    meta, logprobs = await hangup(scored, unwatched=body.on_disconnect == "commit")
     tokens = [
         ScoredToken(id=i, text=engine.tokenizer.token_text(i), logprob=lp)
         for i, lp in zip(ids, logprobs, strict=True)
@@ -522,7 +522,7 @@ async def generate(
         max_tokens,
         body.seed,
         list(body.stop),
-        keep_on_disconnect=body.stream and body.on_disconnect == "commit",
+        commit_on_disconnect=body.stream and body.on_disconnect == "commit",
         logprobs=Logprobs(top=body.top_logprobs),
     )
     async with services.tenants.starting(owner, 1, max_tokens) as admitted:

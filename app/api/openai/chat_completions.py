@@ -144,7 +144,7 @@ async def create_chat_completion(
         [ids],
         generation,
         n=body.n or 1,
-        keep_stop=body.include_stop_str_in_output,
+        include_stop=body.include_stop_str_in_output,
         user=body.user,
     )
     token_text = engine.tokenizer.token_text if logprobs else None

@@ -151,7 +151,7 @@ async def create_completion(
             started=started,
         ),
         n=body.n or 1,
-        keep_stop=body.include_stop_str_in_output,
+        include_stop=body.include_stop_str_in_output,
         user=body.user,
     )
     lp = None if body.logprobs is None else _Logprobs(engine.tokenizer.token_text, body.logprobs)

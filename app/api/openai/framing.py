@@ -108,15 +108,15 @@ class StopText:
     """The text of one generation as an OpenAI route returns it: cut before the stop string
     that ended it, and without the stop token (EOS or a stop_token_id) that ended it
     (OpenAI's and vLLM's semantics; the session's state has still consumed them), unless
-    `keep` (vLLM's include_stop_str_in_output). While streaming, text that may be the start
+    `include` (vLLM's include_stop_str_in_output). While streaming, text that may be the start
     of a stop string is held back until the next tokens tell.
 
     A stop string ends a generation where the engine found it: completed by a token, once
     `min_tokens` tokens are out (app/engine/runner.py), so earlier occurrences stay."""
 
-    def __init__(self, stop: Sequence[str], keep: bool = False, min_tokens: int = 0):
-        self.stop = [] if keep else [s for s in stop if s]
-        self.keep = keep
+    def __init__(self, stop: Sequence[str], include: bool = False, min_tokens: int = 0):
+        self.stop = [] if include else [s for s in stop if s]
+        self.include = include
         self.min_tokens = min_tokens
         self.text = ""
         self.sent = 0
@@ -129,7 +129,7 @@ class StopText:
             return ""
         self.tokens += 1
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        self.text += ev.text if self.keep else ev.text[: len(ev.text) - len(ev.stop_text)]
+        self.text += ev.text if self.include else ev.text[: len(ev.text) - len(ev.stop_text)]
         if self.tokens >= self.min_tokens:  # the window the engine searched for this token
             found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             self.cut = min(found) if found else None
@@ -207,7 +207,7 @@ async def start(
     gen: Generation,
     *,
     n: int = 1,
-    keep_stop: bool = False,
+    include_stop: bool = False,
     user: str | None = None,
 ) -> Choices:
     """`n` choices per prompt, choices i*n .. i*n+n-1 for prompt i (OpenAI's order), as the
@@ -217,7 +217,9 @@ async def start(
     started = await start_generations(sessions, owner, sid, prompts, gen, n)
     choices = Choices(
         [
-            Choice(i, i // n, r, StopText(gen.stop, keep_stop, gen.params.min_tokens), started.cached[i // n])
+            Choice(
+                i, i // n, r, StopText(gen.stop, include_stop, gen.params.min_tokens), started.cached[i // n]
+            )
             for i, r in enumerate(started.runs)
         ]
     )

@@ -294,12 +294,12 @@ def _streamed(
     responses: Responses, begun: Begun, framer: rf.ResponseFramer, stop: oai.StopText, send_timeout: float
 ) -> EventSourceResponse:
     """The response's events, streamed; a server told to stop first ends them (`_stopped`)."""
-    events = rf.events(begun, framer, stop, catch=True, end=lambda b: _keep(responses, begun, b))
+    events = rf.events(begun, framer, stop, catch=True, end=lambda b: _finish(responses, begun, b))
     frames = _sse(until_stopped(events, lambda: _stopped(responses, begun, framer)))
     return respond(_Closing(responses, begun), frames, send_timeout=send_timeout)
 
 
-async def _keep(
+async def _finish(
     responses: Responses, begun: Begun, body: dict, worker: bool = False, events: int = 0
 ) -> None:
     await responses.finish(begun, body, rf.reply(body), body["output"], worker=worker, events=events)
@@ -311,7 +311,7 @@ async def _stopped(responses: Responses, begun: Begun, framer: rf.ResponseFramer
     and its `response.failed` event, with code `not_ready`, ends the stream."""
     failed = framer.wire("failed", error={"code": ErrorType.not_ready.value, "message": SHUTTING_DOWN})
     try:
-        await _keep(responses, begun, failed)
+        await _finish(responses, begun, failed)
     except Exception as exc:  # (the event still goes out: the client learns why it ends)
         log.warning("could not keep response %s as failed on shutdown: %s", begun.id, exc)
     return {"type": "response.failed", "response": failed}
@@ -321,7 +321,7 @@ async def _ended(responses: Responses, begun: Begun, last: dict, events: int) ->
     """A background response's last event is out: keep the body it carries (and count its
     `events` bytes)."""
     try:
-        await _keep(responses, begun, last["response"], worker=True, events=events)
+        await _finish(responses, begun, last["response"], worker=True, events=events)
     finally:
         await responses.close(begun)
 
@@ -355,7 +355,7 @@ async def _complete(
         if not work.done():
             raise ApiError(ErrorType.client_disconnected, "the client disconnected; nothing was kept")
         body = work.result()
-        await _keep(responses, begun, body)
+        await _finish(responses, begun, body)
     finally:
         work.cancel()
         hangup.cancel()
