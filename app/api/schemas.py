@@ -454,8 +454,28 @@ class Limits(ResponseBody):
     tokens_per_second: float = Field(description="generated tokens per second (0 = no limit)")
 
 
+class Held(ResponseBody):
+    count: int = Field(description="how many the key holds")
+    bytes: int = Field(description="the bytes they hold in Redis, as the key's byte quota counts them")
+
+
+class HeldByKind(ResponseBody):
+    sessions: Held = Field(
+        description="sessions: each its whole state (its snapshot and deltas, even where a fork shares its "
+        "source's pages), its kept versions and its transcript"
+    )
+    responses: Held = Field(
+        description="stored responses: each its record and a background response's events"
+    )
+    conversations: Held = Field(description="conversations: each its record and its items")
+
+
 class TenantUsage(ResponseBody):
     tenant: str = Field(description="the key's id: 96 bits of its hash, never the key (`open` without keys)")
-    sessions: int = Field(description="live sessions the key holds")
-    state_bytes: int = Field(description="stored state bytes its sessions hold")
+    sessions: int = Field(
+        description="what the key holds against its session limit: its live sessions, stored responses and "
+        "conversations (`held` splits them)"
+    )
+    state_bytes: int = Field(description="the bytes they hold, against its byte quota (`held` splits them)")
+    held: HeldByKind
     limits: Limits

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Literal
 
 # a session's id: 32 hex digits (a new session's, 128 random bits), and for a fork, a dot and
 # 16 more (64 random bits): the first 32 are its family, its keys' hash tag
@@ -111,6 +112,16 @@ def family(session_id: str) -> str:
 def fork_id(source: str) -> str:
     """A new id for a fork of `source`, in `source`'s family."""
     return f"{family(source)}.{secrets.token_hex(8)}"
+
+
+def entry_kind(entry: str) -> Literal["session", "response", "conversation"]:
+    """What a tenant's ledger entry stands for, by its id: a stored response (`resp_…`), a
+    conversation (`conv_…`), else a session (its own id, a fork's, or a place held for one)."""
+    if entry.startswith("resp_"):
+        return "response"
+    if entry.startswith("conv_"):
+        return "conversation"
+    return "session"
 
 
 class Keys:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from app.config import Quota
 
 from .connection import Connection
-from .keys import SESSION_ID, Keys
+from .keys import Keys, entry_kind
 from .types import LedgerTotals, QuotaExceeded, SessionMeta, fields, tenant_of
 
 # a listing's cursor: '0' (the first page), or a page's own: the microseconds and the entry
@@ -62,23 +62,22 @@ class TenantStore:
     async def record(
         self,
         owner: str,
-        session_id: str,
+        entry: str,
         state_bytes: int,
         expires_at: float,
         limits: Quota | None,
         ephemeral: bool = False,
         place: str = "",
     ) -> tuple[LedgerTotals, bool]:
-        """Enter a session's stored size and expiry in its tenant's ledger. With `limits`,
-        only if the tenant stays within them (else QuotaExceeded, and nothing changes). A
-        new session enters the listing too, `ephemeral` (hidden by default) or not, and
-        takes `place` (one `hold` made for it) if that is still held. Returns the tenant's
-        totals, and whether it took the place."""
+        """Enter a ledger entry's stored size and expiry in its tenant's ledger: `entry` is
+        a session's id, or a stored object's (`entry_kind`). With `limits`, only if the
+        tenant stays within them (else QuotaExceeded, and nothing changes). A new session
+        enters the listing too, `ephemeral` (hidden by default) or not, and takes `place`
+        (one `hold` made for it) if that is still held. Returns the tenant's totals, and
+        whether it took the place."""
         check = ["1", limits.sessions, limits.state_bytes] if limits else ["0", 0, 0]
-        kind = (
-            ("e" if ephemeral else "s") if SESSION_ID.fullmatch(session_id) else ""
-        )  # (a response: unlisted)
-        args = [session_id, int(state_bytes), f"{expires_at:.3f}", *check, kind, place]
+        listed = ("e" if ephemeral else "s") if entry_kind(entry) == "session" else ""  # (objects: unlisted)
+        args = [entry, int(state_bytes), f"{expires_at:.3f}", *check, listed, place]
         answer = fields(await self.connection.run("record", self.keys.ledger(tenant_of(owner)), args))
         usage = LedgerTotals.of(answer)
         if limits:
@@ -136,9 +135,9 @@ class TenantStore:
             _refused(answer["status"], usage, kept.nbytes, kept.limits)
         return usage
 
-    async def forget(self, owner: str, session_id: str) -> LedgerTotals:
-        """A deleted session leaves its tenant's ledger."""
-        answer = await self.connection.run("forget", self.keys.ledger(tenant_of(owner)), [session_id])
+    async def forget(self, owner: str, entry: str) -> LedgerTotals:
+        """A deleted session (or stored object: `entry` is its id) leaves its tenant's ledger."""
+        answer = await self.connection.run("forget", self.keys.ledger(tenant_of(owner)), [entry])
         return LedgerTotals.of(fields(answer))
 
     async def usage(self, owner: str) -> LedgerTotals:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.logs import clip
@@ -191,14 +191,19 @@ class AtVersion:
 
 @dataclass(frozen=True)
 class LedgerTotals:
-    """What a tenant holds in Redis now: its live sessions and their stored bytes."""
+    """What a tenant holds in Redis now: its entries (its live sessions, and its stored
+    responses and conversations, which count against the same limit) and their stored
+    bytes; `kinds`, when read (`TenantStore.usage`), splits them: kind -> (count, bytes)."""
 
     sessions: int
     state_bytes: int
+    kinds: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, answer: dict[str, Any]) -> LedgerTotals:
-        return cls(int(answer["sessions"]), int(answer["state_bytes"]))
+        split = [bytes(x).decode() if isinstance(x, bytes) else x for x in answer.get("kinds", [])]
+        kinds = {str(split[i]): (int(split[i + 1]), int(split[i + 2])) for i in range(0, len(split), 3)}
+        return cls(int(answer["sessions"]), int(answer["state_bytes"]), kinds)
 
 
 def owner_of(key: str) -> str:

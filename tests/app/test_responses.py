@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 import redis
@@ -196,7 +197,10 @@ def test_conversations(oa, cold):
 def test_unsupported_fields_are_400_naming_them(oa):
     conv = oa.conversations.create()
     for extra, field in (
-        ({"tools": [{"type": "web_search"}]}, "tools"),  # (function tools are served: tests/app/test_tools.py)
+        (
+            {"tools": [{"type": "web_search"}]},
+            "tools",
+        ),  # (function tools are served: tests/app/test_tools.py)
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"conversation": conv.id, "previous_response_id": "resp_x"}, "conversation"),
     ):
@@ -367,3 +371,34 @@ def test_a_background_response_whose_final_save_fails_is_failed_at_once(default_
     assert got.status == "failed" and got.error is not None, got
     assert list(oa.responses.retrieve(resp.id, stream=True))[-1].type == "response.failed"
     assert r.zscore(default_lease.settings["key_prefix"] + "responses:leases", resp.id) is None
+
+
+def test_usage_splits_what_the_key_holds_by_kind(server, oa):
+    """A stored response and a conversation count against the key's limits with its
+    sessions, and /v1/usage says which is which (its totals are the kinds' sums)."""
+
+    def usage() -> dict:
+        got = httpx.get(server.url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+        assert got.status_code == 200, got.text
+        u = got.json()
+        held = u["held"]
+        assert u["sessions"] == sum(h["count"] for h in held.values())
+        assert u["state_bytes"] == sum(h["bytes"] for h in held.values())
+        return held
+
+    before = usage()
+    r = oa.responses.create(input="Count me.", **GREEDY)
+    conv = oa.conversations.create(items=[{"role": "user", "content": "And me."}])
+    after = usage()
+    assert after["responses"]["count"] == before["responses"]["count"] + 1
+    assert after["responses"]["bytes"] > before["responses"]["bytes"]
+    assert after["conversations"]["count"] == before["conversations"]["count"] + 1
+    # (the response's state, and the conversation's: the session its items prefilled)
+    assert after["sessions"]["count"] == before["sessions"]["count"] + 2
+    assert after["sessions"]["bytes"] > before["sessions"]["bytes"]
+    oa.responses.delete(r.id)
+    oa.conversations.delete(conv.id)
+    gone = usage()
+    assert gone["responses"]["count"] == before["responses"]["count"]
+    assert gone["conversations"]["count"] == before["conversations"]["count"]
+    assert gone["sessions"]["count"] == before["sessions"]["count"]  # (each let go of its session)

@@ -10,7 +10,7 @@ from app.store import tenant_of
 
 from ..http.deps import OwnerDep, ServicesDep
 from ..http.errors import ErrorType, error_docs
-from ..schemas import Limits, TenantUsage
+from ..schemas import Held, HeldByKind, Limits, TenantUsage
 
 router = APIRouter(prefix="/v1", tags=["quotas"])
 
@@ -22,8 +22,18 @@ router = APIRouter(prefix="/v1", tags=["quotas"])
     responses=error_docs(ErrorType.redis_unavailable),
 )
 async def usage(services: ServicesDep, owner: OwnerDep) -> TenantUsage:
-    held = await services.tenants.usage(owner)
+    totals = await services.tenants.usage(owner)
     limits = Limits(**dataclasses.asdict(services.tenants.quota_of(owner)))
+
+    def of(kind: str) -> Held:
+        count, nbytes = totals.kinds.get(kind, (0, 0))
+        return Held(count=count, bytes=nbytes)
+
+    held = HeldByKind(sessions=of("session"), responses=of("response"), conversations=of("conversation"))
     return TenantUsage(
-        tenant=tenant_of(owner), sessions=held.sessions, state_bytes=held.state_bytes, limits=limits
+        tenant=tenant_of(owner),
+        sessions=totals.sessions,
+        state_bytes=totals.state_bytes,
+        held=held,
+        limits=limits,
     )
