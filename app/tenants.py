@@ -310,6 +310,21 @@ class Tenants:
     async def usage(self, owner: str) -> LedgerTotals:
         return self._seen(owner, await self.store.usage(owner))
 
+    # -- the listing and the prefix index: the tenant's other keys, through this door too --------
+    async def listing(
+        self, owner: str, cursor: str, count: int, ephemeral: bool
+    ) -> tuple[list[tuple[str, bool]], str]:
+        """A page of the tenant's sessions, newest first (`TenantStore.listing`)."""
+        return await self.store.listing(owner, cursor, count, ephemeral)
+
+    async def find_prefix(self, owner: str, hashes: list[str]) -> tuple[int, str, int] | None:
+        """The longest of `hashes` the tenant has a committed state of (`TenantStore.find_prefix`)."""
+        return await self.store.find_prefix(owner, hashes)
+
+    async def unindex(self, owner: str, session_id: str, hashes: list[str]) -> None:
+        """A deleted session's states leave the prefix index (`TenantStore.unindex`)."""
+        await self.store.unindex(owner, session_id, hashes)
+
     # -- metrics ------------------------------------------------------------------------------
     async def _counted(self, owner: str, pending: Awaitable[T]) -> T:
         try:

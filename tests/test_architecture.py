@@ -67,6 +67,15 @@ def test_only_the_tenants_room_opens_the_tenant_store() -> None:
     assert not breaches, "outside app/tenants.py:\n" + "\n".join(
         "  " + ig.describe_import(i) for i in breaches
     )
+    # nor reaches through it for the store it holds (which would skip its metrics)
+    reaches = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "app").rglob("*.py"))
+        if path != ROOT / "app" / "tenants.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "tenants.store." in line
+    ]
+    assert not reaches, "reaching through Tenants to its store:\n  " + "\n  ".join(reaches)
 
 
 def test_house_rules_are_the_ones_asserted() -> None:

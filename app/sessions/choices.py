@@ -87,7 +87,7 @@ async def stateless(
     if service.prefix_reuse and reuse:
         hashes = prefixes.prefixes(prefixes.root(service.engine.fingerprint), tokens)
         # (longest first; a prefix of BOS alone saves nothing a create would not do)
-        found = await service.tenants.store.find_prefix(owner, hashes[::-1][: max(0, len(tokens) - 1)])
+        found = await service.tenants.find_prefix(owner, hashes[::-1][: max(0, len(tokens) - 1)])
         if found is not None:
             i, match, version = found
             held = len(tokens) - i

@@ -79,7 +79,7 @@ class SessionReads:
         one request, only with `ephemeral`), each with the start of what it consumed, and the
         next page's cursor ('': no more). (A session that expired or was deleted since its
         ledger entry was read is left out.)"""
-        page, after = await self.tenants.store.listing(owner, cursor, count, ephemeral)
+        page, after = await self.tenants.listing(owner, cursor, count, ephemeral)
         found = await self.store.peek([sid for sid, _ in page], owner, head=PREVIEW_SEGMENTS)
         hidden = dict(page)
         entries = [Listed(meta, hidden[meta.id], _head_ids(segments)) for meta, segments in found]

@@ -295,7 +295,7 @@ class Responses:
         if begun.made:
             await self._forget(begun.turn.owner, begun.own_session)
             hashes = [run.writer.meta.tokens_hash, *([run.meta.tokens_hash] if run.meta else [])]
-            await self.service.tenants.store.unindex(begun.turn.owner, begun.own_session, hashes)
+            await self.service.tenants.unindex(begun.turn.owner, begun.own_session, hashes)
         elif begun.in_place and run.meta is not None:  # (its commit held the chain's session)
             await self._forget(begun.turn.owner, run.meta.id, holder=begun.id)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ import redis
 from app.config import Settings
 from app.store import SessionNotFound, SessionStore, StateBlobs, Store, VersionGone, fork_id
 from app.store.keys import family
+from tests.conftest import RedisProcess
 from tests.stored_pages import loose_pages, page_key, state_blobs
 
 MB = 2**20
@@ -33,11 +35,19 @@ def used_memory(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def test_a_fork_names_its_sources_pages_and_outlives_it(redis_url):
-    r = redis.Redis.from_url(redis_url)
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of this module's own: its byte and memory counters see no other test."""
+    server = RedisProcess(tmp_path_factory.mktemp("pages-redis"))
+    yield server.url
+    server.stop()
+
+
+def test_a_fork_names_its_sources_pages_and_outlives_it(own_redis):
+    r = redis.Redis.from_url(own_redis)
 
     async def go():
-        store = _store(redis_url)
+        store = _store(own_redis)
         snapshot, delta = secrets.token_bytes(MB), secrets.token_bytes(64 * 1024)
         src = await store.create(StateBlobs(snapshot, (delta,)), 10, "m", "fp", ttl=60, owner="o", keep=2)
         before_pages = pages_in_redis(r, store, src.id)
