@@ -16,6 +16,7 @@ This module only hashes; the store keeps the index, the sessions service decides
 from __future__ import annotations
 
 import hashlib
+from array import array
 
 UNKNOWN = ""  # the tokens of an imported state are not known: such a state is never indexed
 
@@ -30,6 +31,15 @@ def extend(tokens_hash: str, ids: list[int]) -> str:
     if tokens_hash == UNKNOWN:
         return UNKNOWN
     return prefixes(tokens_hash, ids)[-1] if ids else tokens_hash
+
+
+def digest(ids: list[int]) -> str:
+    """A one-pass digest of a whole token sequence (not chained, so not extendable): for
+    checking that two sequences are the same in one C call over their bytes, where the
+    chained hash would take a Python step per token. A stored response keeps the digest of
+    what its state consumed beside the chained hash, so its next turn checks a rendering of
+    a long conversation against it without hashing the conversation token by token."""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 def prefixes(tokens_hash: str, ids: list[int]) -> list[str]:

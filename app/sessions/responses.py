@@ -142,6 +142,7 @@ class Base:
     version: int
     n_tokens: int
     tokens_hash: str = ""
+    digest: str = ""  # the same tokens' one-pass digest (`prefixes.digest`; '' when not kept)
 
 
 @dataclass
@@ -165,6 +166,7 @@ class Begun:
     turn: Turn
     run: Run
     context: list[dict[str, Any]]  # the conversation before the reply, as the template read it
+    rendered: list[int]  # its tokens as the state consumes them before the reply (BOS included)
     input_tokens: int  # the whole input's tokens (BOS not counted)
     cached: int  # of those, the ones its starting state already held: not prefilled
     made: bool  # the session is the response's own (a fork or a new one)
@@ -211,7 +213,8 @@ class Responses:
         if holds:  # (its commit keeps the session as long as the response, and holds it)
             run.keep_as(self.retention, response_id)
         replaced = base.session if turn.conversation and base and start.made else None
-        return Begun(response_id, turn, run, context + messages(turn.input), len(ids),
+        rendered = self.service.with_bos(ids)
+        return Begun(response_id, turn, run, context + messages(turn.input), rendered, len(ids),
                      len(ids) - len(start.rest), start.made, start.in_place, holds, replaced)  # fmt: skip
 
     async def _generate(self, start: Start, render: Render, gen: Generation, owner: str) -> Run:
@@ -258,6 +261,7 @@ class Responses:
             version=meta.version,
             n_tokens=meta.n_tokens,
             tokens=meta.tokens_hash,
+            digest=_consumed(begun, meta.n_tokens),
             own=begun.made or begun.in_place,
             created_at=begun.created_at,
         )
@@ -303,7 +307,10 @@ class Responses:
         turn, meta = begun.turn, begun.run.meta
         assert turn.conversation is not None and meta is not None
         await self.store.add_items(turn.conversation, turn.owner, self.retention, items)
-        state = ConversationRecord(session=meta.id, version=meta.version, n_tokens=meta.n_tokens)
+        state = ConversationRecord(
+            session=meta.id, version=meta.version, n_tokens=meta.n_tokens, tokens=meta.tokens_hash,
+            digest=_consumed(begun, meta.n_tokens),
+        )  # fmt: skip
         await self.store.save(turn.conversation, turn.owner, self.retention, state)
         if begun.replaced:
             await self._forget(turn.owner, begun.replaced)
@@ -331,19 +338,22 @@ class Responses:
         """The conversation a response continues (as the template reads it) and the stored
         state that consumed it, if any."""
         if turn.previous is not None:
-            names = ["context", "session", "version", "n_tokens", "status", "tokens"]
+            names = ["context", "session", "version", "n_tokens", "status", "tokens", "digest"]
             r = await self.store.read(ResponseRecord, turn.previous, turn.owner, names)
             if r.status not in CONTINUABLE:
                 raise NotContinuable(
                     f"previous_response_id: response {turn.previous!r} is {r.status}; only a completed or "
                     "incomplete response can be continued"
                 )
-            return r.context or [], Base(r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "")
+            return r.context or [], Base(
+                r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "", r.digest or ""
+            )
         if turn.conversation is not None:
             items, c = await self.store.items(
-                turn.conversation, turn.owner, ["session", "version", "n_tokens"]
+                turn.conversation, turn.owner, ["session", "version", "n_tokens", "tokens", "digest"]
             )
-            return messages(items), Base(c.session or "", c.version or 0, c.n_tokens or 0)
+            base = Base(c.session or "", c.version or 0, c.n_tokens or 0, c.tokens or "", c.digest or "")
+            return messages(items), base
         return [], None
 
     async def _session(self, turn: Turn, base: Base | None, ids: list[int], in_place: bool = True) -> Start:
@@ -354,7 +364,15 @@ class Responses:
         if base is not None:
             tokens = self.service.with_bos(ids)
             n = base.n_tokens
-            held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
+            if (
+                base.digest
+                and base.tokens_hash
+                and n <= len(tokens)
+                and prefixes.digest(tokens[:n]) == base.digest
+            ):
+                held = base.tokens_hash  # (the same tokens: their chained hash is the record's)
+            else:  # (a step per token: a record that keeps no digest, or a rendering that differs)
+                held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
             in_place = in_place and turn.store and turn.conversation is None and base.tokens_hash == held
             found = await self._continue(turn, base, held, ttl, in_place) if n <= len(tokens) else None
             if found is not None:
@@ -406,3 +424,9 @@ class Responses:
                 log.info("session %s of a response is still being written: its writer deletes it", session_id)
         except Exception:
             log.warning("could not delete session %s of a response", session_id, exc_info=True)
+
+
+def _consumed(begun: Begun, n_tokens: int) -> str:
+    """The digest of the tokens the response's state consumed: the rendering, then its reply's
+    tokens, as far as its commit says (`n_tokens`)."""
+    return prefixes.digest([*begun.rendered, *(ev.id for ev in begun.run.tokens)][:n_tokens])

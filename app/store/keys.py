@@ -74,9 +74,9 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         context          the conversation it ends, its own reply included, as the chat
                          template reads it (JSON messages; the instructions are not kept)
         input            its own input items, as input_items lists them (JSON)
-        session, version, n_tokens, tokens   the session holding the state the response
-                         committed (its chain's, or a fork of its own), that version, its
-                         tokens' count and hash (app/prefixes.py)
+        session, version, n_tokens, tokens, digest   the session holding the state the
+                         response committed (its chain's, or a fork of its own), that version,
+                         its tokens' count, chained hash and one-pass digest (app/prefixes.py)
         own              '1' when the response holds that session (deleting it lets go)
         background       '1' for a background response; lease: its worker's lease end (unix s)
         run              the session a background response's run made ('' in a conversation's):
@@ -84,9 +84,9 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         events_bytes     the bytes of its events (counted in the key's quota with the record)
     P events:{R}         stream, a background response's events: entry id 0-(sequence_number+1),
                          fields t (the event's type) and e (its JSON); expires with the hash
-    P conversation:{C}   hash (`ConversationRecord`): owner, session, version, n_tokens (the
-                         conversation's session and what it has consumed), metadata (JSON),
-                         created_at
+    P conversation:{C}   hash (`ConversationRecord`): owner, session, version, n_tokens,
+                         tokens, digest (the conversation's session and what it has consumed,
+                         as a response's), metadata (JSON), created_at
     P items:{C}          list, the conversation's items (JSON), oldest first
     P responses:leases   sorted set, the background responses in progress by lease end
                          (one key, its own slot: the replicas' sweep of dead workers)

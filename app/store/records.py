@@ -86,6 +86,7 @@ class ResponseRecord(Record):
     version: int | None = None  # that session's version
     n_tokens: int | None = None  # the tokens that state consumed
     tokens: str | None = None  # their hash (app/prefixes.py; '' unknown)
+    digest: str | None = None  # their one-pass digest (`prefixes.digest`), for the next turn's check
     own: bool | None = None  # the response holds that session (deleting it lets go)
     created_at: int | None = None
     background: bool | None = None
@@ -115,5 +116,7 @@ class ConversationRecord(Record):
     session: str | None = None  # the session whose state consumed its items
     version: int | None = None  # that session's version
     n_tokens: int | None = None  # the tokens that state consumed
+    tokens: str | None = None  # their hash (app/prefixes.py; '' unknown)
+    digest: str | None = None  # their one-pass digest (`prefixes.digest`), for the next turn's check
     metadata: dict[str, str] | None = None
     created_at: int | None = None

@@ -20,6 +20,9 @@ import openai
 import pytest
 import redis
 
+from app import prefixes
+from app.store import Keys
+from app.transcript import Segment, lineage
 from tests.conftest import RedisProcess, ServerProcess
 from tests.model.llama_files import CONFIG, byte_vocabulary, random_weights, write_gguf
 
@@ -132,3 +135,29 @@ def test_a_chain_session_lives_while_a_response_holds_it(served):
     for resp in (last, more):
         oa.responses.delete(resp.id)
     assert not set(r.scan_iter("*session:{*")) & sessions, "the chain's session outlived its responses"
+
+
+def test_a_record_keeps_the_digest_of_what_its_state_consumed(served):
+    """Each stored response keeps a one-pass digest of the tokens its state consumed, so the
+    next turn checks a long conversation's rendering in one C call: it equals the digest of
+    the session's transcript (app/transcript.py: what the state consumed, segment by segment).
+    A record whose digest does not match falls back to the chained hash, and the chain still
+    continues its state."""
+    srv, r = served
+    keys = Keys(srv.settings["key_prefix"])
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    previous = oa.responses.create(input="Speak, fair one.", **TURN)
+    for turn in range(3):
+        record = keys.response(previous.id)[0]
+        sid, version, n, digest = (
+            x.decode() for x in r.hmget(record, "session", "version", "n_tokens", "digest")
+        )
+        segments = [Segment.from_bytes(s) for s in r.lrange(keys.transcript(sid), 0, -1)]
+        consumed = [i for s in lineage(segments, sid, int(version))[0] for i in s.ids]
+        assert len(consumed) == int(n) and digest == prefixes.digest(consumed), turn
+        if turn == 1:
+            r.hset(record, "digest", "0" * 32)  # (a digest that matches nothing)
+        resp = oa.responses.create(input=f"Again, {turn}?", previous_response_id=previous.id, **TURN)
+        held = previous.usage.input_tokens + previous.usage.output_tokens
+        assert resp.usage.input_tokens_details.cached_tokens >= held - 1, turn  # (the state continued)
+        previous = resp

@@ -24,7 +24,7 @@ BODY = {
 def test_a_record_round_trips_through_its_fields():
     record = ResponseRecord(
         status="completed", body=BODY, error={"code": "c", "message": "m"}, context=[], input=[{"id": "m"}],
-        session="s" * 32, version=3, n_tokens=17, tokens="h", own=True, created_at=5, background=False,
+        session="s" * 32, version=3, n_tokens=17, tokens="h", digest="d", own=True, created_at=5, background=False,
         lease=1.5, run="", events_bytes=0,
     )  # fmt: skip
     f = record.to_fields()

@@ -63,11 +63,11 @@ def prompt_ids(engine: Engine, max_prompt_tokens: int, prompt: str | list[int]) 
 
 def in_vocabulary(engine: Engine, ids: list[int]) -> list[int]:
     """`ids`, or 422 when one is outside the served model's vocabulary."""
-    bad = [i for i in ids if not 0 <= i < engine.vocab_size]
-    if bad:
+    size = engine.vocab_size
+    if ids and (min(ids) < 0 or max(ids) >= size):  # (in C: a long conversation's ids, every turn)
+        bad = next(i for i in ids if not 0 <= i < size)
         raise ApiError(
-            ErrorType.invalid_request,
-            f"token id {bad[0]} is outside the model's vocabulary [0, {engine.vocab_size})",
+            ErrorType.invalid_request, f"token id {bad} is outside the model's vocabulary [0, {size})"
         )
     return ids
 
