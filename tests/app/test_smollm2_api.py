@@ -23,8 +23,11 @@ KEY = "key-smollm2-acceptance"
 def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     settings = {"cpu_threads": 2, "api_keys": KEY}  # the server's own max_tokens: what users run
     srv = ServerProcess("smollm2", tmp_path_factory.mktemp("smollm2"), redis_url, **settings)  # type: ignore[arg-type]
-    with srv.start(timeout=300):
+    srv.start(timeout=300)  # (not `with srv.start()`: entering would start a second server)
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 def test_the_openai_sdk_gets_paris(server):

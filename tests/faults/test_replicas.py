@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.conftest import ServerProcess
+from tests.stored_pages import loose_pages
 
 from .harness import error_type, race, start_all, store_for, stored, stream_generate
 
@@ -79,6 +80,53 @@ def test_racing_writers_lose_no_update(cluster, lm, rdb):
     assert {replica for _, replica in done} == {"a", "b"}
     final = stored(rdb, store_for(cluster.a), sid, lm)
     assert (final.version, final.n_tokens) == (v0 + 50, n)
+
+
+def test_forks_under_racing_writers_hold_committed_states(cluster, lm, rdb):
+    """Forks taken on both replicas while 20 writers race on the session: each fork holds a
+    state the session committed (its token count is one of the versions'), and its stored
+    pages verify; once the source is deleted, every fork still loads, and no page is left
+    that neither a count nor a TTL reclaims."""
+    with cluster.a.client() as c:
+        start = create(c, "forked under load")
+    sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
+    forks: list[dict] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def forker() -> None:
+        with httpx.Client(timeout=60) as c:
+            for i in range(1000):
+                if stop.is_set():
+                    return
+                r = c.post(f"{(cluster.a, cluster.b)[i % 2].url}/v1/sessions/{sid}/fork")
+                (
+                    forks.append(r.json())
+                    if r.status_code == 201
+                    else errors.append(f"{r.status_code} {r.text}")
+                )
+
+    thread = threading.Thread(target=forker)
+    thread.start()
+    kinds = ("score", "generate", "stream")
+    writers = [((cluster.b, cluster.a)[i % 2].url, kinds[i % 3], "ba"[i % 2]) for i in range(20)]
+    try:
+        done, _ = race(sid, writers, v0, n0)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[:3]
+    assert len(forks) >= 2, forks
+    committed = {n0} | {n for (_, n, _), _ in done}
+    keys = store_for(cluster.a)
+    for f in forks:
+        assert f["n_tokens"] in committed and f["id"].startswith(sid + "."), f
+        assert stored(rdb, keys, f["id"], lm).n_tokens == f["n_tokens"]
+    with cluster.a.client() as c:
+        assert c.delete(f"/v1/sessions/{sid}").is_success
+    for f in forks:
+        assert stored(rdb, keys, f["id"], lm).n_tokens == f["n_tokens"]
+    assert not loose_pages(rdb, keys)
 
 
 # -- stalled writer -------------------------------------------------------------------------
