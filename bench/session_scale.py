@@ -229,13 +229,20 @@ def section(r: dict) -> str:
                 f"| `{name}` | {f['n_tokens']} | {_mib(f['state_bytes'])} | {_mib(f['history_bytes'])} "
                 f"| {_mib(f['used_memory_per_session'])} | {f['used_memory_1000'] / GiB:,.2f} | {made} |"
             )
+        ratios = ", ".join(
+            f"`{name}` {f['history_bytes'] / max(f['state_bytes'], 1):.2f}x"
+            for name, f in r["fleets"].items()
+        )
         lines += [
             "",
-            "The kept versions cost their deltas, not whole states: a version is the snapshot it "
-            "is built on and the deltas after it, which the versions after it share. Sessions "
-            "created apart share nothing; forks of one session would name its pages instead of "
-            'holding their own ("State economy": a fork of a 49 MiB state grows `used_memory` by '
-            "about 15 KB).",
+            "Beside its state, a session holds its kept versions and its transcript (here "
+            f"{ratios} its state). A kept version is the snapshot it is built on and the deltas "
+            "after it, which the versions after it share: where a state only grows (a cache of keys "
+            "and values below its window) a version costs its delta; where it is of fixed size and "
+            "changes throughout (a Transformer-XL memory that shifts with every token), a commit's "
+            "delta is much of the state, and so is each kept version. Sessions created apart share "
+            'nothing; forks of one session name its pages instead of holding their own ("State '
+            'economy": a fork of a 49 MiB state grows `used_memory` by about 15 KB).',
             "",
         ]
     return "\n".join(lines)
