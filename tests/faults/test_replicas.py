@@ -83,10 +83,10 @@ def test_racing_writers_lose_no_update(cluster, lm, rdb):
 
 
 def test_forks_under_racing_writers_hold_committed_states(cluster, lm, rdb):
-    """Forks taken on both replicas while 20 writers race on the session: each fork holds a
-    state the session committed (its token count is one of the versions'), and its stored
-    pages verify; once the source is deleted, every fork still loads, and no page is left
-    that neither a count nor a TTL reclaims."""
+    """Forks taken on both replicas while 20 writers race on the session, then while it rolls
+    back three versions: each fork holds a state the session committed (its token count is
+    one of the versions'), and its stored pages verify; once the source is deleted, every
+    fork still loads, and no page is left that neither a count nor a TTL reclaims."""
     with cluster.a.client() as c:
         start = create(c, "forked under load")
     sid, v0, n0 = start["id"], start["version"], start["n_tokens"]
@@ -112,6 +112,13 @@ def test_forks_under_racing_writers_hold_committed_states(cluster, lm, rdb):
     writers = [((cluster.b, cluster.a)[i % 2].url, kinds[i % 3], "ba"[i % 2]) for i in range(20)]
     try:
         done, _ = race(sid, writers, v0, n0)
+        # and a rollback, while the forks go on: to a version three commits back
+        (back, n_back, _), _ = done[-4]
+        with cluster.b.client() as c:
+            rolled = c.post(f"/v1/sessions/{sid}/rollback", json={"version": back})
+        assert rolled.status_code == 200, rolled.text
+        assert (rolled.json()["version"], rolled.json()["n_tokens"]) == (v0 + len(writers) + 1, n_back)
+        time.sleep(0.5)  # (forks of the rolled-back state too)
     finally:
         stop.set()
         thread.join()
@@ -119,6 +126,7 @@ def test_forks_under_racing_writers_hold_committed_states(cluster, lm, rdb):
     assert len(forks) >= 2, forks
     committed = {n0} | {n for (_, n, _), _ in done}
     keys = store_for(cluster.a)
+    assert stored(rdb, keys, sid, lm).n_tokens == n_back
     for f in forks:
         assert f["n_tokens"] in committed and f["id"].startswith(sid + "."), f
         assert stored(rdb, keys, f["id"], lm).n_tokens == f["n_tokens"]
