@@ -14,6 +14,9 @@ written) fails all three from the first few turns."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Iterator
 
 import openai
@@ -77,6 +80,65 @@ def counters(r: redis.Redis) -> tuple[int, int, int]:
     )
     stats = r.info("stats")
     return scripts, int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])
+
+
+class Monitor:
+    """Redis's MONITOR on a connection of its own, in a thread: the commands every other
+    client sends (not those a script calls), each as (client address, command); `between` reads those that came
+    between two marks this test sends (ECHO), on Redis's own order."""
+
+    def __init__(self, r: redis.Redis):
+        self.seen: list[tuple[str, str]] = []
+        self._monitor = r.monitor()
+        self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        with contextlib.suppress(Exception):
+            for entry in self._monitor.listen():
+                if entry.get("client_type") != "lua":  # (a script's own calls are that script)
+                    self.seen.append((str(entry.get("client_address", "")), str(entry.get("command", ""))))
+
+    def mark(self, r: redis.Redis, name: str) -> None:
+        r.echo(f"mark {name}")
+        deadline = time.monotonic() + 10
+        while not any(c == f"ECHO mark {name}" for _, c in self.seen):
+            assert time.monotonic() < deadline, "MONITOR never saw the mark"
+            time.sleep(0.01)
+
+    def between(self, first: str, last: str) -> list[tuple[str, str]]:
+        names = [c for _, c in self.seen]
+        return self.seen[names.index(f"ECHO mark {first}") + 1 : names.index(f"ECHO mark {last}")]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._monitor.connection.disconnect()
+
+
+def test_a_chain_turn_sends_redis_its_scripts_and_nothing_else(served):
+    """Counted with MONITOR: a previous_response_id turn sends Redis at most 5 commands,
+    each a script (EVALSHA), whatever else the server does meanwhile."""
+    srv, r = served
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    previous = oa.responses.create(input="Hark, a knock.", **TURN)
+    previous = oa.responses.create(input="Who is there?", previous_response_id=previous.id, **TURN)  # (warm)
+    watch = Monitor(r)
+    try:
+        for turn in range(4):
+            watch.mark(r, f"before {turn}")
+            previous = oa.responses.create(input=f"Turn {turn}.", previous_response_id=previous.id, **TURN)
+            watch.mark(r, f"after {turn}")
+            sent = [c.split(" ", 1)[0] for _, c in watch.between(f"before {turn}", f"after {turn}")]
+            # (no turn's: the storage guard's INFO polls, every 0.5 s whatever the traffic, and
+            # the handshake of a connection the pool opens when all of its are busy)
+            turn_commands = [
+                c for c in sent if c.upper() not in ("INFO", "HELLO", "CLIENT", "AUTH", "SELECT")
+            ]
+            assert len(turn_commands) <= MAX_ROUND_TRIPS, (turn, sent)
+            assert all(c.upper() == "EVALSHA" for c in turn_commands), (turn, sent)
+    finally:
+        watch.close()
 
 
 def test_a_chain_turn_costs_what_it_adds(served):
