@@ -327,8 +327,10 @@ def measure(name: str, quick: bool, long: bool, turns: int, forks: int) -> dict:
         path, label = name, f"`{name}`"
         sampling = {"min_tokens": TURN_TOKENS}  # (16 tokens exactly: EOS cannot end a turn early)
     red = Redis(work / "redis")
+    # (a byte quota past the default 2 GiB: 20 branches of SmolLM2's 45 MB states, each
+    # past the kept versions prefilled in a session of its own, would pass it)
     settings = dict(cpu_threads=1, max_tokens=64, response_lease_seconds=600,
-                    max_prompt_tokens=max(histories) * 2)  # fmt: skip
+                    max_prompt_tokens=max(histories) * 2, quota_state_mb=65536)  # fmt: skip
     if quick:
         settings["model_options"] = "window=500,sinks=4"
     srv = Server(path, red.url, work / "server", **settings)
@@ -477,6 +479,14 @@ def _closing(r: dict) -> list[str]:
             '`previous_response_id` turn"; one ledger script for both would make a turn 5). A turn that runs '
             "past 3.3 s (a slow CPU's) adds the writer lock's renewals (`renew.lua`, one per third of "
             "`lock_lease_seconds`; `MONITOR` shows them), counted here where they happen."
+        )
+    b = r["histories"][0]["branch"]
+    if b["continued"] < b["turns"]:
+        why.append(
+            f"Only {b['continued']} of {b['turns']} branches continued a stored state: the i-th branch goes "
+            "back i + 2 responses, and one older than the chain session's kept versions (`--history-versions`, "
+            "8 by default) is prefilled anew in a session of its own, which writes its whole state: those "
+            "turns set the branch column's medians."
         )
     if not met["fork"]:
         why.append(
