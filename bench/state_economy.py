@@ -505,7 +505,12 @@ def _closing(r: dict) -> list[str]:
         + " ".join(why),
         "",
         "Not measured here: "
-        + ("" if len(r["histories"]) > 1 else "8,000 tokens of history (`--long`); ")
+        + (
+            ""
+            if len(r["histories"]) > 1
+            else "8,000 tokens of history (`--long`: with 20 turns, each branch past the kept versions "
+            "prefills 8,000 tokens anew, about a minute each here); "
+        )
         + "`shakespeare` (`--model shakespeare` runs it; only smollm2's figures are written here); Redis "
         '`used_memory` for 1,000 sessions is in "Sessions at scale" (bench/session_scale.py).',
         "",
