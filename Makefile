@@ -113,7 +113,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/llm.py --write
 	$(PY) bench/llm_quality.py --write
 	$(PY) bench/state_precision.py --write
-	$(PY) bench/state_economy.py --write
+	$(PY) bench/state_economy.py --turns 20 --long --also shakespeare --write
 	$(PY) bench/session_scale.py --write
 
 # llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);

@@ -33,7 +33,8 @@ tell a client's commands from those a script calls, so it counts the scripts alo
 `--quick` is a smoke test on a tiny LLaMA of random weights (its byte-level vocabulary makes
 every reply re-render to the tokens it was), 200 tokens of history, 2 turns a route.
 Prints a table and `RESULT {json}`; `--write` puts the section "## State economy" into
-docs/BENCHMARKS.md (smollm2 only: a figure of the shipped assistant), which `make bench` does.
+docs/BENCHMARKS.md (smollm2 first: the shipped assistant; `--also shakespeare` adds the other
+shipped model's row, measured after it in the same run), which `make bench` does.
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def measured_commit() -> str:
     )
 
 
-def measure(name: str, quick: bool, long: bool, turns: int, forks: int) -> dict:
+def measure(name: str, quick: bool, long: bool, turns: int, forks: int, long_turns: int = 4) -> dict:
     commit = measured_commit()  # (before the server starts: the code it runs)
     work = Path(tempfile.mkdtemp(prefix="recur-state-economy-"))
     histories = [200] if quick else [1000, 8000] if long else [1000]
@@ -338,8 +339,10 @@ def measure(name: str, quick: bool, long: bool, turns: int, forks: int) -> dict:
         m = Meter(redis.Redis.from_url(red.url))
         position = per_position(srv.url, m, min(histories))
         runs = [
-            at_history(srv.url, m, h, turns, sampling, forks if h == histories[0] else 0) for h in histories
-        ]
+            at_history(srv.url, m, h, turns if h == histories[0] else long_turns, sampling,
+                       forks if h == histories[0] else 0)
+            for h in histories
+        ]  # fmt: skip
     finally:
         srv.stop()
         red.stop()
@@ -467,7 +470,7 @@ def _fork(fork: dict) -> list[str]:
     ]
 
 
-def _closing(r: dict) -> list[str]:
+def _closing(r: dict, also: list[dict] | None = None) -> list[str]:
     """The Done-when verdicts, why each miss misses, and what is not measured."""
     table, met = verdicts(r)
     a = r["histories"][0]["in_place"]
@@ -505,27 +508,55 @@ def _closing(r: dict) -> list[str]:
         + " ".join(why),
         "",
         "Not measured here: "
-        + (
-            ""
-            if len(r["histories"]) > 1
-            else "8,000 tokens of history (`--long`: with 20 turns, each branch past the kept versions "
-            "prefills 8,000 tokens anew, about a minute each here); "
-        )
-        + "`shakespeare` (`--model shakespeare` runs it; only smollm2's figures are written here); Redis "
+        + ("" if len(r["histories"]) > 1 else "8,000 tokens of history (`--long`); ")
+        + ("" if also else "`shakespeare` (`--also shakespeare` adds it); ")
+        + "Redis "
         '`used_memory` for 1,000 sessions is in "Sessions at scale" (bench/session_scale.py).',
         "",
-        "Reproduce: `python bench/state_economy.py` (`--long` adds 8,000 tokens of history; `--write` "
+        "Reproduce: `python bench/state_economy.py --turns 20 --long --also shakespeare` (as `make bench` "
+        "runs it; `--long` adds 8,000 tokens of history, `--long-turns` turns a route there; `--write` "
         "rewrites this section).",
         "",
     ]
 
 
-def section(r: dict) -> str:
+def section(r: dict, also: list[dict] | None = None) -> str:
     lines = _head(r)
     for h in r["histories"]:
-        lines += [f"At {h['tokens']:,} tokens of history, per 16-token turn (greedy, 16 tokens exactly):", ""]
+        lines += [
+            f"At {h['tokens']:,} tokens of history, per 16-token turn (greedy, 16 tokens exactly; "
+            f"{h['in_place']['turns']} turns a route):",
+            "",
+        ]
         lines += [*turn_table(r, h), ""]
-    return "\n".join([*lines, *_fork(r["histories"][0]["fork"]), *_closing(r)])
+    return "\n".join(
+        [*lines, *_fork(r["histories"][0]["fork"]), *_others([r, *(also or [])]), *_closing(r, also)]
+    )
+
+
+def _others(results: list[dict]) -> list[str]:
+    """Every model and history of the run in one table: medians of each route's turns."""
+    if len(results) == 1 and len(results[0]["histories"]) == 1:
+        return []
+    rows = [
+        "Each model and history measured in this run (medians; KB written / read per 16-token turn):",
+        "",
+        "| model | history | state, MiB | (a) chain: scripts, written, read | (b) branch: written, read "
+        "(continued) | (c) session: written, read | fork: `used_memory` growth |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for h in r["histories"]:
+            a, b, c = h["in_place"], h["branch"], h["session"]
+            fork = h.get("fork")
+            share = f"{fork['used_memory_growth'] / fork['state_bytes']:.2%}" if fork else "-"
+            rows.append(
+                f"| {r['label']} | {h['tokens']:,} | {h['state']['state_bytes'] / 2**20:.2f} | "
+                f"{a['scripts']['median']:.0f}, {_kb(a['written']['median'])}, {_kb(a['read']['median'])} | "
+                f"{_kb(b['written']['median'])}, {_kb(b['read']['median'])} ({b['continued']} of {b['turns']}) | "
+                f"{_kb(c['written']['median'])}, {_kb(c['read']['median'])} | {share} |"
+            )
+    return [*rows, ""]
 
 
 def main() -> None:
@@ -534,17 +565,21 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4, help="turns measured on each route")
     ap.add_argument("--forks", type=int, default=3)
     ap.add_argument("--long", action="store_true", help="also at 8,000 tokens of history")
+    ap.add_argument("--long-turns", type=int, default=4, help="turns a route at 8,000 tokens (--long)")
+    ap.add_argument("--also", action="append", default=[], help="another model, measured after (a table row)")
     ap.add_argument("--quick", action="store_true", help="a smoke test: a tiny LLaMA, 200 tokens, 2 turns")
     args = ap.parse_args()
     if args.quick:
         args.turns, args.forks = 2, 1
-    r = measure(args.model, args.quick, args.long, args.turns, args.forks)
-    for h in r["histories"]:
-        print("\n".join(turn_table(r, h)))
+    r = measure(args.model, args.quick, args.long, args.turns, args.forks, args.long_turns)
+    also = [measure(m, False, args.long, args.turns, args.forks, args.long_turns) for m in args.also]
+    for x in [r, *also]:
+        for h in x["histories"]:
+            print("\n".join(turn_table(x, h)))
     write = args.write and not args.quick and args.model == "smollm2"
     if args.write and not write:
         print("--write: only a full run on smollm2 writes the section")
-    publish(SECTION, section(r), r, write)
+    publish(SECTION, section(r, also), {**r, "also": also}, write)
 
 
 if __name__ == "__main__":
