@@ -122,11 +122,10 @@ class SessionMaking(SessionReads):
         Before a byte of it is read: a place among this replica's imports in progress
         (QueueFull past `max_imports`, or past half of them for one client: a client
         importing in a loop leaves others a place, and the replica's cores) and one in the
-        tenant's quota for its `declared` size
-        (QuotaExceeded). Then its headers are checked here (`_importable`) and the loader
-        thread parses and verifies the rest
-        (container, checksum, the served model's fingerprint, shapes, sizes, values). It is
-        never unpickled."""
+        tenant's quota for its `declared` size (QuotaExceeded). Then its headers are checked
+        here (`_importable`) and the loader thread parses and verifies the rest (container,
+        checksum, the served model's fingerprint, shapes, sizes, values). It is never
+        unpickled; a blob already in the stored form is committed as it came."""
         client = CLIENT.get() or owner
         with self.imports.taken(client):
             session_id = new_session_id()

@@ -252,6 +252,7 @@ class Responses:
                 failed = ResponseRecord(status=status, body=body)
                 await self.store.save(begun.id, turn.owner, self.retention, failed, worker=worker)
             return True
+        consumed = _consumed(begun, meta.n_tokens)  # (the record's, and the conversation's)
         record = ResponseRecord(
             status=status,
             body=body,
@@ -261,7 +262,7 @@ class Responses:
             version=meta.version,
             n_tokens=meta.n_tokens,
             tokens=meta.tokens_hash,
-            digest=_consumed(begun, meta.n_tokens),
+            digest=consumed,
             own=begun.made or begun.in_place,
             created_at=begun.created_at,
         )
@@ -278,7 +279,7 @@ class Responses:
             return False
         begun.resolved = True  # (its commit kept the session as long as the response, `keep_as`)
         if turn.conversation:
-            await self._extend_conversation(begun, [*turn.input, *output])
+            await self._extend_conversation(begun, [*turn.input, *output], consumed)
         return True
 
     async def close(self, begun: Begun) -> None:
@@ -303,13 +304,13 @@ class Responses:
         elif begun.in_place and run.meta is not None:  # (its commit held the chain's session)
             await self._forget(begun.turn.owner, run.meta.id, holder=begun.id)
 
-    async def _extend_conversation(self, begun: Begun, items: list[dict]) -> None:
+    async def _extend_conversation(self, begun: Begun, items: list[dict], digest: str) -> None:
         turn, meta = begun.turn, begun.run.meta
         assert turn.conversation is not None and meta is not None
         await self.store.add_items(turn.conversation, turn.owner, self.retention, items)
         state = ConversationRecord(
             session=meta.id, version=meta.version, n_tokens=meta.n_tokens, tokens=meta.tokens_hash,
-            digest=_consumed(begun, meta.n_tokens),
+            digest=digest,
         )  # fmt: skip
         await self.store.save(turn.conversation, turn.owner, self.retention, state)
         if begun.replaced:

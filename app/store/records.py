@@ -12,6 +12,7 @@ new field is one edit here. Values only: no Redis here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
@@ -48,8 +49,9 @@ class Record:
     KIND: ClassVar[ObjectKind]
 
     @classmethod
+    @functools.cache
     def _kinds(cls) -> dict[str, str]:
-        # "int | None" -> int; "list[dict] | None" -> json
+        # "int | None" -> int; "list[dict] | None" -> json (read once per class)
         names = {"str", "int", "float", "bool"}
         out = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]

@@ -11,7 +11,8 @@ of the state the caller already holds (a hot cache) and then return no state byt
 is still the current one. Commit ids, unlike version numbers, are never issued twice, even
 after Redis loses a commit. Each use of a session re-arms its TTL (sliding expiry). A fork
 is one script over both sessions, which share a family and so a slot: it names the
-source's pages (a kept version's snapshot and deltas) instead of copying them. The key schema: app/store/keys.py; the scripts: app/store/lua/.
+source's pages (a kept version's snapshot and deltas) instead of copying them. The key
+schema: app/store/keys.py; the scripts: app/store/lua/.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ for _, id in ipairs(deltas) do size = size + page_len(KEYS, id) end
 table.insert(out, 'state_bytes')
 table.insert(out, size)
 if ARGV[3] == '1' then
-  local blobs = {}
-  for _, id in ipairs(deltas) do table.insert(blobs, page_bytes(KEYS, id)) end
-  for _, x in ipairs({'snapshot', page_bytes(KEYS, snapshot), 'deltas', blobs}) do table.insert(out, x) end
+  for _, x in ipairs({'snapshot', page_bytes(KEYS, snapshot), 'deltas', pages_bytes(KEYS, deltas)}) do
+    table.insert(out, x)
+  end
 end
 if ARGV[4] == '1' then
   local trimmed = redis.call('HGET', KEYS[1], 'transcript_trimmed') or '0'

@@ -43,15 +43,28 @@ local function page_len(keys, id)
   return redis.call('STRLEN', page(keys, id))
 end
 
+-- the bytes of the pages `ids`, in order
+local function pages_bytes(keys, ids)
+  local out = {}
+  for _, id in ipairs(ids) do table.insert(out, page_bytes(keys, id)) end
+  return out
+end
+
+-- the history's page fields (s:V, d:V), each with what it holds: {field, value} pairs
+local function history_pages(keys)
+  local out, h = {}, redis.call('HGETALL', keys[4])
+  for i = 1, #h, 2 do
+    local kind = string.sub(h[i], 1, 2)
+    if kind == 's:' or kind == 'd:' then table.insert(out, {h[i], h[i + 1]}) end
+  end
+  return out
+end
+
 -- the ids of every page the session names: its snapshot, its deltas, its history's
 local function pages_of(keys)
   local ids = redis.call('LRANGE', keys[2], 0, -1)
   table.insert(ids, redis.call('HGET', keys[1], 'state'))
-  local h = redis.call('HGETALL', keys[4])
-  for i = 1, #h, 2 do
-    local kind = string.sub(h[i], 1, 2)
-    if kind == 's:' or kind == 'd:' then table.insert(ids, h[i + 1]) end
-  end
+  for _, f in ipairs(history_pages(keys)) do table.insert(ids, f[2]) end
   return ids
 end
 
@@ -61,14 +74,19 @@ local function arm(key, ttl)
   if left == -1 or (left >= 0 and left < ttl) then redis.call('EXPIRE', key, ttl) end
 end
 
+-- at least `ttl` seconds more for the family's count and every page the session names
+local function arm_pages(keys, ttl)
+  arm(keys[6], ttl)
+  for _, id in ipairs(pages_of(keys)) do arm(page(keys, id), ttl) end
+end
+
 -- re-arm the session's sliding TTL, and its pages' (at least as long); returns the new expiry
 local function touch(keys)
   local ttl = tonumber(redis.call('HGET', keys[1], 'ttl'))
   local exp = string.format('%.6f', now() + ttl)
   redis.call('HSET', keys[1], 'expires_at', exp)
   for _, i in ipairs({1, 2, 4, 5}) do redis.call('EXPIRE', keys[i], ttl) end
-  arm(keys[6], ttl)
-  for _, id in ipairs(pages_of(keys)) do arm(page(keys, id), ttl) end
+  arm_pages(keys, ttl)
   return exp
 end
 
@@ -86,19 +104,12 @@ local function upgrade(keys)
     put_page(keys, c .. 'd' .. i, d)
     redis.call('RPUSH', keys[2], c .. 'd' .. i)
   end
-  local h = redis.call('HGETALL', keys[4])
-  for i = 1, #h, 2 do
-    local kind = string.sub(h[i], 1, 2)
-    if kind == 's:' or kind == 'd:' then
-      put_page(keys, c .. h[i], h[i + 1])
-      redis.call('HSET', keys[4], h[i], c .. h[i])
-    end
+  for _, f in ipairs(history_pages(keys)) do
+    put_page(keys, c .. f[1], f[2])
+    redis.call('HSET', keys[4], f[1], c .. f[1])
   end
   local ttl = redis.call('TTL', keys[1])
-  if ttl > 0 then
-    arm(keys[6], ttl)
-    for _, id in ipairs(pages_of(keys)) do arm(page(keys, id), ttl) end
-  end
+  if ttl > 0 then arm_pages(keys, ttl) end
 end
 
 -- `holder` (a response whose state the session holds; '': none) holds the session: it is
@@ -151,12 +162,10 @@ end
 -- `out` with the state's bytes appended, unless the caller already holds the state of commit `held`
 local function with_state(out, keys, held)
   if held == '' or (redis.call('HGET', keys[1], 'commit') or '') ~= held then
-    local deltas = {}
-    for _, id in ipairs(redis.call('LRANGE', keys[2], 0, -1)) do table.insert(deltas, page_bytes(keys, id)) end
     table.insert(out, 'snapshot')
     table.insert(out, page_bytes(keys, redis.call('HGET', keys[1], 'state')))
     table.insert(out, 'deltas')
-    table.insert(out, deltas)
+    table.insert(out, pages_bytes(keys, redis.call('LRANGE', keys[2], 0, -1)))
   end
   return out
 end
