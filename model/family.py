@@ -231,6 +231,14 @@ class LanguageModel(nn.Module):
         it has none."""
         raise ValueError(f"the {self.family} family has no {precision} path: serve it in fp32 or bf16")
 
+    def logit_rtol(self) -> float:
+        """How far two evaluations of this model's step may lie apart when they differ only
+        in how they round (the order of their sums, as a compiler fuses them; a last-bit
+        difference crossing a rounding to a narrower type), relative to the largest |logit|.
+        0, the default: no allowance beyond an absolute one, which a caller sets (the
+        engine's compile check, app/engine/compiler.py, holds such a family to 1e-4)."""
+        return 0.0
+
     def parts(self) -> dict[str, Callable]:
         """Pure tensor functions a forward runs many times over with inputs of one shape (a
         family's per-token loop), by name: a caller may compile them and run forwards with

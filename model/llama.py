@@ -69,6 +69,8 @@ from .state.precision import PRECISIONS
 
 DEFAULT_SINKS = 4  # StreamingLLM's choice: four initial tokens hold the attention sink
 DEFAULT_WINDOW = 1024  # the W a checkpoint gets unless it was trained with a window (docs/MODEL_CARD.md)
+FP32_U = 2.0**-24  # fp32's unit roundoff
+BF16_STEP = 2.0**-7  # bfloat16's largest relative step between neighbours (8 significant bits)
 
 
 @dataclass
@@ -220,6 +222,27 @@ class Llama(LanguageModel):
         table = None if self.config.tie_weights else Int8Blocks(*quantize_blocks(emb.weight))
         self.set_packed_ends(Int8Blocks(*quantize_blocks(head.weight)), table)
         self.precision = precision
+
+    def logit_rtol(self) -> float:
+        """Two evaluations of a step that differ only in the order of their sums (a compiled
+        step against the eager one) differ, relative to the scale of what they sum, by up
+        to gamma_n = n u for a reduction of n terms (Higham, *Accuracy and Stability of
+        Numerical Algorithms*, 3.1; u = 2^-24 in fp32). n is the step's longest reduction
+        (the MLP's hidden width, the attended positions or the model's width), and the
+        largest |logit| stands for the scale: smollm2's n is 1,536, so 9.2e-5 of it, about
+        2.7e-3 at logits near 30, where its compiled step measured 2.7e-4. Where the
+        activations are rounded to bfloat16 (the packed weights' kernels, bf16 autocast) or
+        the caches are (or to float16, whose step is finer), a last-bit difference before a
+        rounding moves the rounded value by a whole step, and so on up to the logits: one
+        bfloat16 step of the largest logit, 2^-7 of it. A state at int8 rounds to a coarser
+        grid: no allowance."""
+        cfg = self.config
+        if self.precision != "fp32" or self.state_precision in ("bfloat16", "float16"):
+            return BF16_STEP
+        if self.state_precision != "float32":
+            return 0.0
+        n = max(cfg.d_model, cfg.d_ff, cfg.n_head * cfg.head_dim, cfg.sinks + cfg.window + 1)
+        return n * FP32_U
 
     def set_packed_ends(self, head: Int8Blocks, embedding: Int8Blocks | None = None) -> None:
         """The head's table (`Int8Head`), and the token lookup's: `embedding`, or the head's
