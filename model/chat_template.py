@@ -32,6 +32,8 @@ checkpoint stores its template (`model/checkpoint.py` reads it).
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,6 +156,38 @@ class ChatTemplate:
             return self.render(messages, variables)
         return whole[max(ends) :]
 
+    # -- a conversation turn by turn ------------------------------------------------------------
+    # A server that keeps a conversation's state renders, for a later turn, only that turn: its
+    # state ends at its last reply's turn stop, and `render_continuation` writes what follows.
+    # That is what rendering the whole conversation gives only for a template that writes each
+    # message whatever the others are (`composes`), and only when the reply, as the template
+    # writes it after its generation prompt, is what the state consumed (`reply`).
+    def composes(self, variables: Mapping[str, Any] | None = None) -> bool:
+        """Whether the whole conversation renders as its first turns (through a reply's turn
+        stop) followed by `render_continuation` of the rest, for probe conversations of each
+        shape a turn takes (a system message or none; a user's or a tool's message after a
+        reply; replies of one line and of several). A template that writes an earlier
+        message by what comes later (a reasoning block only in the last reply, a count of
+        the messages) does not."""
+        return _composes(self, _frozen(variables))
+
+    def reply(
+        self, message: Mapping[str, Any], variables: Mapping[str, Any] | None = None
+    ) -> tuple[str, str] | None:
+        """An assistant's `message` as the template writes it after a user's turn: (the text
+        from that turn's stop through the assistant's generation prompt, then the message's
+        own text through its turn stop). None if the template writes no turn stop there."""
+        earlier = [{"role": "user", "content": "."}]
+        head = self.render(earlier, variables)
+        whole = self.render([*earlier, message], variables, add_generation_prompt=False)
+        if not whole.startswith(head):
+            return None
+        ends = [whole.rfind(s) + len(s) for s in self.stop if whole.rfind(s) >= len(head)]
+        opens = [head.rfind(s) + len(s) for s in self.stop if s in head]
+        if not ends:
+            return None
+        return head[max(opens, default=0) :], whole[len(head) : max(ends)]
+
     # -- reading a rendered conversation back ---------------------------------------------------
     # A template writes the same text around a message whatever its content, so rendering a
     # turn's shape with marks for contents shows its layout; a turn's text is then read back by
@@ -209,3 +243,53 @@ class ChatTemplate:
 def play_script() -> ChatTemplate:
     """The template of the shipped byte-level models (`PLAY_SCRIPT`, turn stop `TURN_END`)."""
     return ChatTemplate(PLAY_SCRIPT, (TURN_END,))
+
+
+def _frozen(variables: Mapping[str, Any] | None) -> str:
+    return json.dumps(variables or {}, sort_keys=True, default=str)
+
+
+# probe conversations: each message's content a distinct text, replies of one and of two lines
+_PROBES = (
+    (
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ),
+    (
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a b"},
+        {"role": "assistant", "content": "c\nd"},
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "f"},
+        {"role": "user", "content": "g"},
+    ),
+    (
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "tool", "content": "c"},
+    ),
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _composes(template: ChatTemplate, variables: str) -> bool:
+    given, tried = json.loads(variables), 0
+    for probe in _PROBES:
+        try:
+            whole = template.render(probe, given)
+        except ChatTemplateError:
+            continue  # (a shape the template refuses, as it refuses a conversation of that shape)
+        for j in range(1, len(probe)):
+            if probe[j - 1]["role"] != "assistant":
+                continue
+            try:
+                head = template.render(probe[:j], given, add_generation_prompt=False)
+                rest = template.render_continuation(probe[j:], given)
+            except ChatTemplateError:
+                return False
+            ends = [head.rfind(s) + len(s) for s in template.stop if s in head]
+            if not ends or whole != head[: max(ends)] + rest:
+                return False
+            tried += 1
+    return tried > 0

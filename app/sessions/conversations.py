@@ -79,7 +79,7 @@ class Conversations:
 
     async def add(self, owner: str, conversation_id: str, new: list[dict], render: Render) -> None:
         """Append items: the conversation's session prefills just them (see the module)."""
-        items, c = await self.store.items(conversation_id, owner, ["session", "version", "n_tokens"])
+        items, c, _ = await self.store.items(conversation_id, owner, ["session", "version", "n_tokens"])
         ids = render(messages([*items, *new]), False)
         tokens, n = self.service.with_bos(ids), c.n_tokens or 0
         held = prefixes.extend(prefixes.root(self.service.engine.fingerprint), tokens[:n])
@@ -95,7 +95,10 @@ class Conversations:
         elif not same:
             meta = await self.service.create(render.new(ids), self.retention, owner)
         await self.store.add_items(conversation_id, owner, self.retention, new)
-        state = ConversationRecord(session=meta.id, version=meta.version, n_tokens=meta.n_tokens)
+        # (its state ends past the items' last turn stop: the next response renders them whole)
+        state = ConversationRecord(
+            session=meta.id, version=meta.version, n_tokens=meta.n_tokens, closing="", consumed=0
+        )
         await self.store.save(conversation_id, owner, self.retention, state)
         if not same:
             await self._drop(owner, c.session or "")

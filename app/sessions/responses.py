@@ -30,6 +30,7 @@ frames an event or knows HTTP: the caller hands it `Render` and the response's b
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from app.store import (
     SessionNotFound,
     VersionGone,
     VersionMismatch,
+    Walk,
 )
 
 from .choices import stateless
@@ -61,6 +63,28 @@ class Render(Protocol):
         """Messages (role and content, as chat templates read them) and whether the
         assistant's turn opens after them -> the token ids they render to (no BOS), the
         whole conversation's: no bound on its length."""
+        ...
+
+    @property
+    def frame(self) -> str:
+        """A digest of what the conversation is rendered under, besides its messages (the
+        instructions, the tools offered, the template): a later turn renders alone only
+        under its stored state's frame; '' where the template does not render a
+        conversation turn by turn as it renders it whole (never alone)."""
+        ...
+
+    def continuation(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        """The token ids of a later turn's `messages` alone, the assistant's turn opening
+        after them, continuing a state that ends at a reply's turn stop; None where the
+        template does not render a conversation turn by turn as it renders it whole."""
+        ...
+
+    def closing(self, reply: dict[str, Any], ids: list[int]) -> list[int] | None:
+        """Where `ids`, the tokens a state consumed after the generation prompt, begin the
+        assistant's `reply` as the template writes it through its turn stop, tokenized
+        alike whatever turn follows: the ids that close it after them ([] : none, the state
+        consumed the turn stop; a reply cut short: the rest of it). A later turn then
+        renders alone (`continuation`), after those. None: it cannot."""
         ...
 
     def new(self, ids: list[int]) -> list[int]:
@@ -143,6 +167,17 @@ class Base:
     n_tokens: int
     tokens_hash: str = ""
     digest: str = ""  # the same tokens' one-pass digest (`prefixes.digest`; '' when not kept)
+    frame: str = ""  # what its conversation was rendered under (`Render.frame`)
+    closing: list[int] | None = None  # what closes its reply after its state (`Render.closing`)
+
+
+@dataclass
+class Plan:
+    """Where a response starts, and how its input was rendered."""
+
+    start: Start
+    rendered: list[int] | None  # the whole conversation's tokens (BOS included), rendered whole
+    input_tokens: int  # the whole input's tokens, the conversation's (BOS not counted)
 
 
 @dataclass
@@ -165,14 +200,16 @@ class Begun:
     id: str
     turn: Turn
     run: Run
-    context: list[dict[str, Any]]  # the conversation before the reply, as the template read it
-    rendered: list[int]  # its tokens as the state consumes them before the reply (BOS included)
+    render: Render
+    own: list[dict[str, Any]]  # its turn's messages (a conversation's items added since, its input)
+    rendered: list[int] | None  # the whole conversation's tokens (BOS included) when rendered whole
     input_tokens: int  # the whole input's tokens (BOS not counted)
     cached: int  # of those, the ones its starting state already held: not prefilled
     made: bool  # the session is the response's own (a fork or a new one)
     in_place: bool = False  # it continues its chain's session, which it holds with the others
     holds: bool = False  # its commit keeps the session, and leaves its settlement to `finish`
     replaced: str | None = None  # a conversation's former session, which this one replaces
+    seen: int | None = None  # a conversation's items it read through (its turn follows them)
     resolved: bool = False  # `finish` kept it, or `discard` dropped it: closing deletes nothing more
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -191,31 +228,30 @@ class Responses:
     # -- a response's life ------------------------------------------------------------------------
     async def begin(self, response_id: str, turn: Turn, render: Render, gen: Generation) -> Begun:
         """Start the response's generation: admitted (the client's streams and the tenant's
-        tokens), then its context read, its input rendered, its starting session found (see
-        the module). The caller owns `Begun.run`, and calls `finish` after its commit (or
-        `discard`)."""
+        tokens), then its base read, its input rendered (its turn alone where it can be, else
+        with the whole conversation), its starting session found (see the module). The caller
+        owns `Begun.run`, and calls `finish` after its commit (or `discard`)."""
         # admission first: a client past its streams or tokens is refused before any read or fork
         async with self.service.tenants.starting(turn.owner, 1, gen.max_tokens) as admitted:
-            context, base = await self._context(turn)
-            ids = render(context + messages(turn.input), True)
-            start = await self._session(turn, base, ids)
+            base, own, whole, seen = await self._base(turn, render)
+            plan, seen = await self._plan(turn, base, own, whole, seen, render)
             try:
-                run = await self._generate(start, render, gen, turn.owner)
+                run = await self._generate(plan.start, render, gen, turn.owner)
             except (VersionMismatch, SessionBusy, SessionNotFound):
-                if not start.in_place:
+                if not plan.start.in_place:
                     raise
                 # the chain went on from the base (another continuation of it), or is going on
                 # now: this one forks the base's version instead
-                start = await self._session(turn, base, ids, in_place=False)
-                run = await self._generate(start, render, gen, turn.owner)
+                plan, seen = await self._plan(turn, base, own, whole, seen, render, in_place=False)
+                run = await self._generate(plan.start, render, gen, turn.owner)
         admitted(run)
+        start = plan.start
         holds = turn.store and (start.made or start.in_place)
         if holds:  # (its commit keeps the session as long as the response, and holds it)
             run.keep_as(self.retention, response_id)
         replaced = base.session if turn.conversation and base and start.made else None
-        rendered = self.service.with_bos(ids)
-        return Begun(response_id, turn, run, context + messages(turn.input), rendered, len(ids),
-                     len(ids) - len(start.rest), start.made, start.in_place, holds, replaced)  # fmt: skip
+        return Begun(response_id, turn, run, render, own, plan.rendered, plan.input_tokens,
+                     plan.input_tokens - len(start.rest), start.made, start.in_place, holds, replaced, seen)  # fmt: skip
 
     async def _generate(self, start: Start, render: Render, gen: Generation, owner: str) -> Run:
         """The run of a response's generation from `start` (a session it made is deleted if
@@ -252,21 +288,28 @@ class Responses:
                 failed = ResponseRecord(status=status, body=body)
                 await self.store.save(begun.id, turn.owner, self.retention, failed, worker=worker)
             return True
-        consumed = _consumed(begun, meta.n_tokens)  # (the record's, and the conversation's)
+        prefilled = len(self.service.with_bos([])) + begun.input_tokens  # (the state's, before the reply)
+        reply_ids = [ev.id for ev in begun.run.tokens][: meta.n_tokens - prefilled]
+        closing = begun.render.closing(reply, reply_ids) if meta.n_tokens > prefilled else None
+        closes = "" if closing is None else json.dumps(closing)
+        consumed = prefixes.digest([*begun.rendered, *reply_ids]) if begun.rendered is not None else ""
         record = ResponseRecord(
             status=status,
             body=body,
-            context=[*begun.context, reply],
             input=turn.input,
             session=meta.id,
             version=meta.version,
             n_tokens=meta.n_tokens,
             tokens=meta.tokens_hash,
             digest=consumed,
+            frame=begun.render.frame,
+            closing=closes,
             own=begun.made or begun.in_place,
             created_at=begun.created_at,
         )
-        nbytes = sum(map(len, record.to_fields().values())) + events
+        own_turn = [*begun.own, reply]
+        parent = turn.previous or turn.conversation or ""
+        nbytes = sum(map(len, record.to_fields().values())) + events + len(json.dumps(own_turn))
         tenants = self.service.tenants
         if begun.holds:  # the session's settlement, deferred by its commit, and the record's place
             await tenants.settle_kept(
@@ -274,12 +317,15 @@ class Responses:
             )
         else:
             await tenants.reserve(turn.owner, begun.id, nbytes, self.retention)
-        if not await self.store.save(begun.id, turn.owner, self.retention, record, worker=worker):
+        saved = await self.store.save(
+            begun.id, turn.owner, self.retention, record, worker=worker, turn=own_turn, parent=parent
+        )
+        if not saved:
             await self.discard(begun)
             return False
         begun.resolved = True  # (its commit kept the session as long as the response, `keep_as`)
         if turn.conversation:
-            await self._extend_conversation(begun, [*turn.input, *output], consumed)
+            await self._extend_conversation(begun, [*turn.input, *output], consumed, closes)
         return True
 
     async def close(self, begun: Begun) -> None:
@@ -304,13 +350,17 @@ class Responses:
         elif begun.in_place and run.meta is not None:  # (its commit held the chain's session)
             await self._forget(begun.turn.owner, run.meta.id, holder=begun.id)
 
-    async def _extend_conversation(self, begun: Begun, items: list[dict], digest: str) -> None:
+    async def _extend_conversation(self, begun: Begun, items: list[dict], digest: str, closing: str) -> None:
         turn, meta = begun.turn, begun.run.meta
         assert turn.conversation is not None and meta is not None
-        await self.store.add_items(turn.conversation, turn.owner, self.retention, items)
+        count, moved = await self.store.add_items(
+            turn.conversation, turn.owner, self.retention, items, begun.seen
+        )
+        # (items another writer added meanwhile came before this turn's, unread by its state:
+        # the next turn renders the conversation whole)
         state = ConversationRecord(
             session=meta.id, version=meta.version, n_tokens=meta.n_tokens, tokens=meta.tokens_hash,
-            digest=digest,
+            digest=digest, frame=begun.render.frame, closing=closing, consumed=0 if moved else count,
         )  # fmt: skip
         await self.store.save(turn.conversation, turn.owner, self.retention, state)
         if begun.replaced:
@@ -335,27 +385,109 @@ class Responses:
             await self._forget(owner, session, holder=response_id)
 
     # -- the starting state -------------------------------------------------------------------
-    async def _context(self, turn: Turn) -> tuple[list[dict[str, Any]], Base | None]:
-        """The conversation a response continues (as the template reads it) and the stored
-        state that consumed it, if any."""
+    async def _base(
+        self, turn: Turn, render: Render
+    ) -> tuple[Base | None, list[dict[str, Any]], list[dict[str, Any]] | None, int | None]:
+        """What a response continues, in one read: the stored state, if any (`Base`), the
+        messages of its own turn (a conversation's items since its state, then the input),
+        the whole conversation when its turn cannot render alone (None where it may), and a
+        conversation's items read through."""
+        own = messages(turn.input)
         if turn.previous is not None:
-            names = ["context", "session", "version", "n_tokens", "status", "tokens", "digest"]
-            r = await self.store.read(ResponseRecord, turn.previous, turn.owner, names)
+            names = ["session", "version", "n_tokens", "status", "tokens", "digest", "frame", "closing"]
+            r, walk = await self.store.base(turn.previous, turn.owner, names, render.frame)
             if r.status not in CONTINUABLE:
                 raise NotContinuable(
                     f"previous_response_id: response {turn.previous!r} is {r.status}; only a completed or "
                     "incomplete response can be continued"
                 )
-            return r.context or [], Base(
-                r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "", r.digest or ""
-            )
+            base = Base(r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "", r.digest or "",
+                        r.frame or "", json.loads(r.closing) if r.closing else None)  # fmt: skip
+            whole = None if walk is None else [*await self._context(turn, walk), *own]
+            return base, own, whole, None
         if turn.conversation is not None:
-            items, c = await self.store.items(
-                turn.conversation, turn.owner, ["session", "version", "n_tokens", "tokens", "digest"]
+            names = ["session", "version", "n_tokens", "tokens", "digest", "frame", "closing"]
+            items, c, first = await self.store.items(turn.conversation, turn.owner, names, render.frame)
+            alone = first > 0 and c.closing
+            base = Base(c.session or "", c.version or 0, c.n_tokens or 0, c.tokens or "", c.digest or "",
+                        c.frame or "", json.loads(c.closing) if alone and c.closing else None)  # fmt: skip
+            own = messages([*items, *turn.input])
+            return base, own, None if alone else own, first + len(items)
+        return None, own, own, None
+
+    async def _plan(
+        self, turn: Turn, base: Base | None, own: list[dict[str, Any]], whole: list[dict[str, Any]] | None,
+        seen: int | None, render: Render, in_place: bool = True,
+    ) -> tuple[Plan, int | None]:  # fmt: skip
+        """Where a response starts: where its base's state ends where a reply closes
+        (`closing`), under the frame this turn renders under, its own turn alone continues
+        that state (`Render.continuation`, after the closing ids: nothing before it is read,
+        rendered or tokenized); else the whole conversation, rendered (`_session`)."""
+        ttl = self.service.stateless_ttl  # (until its commit keeps it as long as the response)
+        alone = (
+            base is not None
+            and whole is None
+            and base.closing is not None
+            and base.tokens_hash
+            and base.frame == render.frame
+            and not (own and own[0].get("tool_calls"))  # (a call the whole would join to the reply)
+        )
+        later = render.continuation(own) if alone else None
+        if base is not None and base.closing is not None and later is not None:
+            in_place = in_place and turn.store and turn.conversation is None
+            found = await self._continue(turn, base, base.tokens_hash, ttl, in_place)
+            if found is not None:
+                metrics.RESPONSE_REUSE.labels("hit").inc()
+                bos = len(self.service.with_bos([]))
+                metrics.RESPONSE_TOKENS_REUSED.inc(base.n_tokens - bos)
+                rest = [*base.closing, *later]
+                start = Start(found[0], rest, found[1], found[2], in_place)
+                return Plan(start, None, base.n_tokens - bos + len(rest)), seen
+        if whole is None:  # (the state is gone, or the turn's first item is a call: a second read)
+            whole, seen = await self._whole(turn, own, seen)
+        ids = render(whole, True)
+        return Plan(
+            await self._session(turn, base, ids, in_place), self.service.with_bos(ids), len(ids)
+        ), seen
+
+    async def _whole(
+        self, turn: Turn, own: list[dict[str, Any]], seen: int | None
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """The whole conversation a response's turn ends, read where the first read left it
+        out: a chain's turns walked from the previous response, or all of a conversation's
+        items; and a conversation's items read through."""
+        if turn.previous is not None:
+            _, walk = await self.store.base(turn.previous, turn.owner, ["status"], "")
+            assert walk is not None  # (no frame: walked)
+            return [*await self._context(turn, walk), *own], seen
+        assert turn.conversation is not None
+        items, _, _ = await self.store.items(turn.conversation, turn.owner, [])
+        return messages([*items, *turn.input]), len(items)
+
+    async def _context(self, turn: Turn, walk: Walk) -> list[dict[str, Any]]:
+        """The conversation the previous response ended, its own reply included."""
+        if walk.broken:
+            raise NotContinuable(
+                f"previous_response_id: the conversation before response {turn.previous!r} is no longer "
+                "stored whole (a response it continues, stored before this server kept turns, was deleted)"
             )
-            base = Base(c.session or "", c.version or 0, c.n_tokens or 0, c.tokens or "", c.digest or "")
-            return messages(items), base
-        return [], None
+        flat = [m for t in walk.turns for m in t]
+        if not walk.root.startswith("conv_"):
+            return flat
+        # its first response followed a conversation's items: those before its own input
+        record = await self.store.read(ResponseRecord, walk.first, turn.owner, ["input"])
+        given = {i.get("id") for i in record.input or []}
+        try:
+            items, _, _ = await self.store.items(walk.root, turn.owner, [])
+        except ObjectNotFound:
+            items = []
+        at = next((n for n, i in enumerate(items) if i.get("id") in given), None)
+        if at is None:
+            raise NotContinuable(
+                f"previous_response_id: response {turn.previous!r} continues conversation {walk.root!r}, whose "
+                "items before it are no longer stored"
+            )
+        return [*messages(items[:at]), *flat]
 
     async def _session(self, turn: Turn, base: Base | None, ids: list[int], in_place: bool = True) -> Start:
         """Where a response starts (`Start`): its base's state if that consumed exactly the
@@ -425,9 +557,3 @@ class Responses:
                 log.info("session %s of a response is still being written: its writer deletes it", session_id)
         except Exception:
             log.warning("could not delete session %s of a response", session_id, exc_info=True)
-
-
-def _consumed(begun: Begun, n_tokens: int) -> str:
-    """The digest of the tokens the response's state consumed: the rendering, then its reply's
-    tokens, as far as its commit says (`n_tokens`)."""
-    return prefixes.digest([*begun.rendered, *(ev.id for ev in begun.run.tokens)][:n_tokens])

@@ -25,9 +25,9 @@ from __future__ import annotations
 from app.config import Settings
 
 from .connection import CLIENT_NAME, Connection, parse_redis_url
-from .keys import Keys, fork_id
+from .keys import Keys, fork_id, response_id
 from .records import ConversationRecord, ResponseRecord
-from .responses import ResponseStore, new_object_id
+from .responses import ResponseStore, Walk, new_object_id
 from .sessions import SessionStore, Writer
 from .tenants import TenantStore
 from .types import (
@@ -82,6 +82,8 @@ __all__ = [
     "new_object_id",
     "new_session_id",
     "fork_id",
+    "response_id",
+    "Walk",
     "owner_of",
     "parse_redis_url",
     "tenant_of",

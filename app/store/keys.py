@@ -59,9 +59,11 @@ script touches both:
     P prefix:{T}:HASH    string, "session_id:version" of a committed state whose tokens hash
                          to HASH (the prefix index; lives as the session would)
 
-A stored response's keys share its id as their tag (`{resp_HEX}`), a conversation's its
-own (`{conv_HEX}`); never a session's or a tenant's: each script (app/store/responses.py)
-touches one object's keys. Both expire `response_retention` seconds after their last write.
+A stored response's keys share its chain's tag (`{resp_HEX}`: the first response's id, of
+32 hex digits; a response that continues one by `previous_response_id` has the same 32 and
+16 more, `response_id`), a conversation's its own (`{conv_HEX}`); never a session's or a
+tenant's: each script (app/store/responses.py) touches one chain's or one conversation's
+keys. Both expire `response_retention` seconds after their last write.
 
     P response:{R}       hash, a response of the Responses API (its fields are `ResponseRecord`'s,
                          app/store/records.py; `owner` and `op` the scripts' own)
@@ -71,8 +73,14 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         body             the Response object as the API returns it (JSON, Python's: a script
                          never re-encodes it; the reader lays `status` and `error` over it)
         error            the OpenAI error object a script failed it with (JSON), if any
-        context          the conversation it ends, its own reply included, as the chat
-                         template reads it (JSON messages; the instructions are not kept)
+        context          (a response stored before chains) the conversation it ends, its own
+                         reply included, as the chat template reads it (JSON messages)
+        parent           the response it continues ('' none; 'conv_…': the conversation whose
+                         items it followed); its own turn is in the chain's hash
+        frame, closed    what its conversation was rendered under (instructions, tools,
+                         template: a digest) and whether its state ends at its reply's turn
+                         stop, tokenized as the template writes it: the next turn then renders
+                         and tokenizes only its new input (app/sessions/responses.py)
         input            its own input items, as input_items lists them (JSON)
         session, version, n_tokens, tokens, digest   the session holding the state the
                          response committed (its chain's, or a fork of its own), that version,
@@ -82,11 +90,18 @@ touches one object's keys. Both expire `response_retention` seconds after their 
         run              the session a background response's run made ('' in a conversation's):
                          the sweep deletes it when the run died and the response keeps no state
         events_bytes     the bytes of its events (counted in the key's quota with the record)
+    P chain:{R}          hash, the chain's turns: `s:ID` a response's own turn (its input and
+                         its reply, JSON messages), `p:ID` its parent, `n:ID` its references
+                         (itself while it lives, and each child's turn): a deleted response's
+                         turn stays while a later one's context needs it; the hash lives as
+                         long as the chain's newest response
     P events:{R}         stream, a background response's events: entry id 0-(sequence_number+1),
                          fields t (the event's type) and e (its JSON); expires with the hash
     P conversation:{C}   hash (`ConversationRecord`): owner, session, version, n_tokens,
-                         tokens, digest (the conversation's session and what it has consumed,
-                         as a response's), metadata (JSON), created_at
+                         tokens, digest, frame, closed (the conversation's session and what it
+                         has consumed, as a response's), consumed (how many of its items that
+                         state consumed: the next turn reads only those after; '' once an item
+                         is deleted), metadata (JSON), created_at
     P items:{C}          list, the conversation's items (JSON), oldest first
     P responses:leases   sorted set, the background responses in progress by lease end
                          (one key, its own slot: the replicas' sweep of dead workers)
@@ -112,6 +127,24 @@ def family(session_id: str) -> str:
 def fork_id(source: str) -> str:
     """A new id for a fork of `source`, in `source`'s family."""
     return f"{family(source)}.{secrets.token_hex(8)}"
+
+
+# a response's id: `resp_`, its chain's 32 hex digits, and for a continuation 16 more
+RESPONSE_ID = re.compile(r"(resp_[0-9a-f]{32})([0-9a-f]{16})?")
+
+
+def response_id(previous: str | None = None) -> str:
+    """A new response's id: in `previous`'s chain (its keys' hash tag) when it continues
+    one whose id has the chain's form, else a chain's first."""
+    m = RESPONSE_ID.fullmatch(previous or "")
+    return f"{m.group(1)}{secrets.token_hex(8)}" if m else f"resp_{secrets.token_hex(16)}"
+
+
+def chain_of(response_id: str) -> str:
+    """The hash tag of a response's keys: its chain's (`resp_` and 32 hex digits), or for an
+    id of another form, the id itself."""
+    m = RESPONSE_ID.fullmatch(response_id)
+    return m.group(1) if m else response_id
 
 
 def entry_kind(entry: str) -> Literal["session", "response", "conversation"]:
@@ -159,8 +192,14 @@ class Keys:
         return f"{self.prefix}pages:{{{family(session_id)}}}"
 
     def response(self, response_id: str) -> list[str]:
-        """A response's keys: its hash and its events (one slot)."""
-        return [f"{self.prefix}response:{{{response_id}}}", f"{self.prefix}events:{{{response_id}}}"]
+        """A response's keys: its hash, its events and its chain's turns (one slot)."""
+        tag = chain_of(response_id)
+        rest = response_id[len(tag) :]
+        return [
+            f"{self.prefix}response:{{{tag}}}{rest}",
+            f"{self.prefix}events:{{{tag}}}{rest}",
+            f"{self.prefix}chain:{{{tag}}}",
+        ]
 
     def conversation(self, conversation_id: str) -> list[str]:
         """A conversation's keys: its hash and its items (one slot)."""

@@ -82,7 +82,10 @@ class ResponseRecord(Record):
     status: str | None = None  # what the body says, or a script's later word (a cancel, a sweep)
     body: dict[str, Any] | None = None  # the Response object as the API returns it
     error: dict[str, Any] | None = None  # the error a script failed it with
-    context: list[dict[str, Any]] | None = None  # the conversation it ends, its reply included
+    context: list[dict[str, Any]] | None = None  # (stored before chains) the conversation it ends
+    parent: str | None = None  # the response it continues ('' none, 'conv_…' a conversation's items)
+    frame: str | None = None  # the digest of what its conversation was rendered under
+    closing: str | None = None  # the ids (JSON) that close its reply after its state, where known ('' not)
     input: list[dict[str, Any]] | None = None  # its own input items
     session: str | None = None  # the session holding the state it committed
     version: int | None = None  # that session's version
@@ -120,5 +123,8 @@ class ConversationRecord(Record):
     n_tokens: int | None = None  # the tokens that state consumed
     tokens: str | None = None  # their hash (app/prefixes.py; '' unknown)
     digest: str | None = None  # their one-pass digest (`prefixes.digest`), for the next turn's check
+    frame: str | None = None  # as a response's
+    closing: str | None = None  # as a response's
+    consumed: int | None = None  # how many of its items that state consumed
     metadata: dict[str, str] | None = None
     created_at: int | None = None

@@ -1,10 +1,11 @@
 """Responses and conversations in Redis (the Responses and Conversations APIs): each on its
-own keys (`{resp_HEX}`, `{conv_HEX}`: app/store/keys.py), never a session's, so each
-script here touches one slot.
+own keys (a chain's `{resp_HEX}`, `{conv_HEX}`: app/store/keys.py), never a session's, so
+each script here touches one slot.
 
-A response is a hash (its body, the conversation it ends, its session and version: a
-`ResponseRecord`, app/store/records.py) and, when it runs in the background, a Redis
-Stream of its events (read a page at a time, and waited on with `XREAD BLOCK`); a
+A response is a hash (its body, its session and version: a `ResponseRecord`,
+app/store/records.py), its own turn in its chain's hash (the conversation it ends is the
+turns found by walking its parents: a turn is written once, by the response that made it),
+and, when it runs in the background, a Redis Stream of its events (read a page at a time, and waited on with `XREAD BLOCK`); a
 conversation is a hash (a `ConversationRecord`) and a list of its items. The state they continue lives in sessions (app/store/sessions.py):
 the hash only names it. A background worker writes only while its response is active, so
 a cancel, or a failure written by another replica's sweep once the worker's lease lapsed,
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .connection import Connection
-from .keys import Keys
+from .keys import Keys, chain_of
 from .records import ConversationRecord, ObjectKind, R, ResponseRecord
 from .types import ObjectNotFound, fields
 
@@ -37,6 +38,10 @@ def new_op_id() -> str:
     return secrets.token_hex(8)
 
 
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -50,6 +55,21 @@ class Expired:
     status: str
     owner: str
     orphan: str
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The conversation a stored response ends, as its chain's turns (chain.lua): `turns`
+    oldest first, each a list of messages (a response stored before chains gives its whole
+    `context` as one); `root` where the first came from ('' the conversation's start,
+    'conv_…' a conversation's items, else a response stored before chains); `first` the
+    response whose turn is the first; `broken`: a turn is gone (a response stored before
+    chains, deleted)."""
+
+    turns: list[list[dict]]
+    root: str
+    first: str
+    broken: bool = False
 
 
 class ResponseStore:
@@ -69,13 +89,17 @@ class ResponseStore:
         record: ResponseRecord | ConversationRecord,
         *,
         worker: bool = False,
+        turn: list[dict] | None = None,
+        parent: str = "",
     ) -> bool:
         """Write the record's fields (making the object if new). `worker`: only while the
         response is active; False when it is not (cancelled or failed meanwhile: nothing
-        written)."""
+        written). `turn`: a response's own turn (its input and its reply, as the template
+        reads them), kept in its chain once, after `parent`'s (chain.lua)."""
         kind = record.KIND
         pairs = [x for kv in record.to_fields().items() for x in kv]
-        args = [owner, ttl, "1" if worker else "0", new_op_id(), *pairs]
+        own = _json(turn) if turn is not None else ""
+        args = [owner, ttl, "1" if worker else "0", new_op_id(), object_id, own, parent, *pairs]
         what, check = f"saving {kind} {object_id}", f"read the {kind}"
         raw = await self.connection.run("object_save", self._keys(kind, object_id), args, what, check)
         status = _text(fields(raw)["status"])
@@ -92,10 +116,33 @@ class ResponseStore:
             raise ObjectNotFound(record.KIND, object_id)
         return record.from_fields({k: _text(v) for k, v in answer.items()})
 
+    async def base(
+        self, response_id: str, owner: str, names: Iterable[str], frame: str
+    ) -> tuple[ResponseRecord, Walk | None]:
+        """A stored response as a continuation reads it (context.lua): its fields `names`,
+        and, unless its state can be continued by a turn rendered alone under `frame` ('' :
+        never), the conversation it ends, walked (`Walk`). ObjectNotFound if it is not the
+        owner's."""
+        keys = self.keys.response(response_id)
+        tag = chain_of(response_id)
+        base = keys[0][: len(keys[0]) - (len(response_id) - len(tag))]
+        args = [owner, response_id, base, tag, frame, *names]
+        answer = fields(await self.connection.run("context", keys, args))
+        if _text(answer.pop(".status")) != "ok":
+            raise ObjectNotFound("response", response_id)
+        walked = _text(answer.pop(".walked"))
+        walk = None
+        if walked == "broken":
+            walk = Walk([], "", "", broken=True)
+        elif walked:
+            turns = [json.loads(_text(t)) for t in answer.pop(".turns")]
+            walk = Walk(turns, _text(answer.pop(".root")), _text(answer.pop(".first")))
+        return ResponseRecord.from_fields({k: _text(v) for k, v in answer.items()}), walk
+
     async def delete(self, kind: ObjectKind, object_id: str, owner: str) -> str:
         """Delete the owner's object; returns the session that held its state ('' if none)."""
         what, check = f"deleting {kind} {object_id}", f"read the {kind} (not found: it was deleted)"
-        args = [owner, new_op_id()]
+        args = [owner, new_op_id(), object_id]
         answer = fields(
             await self.connection.run("object_delete", self._keys(kind, object_id), args, what, check)
         )
@@ -170,26 +217,35 @@ class ResponseStore:
         return [_text(i) for i in answer["ids"]], int(answer["count"])
 
     # -- a conversation's items -----------------------------------------------------------------
-    async def add_items(self, conversation_id: str, owner: str, ttl: int, items: list[dict]) -> int:
-        args = [owner, ttl, new_op_id(), *(json.dumps(i, separators=(",", ":")) for i in items)]
+    async def add_items(
+        self, conversation_id: str, owner: str, ttl: int, items: list[dict], after: int | None = None
+    ) -> tuple[int, bool]:
+        """Append items; (the count after, whether the list held other than `after` items
+        before them: another writer's came first). `after` None: any."""
+        expect = "" if after is None else str(after)
+        args = [owner, ttl, new_op_id(), expect, *(_json(i) for i in items)]
         what, check = f"adding items to conversation {conversation_id}", "list its items"
         keys = self.keys.conversation(conversation_id)
         answer = fields(await self.connection.run("items_add", keys, args, what, check))
         if _text(answer["status"]) != "ok":
             raise ObjectNotFound("conversation", conversation_id)
-        return int(answer["count"])
+        return int(answer["count"]), _text(answer["moved"]) == "1"
 
     async def items(
-        self, conversation_id: str, owner: str, names: Iterable[str]
-    ) -> tuple[list[dict], ConversationRecord]:
-        """A conversation's items, oldest first, and its fields `names`."""
+        self, conversation_id: str, owner: str, names: Iterable[str], frame: str = ""
+    ) -> tuple[list[dict], ConversationRecord, int]:
+        """A conversation's items, oldest first, and its fields `names`; with a `frame`, only
+        those after the ones its state consumed if a turn rendered alone under that frame can
+        continue it (items_read.lua). (The items, the record, the first item's index.)"""
+        args = [owner, frame or "all", *names]
         answer = fields(
-            await self.connection.run("items_read", self.keys.conversation(conversation_id), [owner, *names])
+            await self.connection.run("items_read", self.keys.conversation(conversation_id), args)
         )
         if _text(answer.pop(".status")) != "ok":
             raise ObjectNotFound("conversation", conversation_id)
         items = [json.loads(_text(i)) for i in answer.pop("items")]
-        return items, ConversationRecord.from_fields({k: _text(v) for k, v in answer.items()})
+        first = int(answer.pop("from"))
+        return items, ConversationRecord.from_fields({k: _text(v) for k, v in answer.items()}), first
 
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> None:
         answer = fields(

@@ -15,7 +15,7 @@ SCRIPTS = (
     "create", "read", "begin", "commit", "renew", "release", "delete", "read_at", "versions",
     "record", "settle", "forget", "usage", "listing", "find_prefix", "bucket",
     "object_save", "object_read", "object_delete", "response_event", "response_events", "response_cancel",
-    "response_expire", "leases", "items_add", "items_read", "items_delete",
+    "response_expire", "leases", "items_add", "items_read", "items_delete", "context",
     "unindex", "retain", "hold", "fork",
 )  # fmt: skip
 

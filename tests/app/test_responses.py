@@ -7,6 +7,7 @@ replay from starting_after, and are failed when their replica dies."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -118,6 +119,98 @@ def test_chain_equals_whole_conversation_and_reuses_state(oa, cold):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == second.output_text
     assert oa.responses.retrieve(events[-1].response.id).output_text == second.output_text
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def same_reply(a: openai.types.responses.Response, b: openai.types.responses.Response) -> None:
+    """Two replies alike: text, input tokens, and each token's log-prob within 1e-4."""
+    assert a.output_text == b.output_text and a.usage.input_tokens == b.usage.input_tokens
+    x, y = a.output[0].content[0].logprobs, b.output[0].content[0].logprobs
+    assert len(x) == len(y) and all(abs(p.logprob - q.logprob) <= 1e-4 for p, q in zip(x, y, strict=True))
+
+
+def test_each_turn_renders_alone_and_equals_the_whole_conversation(server, oa, cold):
+    """A chain's later turns render and tokenize only their own input (the record says how its
+    reply closes after its state, and keeps no digest of a whole rendering it never made); each
+    turn equals the whole conversation resent to the cold server. A turn under other
+    instructions renders the whole conversation, walked through the chain's turns, a deleted
+    response's included; once every response is deleted, the chain's turns are gone."""
+    r = redis.Redis.from_url(server.redis_url)
+    prefix = server.settings["key_prefix"]
+    history: list[dict[str, str]] = []
+    made: list[str] = []
+    previous = None
+    for text in ("Good morrow.", "What news?", "Whence comest thou?", "Farewell."):
+        resp = oa.responses.create(
+            input=text, previous_response_id=previous, instructions="A garden.", include=LOGPROBS, **GREEDY
+        )
+        history.append({"role": "user", "content": text})
+        same_reply(resp, resent(cold, instructions="A garden.", input=history, include=LOGPROBS))
+        history.append({"role": "assistant", "content": resp.output_text})
+        if previous is not None:
+            assert resp.usage.input_tokens_details.cached_tokens > 0  # (the state continued)
+            assert resp.id.startswith(made[0]) and len(resp.id) == len(made[0]) + 16  # (in its chain)
+        made.append(resp.id)
+        previous = resp.id
+    tag = made[0]
+    record = f"{prefix}response:{{{tag}}}{made[-1][len(tag) :]}".encode()
+    digest, closing = r.hmget(record, "digest", "closing")
+    assert digest == b"" and closing not in (None, b"")  # (rendered alone: no whole rendering digested)
+    oa.responses.delete(made[1])
+    resp = oa.responses.create(
+        input="Stay.", previous_response_id=previous, instructions="A tomb.", include=LOGPROBS, **GREEDY
+    )
+    history.append({"role": "user", "content": "Stay."})
+    same_reply(resp, resent(cold, instructions="A tomb.", input=history, include=LOGPROBS))
+    for rid in (made[0], *made[2:], resp.id):
+        oa.responses.delete(rid)
+    assert not r.exists(f"{prefix}chain:{{{tag}}}"), "a chain's turns outlived its responses"
+
+
+def test_a_response_stored_before_chains_continues(server, oa, cold):
+    """A response stored before responses kept their turns in their chain (its record holds
+    the whole conversation it ends, `context`; no turn of its own, no `closing`) continues:
+    rendered whole, the walk ending at its `context`; so does a later response whose walk
+    reaches it. Each equals the whole conversation resent."""
+    r = redis.Redis.from_url(server.redis_url)
+    prefix = server.settings["key_prefix"]
+    first = oa.responses.create(input="Who is it?", **GREEDY)
+    second = oa.responses.create(input="Speak up.", previous_response_id=first.id, **GREEDY)
+    record, chain = f"{prefix}response:{{{first.id}}}", f"{prefix}chain:{{{first.id}}}"
+    context = [{"role": "user", "content": "Who is it?"}, {"role": "assistant", "content": first.output_text}]
+    r.hset(record, "context", json.dumps(context))  # (as it was stored before chains)
+    r.hdel(record, "parent", "frame", "closing", "digest")
+    r.hdel(chain, f"s:{first.id}", f"p:{first.id}", f"n:{first.id}")
+    history = [*context, {"role": "user", "content": "Again?"}]
+    again = oa.responses.create(input="Again?", previous_response_id=first.id, include=LOGPROBS, **GREEDY)
+    same_reply(again, resent(cold, input=history, include=LOGPROBS))
+    assert again.usage.input_tokens_details.cached_tokens > 0  # (its state continued, checked whole)
+    history = [*context, {"role": "user", "content": "Speak up."}, {"role": "assistant", "content": second.output_text},
+               {"role": "user", "content": "Louder."}]  # fmt: skip
+    louder = oa.responses.create(
+        input="Louder.", previous_response_id=second.id, instructions="A din.", include=LOGPROBS, **GREEDY
+    )
+    same_reply(louder, resent(cold, input=history, instructions="A din.", include=LOGPROBS))
+
+
+def test_a_conversation_turn_reads_only_its_new_items(server, oa, cold):
+    """A conversation's response turns read and render only the items since its state (items
+    the Conversations API added between turns included), each equal to the whole resent."""
+    conv = oa.conversations.create(items=[{"role": "system", "content": "A hall."}])
+    whole: list[dict[str, str]] = [{"role": "system", "content": "A hall."}]
+    for n, text in enumerate(("Who knocks?", "Enter, then.", "What would you?")):
+        if n == 2:  # (added by the Conversations API: the state prefills it, and renders the next turn whole)
+            oa.conversations.items.create(conv.id, items=[{"role": "user", "content": "A pause."}])
+            whole.append({"role": "user", "content": "A pause."})
+        resp = oa.responses.create(input=text, conversation=conv.id, include=LOGPROBS, **GREEDY)
+        whole.append({"role": "user", "content": text})
+        same_reply(resp, resent(cold, input=whole, include=LOGPROBS))
+        whole.append({"role": "assistant", "content": resp.output_text})
+        if n:
+            assert resp.usage.input_tokens_details.cached_tokens > 0
+    oa.conversations.delete(conv.id)
 
 
 def test_retrieve_input_items_delete_keeps_descendants(oa):

@@ -15,6 +15,7 @@ written) fails all three from the first few turns."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -173,6 +174,15 @@ def test_a_chain_turn_costs_what_it_adds(served):
         assert scripts <= MAX_ROUND_TRIPS, (turn, scripts)
         assert written <= bound, (turn, written, bound)
         assert read <= bound, (turn, read, bound)
+    # nor with the conversation's text: a turn reads and writes its own turn's, never the
+    # history's (each turn adds about 150 bytes of text). Less the new positions' state, and
+    # the least of three turns (the storage guard's INFO polls land in some turn's count)
+    least = [
+        (min(w - (b - SLACK) // 2 for _, _, w, _, b, _ in part), min(r for _, _, _, r, _, _ in part))
+        for part in (rows[1:4], rows[-3:])
+    ]
+    (w0, r0), (w1, r1) = least
+    assert w1 - w0 < 512 and r1 - r0 < 512, least
 
 
 def test_a_chain_session_lives_while_a_response_holds_it(served):
@@ -199,26 +209,31 @@ def test_a_chain_session_lives_while_a_response_holds_it(served):
     assert not set(r.scan_iter("*session:{*")) & sessions, "the chain's session outlived its responses"
 
 
-def test_a_record_keeps_the_digest_of_what_its_state_consumed(served):
-    """Each stored response keeps a one-pass digest of the tokens its state consumed, so the
-    next turn checks a long conversation's rendering in one C call: it equals the digest of
-    the session's transcript (app/transcript.py: what the state consumed, segment by segment).
-    A record whose digest does not match falls back to the chained hash, and the chain still
-    continues its state."""
+def test_a_record_says_what_its_next_turn_needs_to_render_alone(served):
+    """Each stored response keeps what its next turn needs to render only its own input: the
+    ids that close its reply after its state (`closing`: here the turn stop, the reply cut at
+    `max_output_tokens`) and the frame it rendered under. A turn rendered whole (the first)
+    keeps the one-pass digest of the tokens its state consumed: that of the session's
+    transcript (app/transcript.py: what the state consumed, segment by segment); a turn
+    rendered alone keeps none. A record that cannot say how its reply closes makes the next
+    turn render the whole conversation, walked through the chain's turns (context.lua), and it
+    still continues the state, checking it by the chained hash."""
     srv, r = served
     keys = Keys(srv.settings["key_prefix"])
     oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120)
     previous = oa.responses.create(input="Speak, fair one.", **TURN)
-    for turn in range(3):
+    for turn in range(4):
         record = keys.response(previous.id)[0]
-        sid, version, n, digest = (
-            x.decode() for x in r.hmget(record, "session", "version", "n_tokens", "digest")
+        sid, version, n, digest, closing = (
+            x.decode() for x in r.hmget(record, "session", "version", "n_tokens", "digest", "closing")
         )
         segments = [Segment.from_bytes(s) for s in r.lrange(keys.transcript(sid), 0, -1)]
         consumed = [i for s in lineage(segments, sid, int(version))[0] for i in s.ids]
-        assert len(consumed) == int(n) and digest == prefixes.digest(consumed), turn
+        assert len(consumed) == int(n), turn
+        assert digest == (prefixes.digest(consumed) if turn in (0, 2) else ""), turn  # (0, 2: rendered whole)
+        assert json.loads(closing), turn  # (the turn stop the cut reply never reached)
         if turn == 1:
-            r.hset(record, "digest", "0" * 32)  # (a digest that matches nothing)
+            r.hset(record, "closing", "")  # (a record that cannot say)
         resp = oa.responses.create(input=f"Again, {turn}?", previous_response_id=previous.id, **TURN)
         held = previous.usage.input_tokens + previous.usage.output_tokens
         assert resp.usage.input_tokens_details.cached_tokens >= held - 1, turn  # (the state continued)

@@ -25,13 +25,15 @@ def test_a_record_round_trips_through_its_fields():
     record = ResponseRecord(
         status="completed", body=BODY, error={"code": "c", "message": "m"}, context=[], input=[{"id": "m"}],
         session="s" * 32, version=3, n_tokens=17, tokens="h", digest="d", own=True, created_at=5, background=False,
-        lease=1.5, run="", events_bytes=0,
+        lease=1.5, run="", events_bytes=0, parent="resp_y", frame="f", closing="[1, 2]",
     )  # fmt: skip
     f = record.to_fields()
     assert set(f) == {x.name for x in dataclasses.fields(ResponseRecord)}  # (every field, by its name)
     assert all(isinstance(v, str) for v in f.values())
     assert ResponseRecord.from_fields(f) == record
-    conversation = ConversationRecord("s" * 32, 1, 2, metadata={"k": "v"}, created_at=9)
+    conversation = ConversationRecord(
+        "s" * 32, 1, 2, frame="f", closing="[]", consumed=4, metadata={"k": "v"}, created_at=9
+    )
     assert ConversationRecord.from_fields(conversation.to_fields()) == conversation
 
 

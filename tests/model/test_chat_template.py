@@ -188,3 +188,48 @@ def test_text_that_is_no_turn_reads_as_none():
     for template in _TEMPLATES:
         assert template.read_turn("ROMEO: a plain continuation") is None
         assert template.first_user("ROMEO: a plain continuation") is None
+
+
+# Qwen3's way with reasoning (simplified): an assistant's <think> block is written only in
+# the last reply, so an earlier reply's text depends on what comes after it
+_REASONING = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' and loop.last %}<think>\n</think>\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a template that counts the messages before each
+_COUNTING = (
+    "{% for message in messages %}[{{ messages|length }}] {{ message['role'] }}: {{ message['content'] }}"
+    "\n\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": _content}
+)
+
+
+@given(template=st.sampled_from(_TEMPLATES), before=st.lists(_message, max_size=4), user=_content,
+       reply=_content, later=st.lists(_message, min_size=1, max_size=3))  # fmt: skip
+def test_a_template_that_composes_renders_the_whole_as_its_turns(template, before, user, reply, later):
+    """Where a template composes (both shipped ones do), a conversation rendered whole is its
+    earlier turns, then a reply as `reply` writes it after the generation prompt (through
+    its turn stop), then the later messages as `render_continuation` writes them: what a
+    server renders for a later turn alone equals the whole, which is rendered here
+    independently."""
+    assert template.composes()
+    earlier = [*before, {"role": "user", "content": user}]  # (a reply answers someone)
+    head = template.render(earlier)
+    opening, text = template.reply({"role": "assistant", "content": reply})
+    assert head.endswith(opening)
+    whole = template.render([*earlier, {"role": "assistant", "content": reply}, *later])
+    assert whole == head + text + template.render_continuation(later)
+
+
+def test_a_template_that_writes_a_message_by_what_follows_does_not_compose():
+    """A template that writes an earlier reply by what comes after it (a reasoning block only
+    in the last reply), or counts the messages, does not compose: its turns render whole."""
+    for source in (_REASONING, _COUNTING):
+        template = ChatTemplate(source, ("<|im_end|>",) if "im_end" in source else ("\n\n",))
+        assert not template.composes()
+    assert ChatTemplate(SMOLLM2, ("<|im_end|>",)).composes()
+    assert play_script().composes()

@@ -239,11 +239,19 @@ FAULTS: tuple[Fault, ...] = (
     # -- the Responses chain -----------------------------------------------------------------
     Fault(
         "responses-reference-forgets-the-chain",
-        "previous_response_id continues without the conversation before it (the chain forks)",
+        "a turn rendered whole keeps only the last of the chain's turns before it",
         "app/sessions/responses.py",
-        "return r.context or [], Base(",
-        "return [], Base(",
-        ("tests/app/test_responses.py::test_chain_equals_whole_conversation_and_reuses_state[shakespeare]",),
+        "flat = [m for t in walk.turns for m in t]",
+        "flat = [m for t in walk.turns[-1:] for m in t]",
+        ("tests/app/test_responses.py::test_each_turn_renders_alone_and_equals_the_whole_conversation[shakespeare]",),
+    ),
+    Fault(
+        "responses-turn-alone-skips-the-closing",
+        "a turn rendered alone does not prefill what closes the previous reply (its turn stop)",
+        "app/sessions/responses.py",
+        "rest = [*base.closing, *later]",
+        "rest = [*later]",
+        ("tests/app/test_responses.py::test_each_turn_renders_alone_and_equals_the_whole_conversation[shakespeare]",),
     ),
     Fault(
         "responses-chain-off-by-one",
@@ -251,7 +259,7 @@ FAULTS: tuple[Fault, ...] = (
         "app/sessions/responses.py",
         "return Start(found[0], tokens[n:], found[1], found[2], in_place)",
         "return Start(found[0], tokens[n - 1 :], found[1], found[2], in_place)",
-        ("tests/app/test_responses.py::test_chain_equals_whole_conversation_and_reuses_state[shakespeare]",),
+        ("tests/app/test_responses.py::test_a_response_stored_before_chains_continues[shakespeare]",),
     ),
     # -- the tokenizer and the families ------------------------------------------------------
     Fault(

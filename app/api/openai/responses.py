@@ -11,6 +11,9 @@ compatibility table.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,9 +25,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.engine import Logprobs
 from app.sessions import Background, Begun, Generation, Render, Replay, Responses, Turn
-from app.store import new_object_id
+from app.store import new_object_id, response_id
 from model import tool_calls
-from model.chat_template import ChatTemplate
+from model.chat_template import ChatTemplate, ChatTemplateError
 
 from ..http.deps import (
     OwnerDep,
@@ -163,7 +166,8 @@ def item(m: InputItem) -> dict:
 @dataclass(frozen=True)
 class Renderer:
     """The caller's half of the transaction: messages -> the template's text -> token ids
-    (`app.sessions.responses.Render`); `new` holds a turn's new tokens to the prompt limit."""
+    (`app.sessions.responses.Render`), whole or a later turn alone; `new` holds a turn's new
+    tokens to the prompt limit."""
 
     template: ChatTemplate
     settings: Any
@@ -176,7 +180,52 @@ class Renderer:
         tools = self.shape.offered if self.shape is not None else []
         shown, variables = tool_calls.conversation(self.template, [*first, *messages], tools)
         text = self.template.render(shown, variables, add_generation_prompt=generation_prompt)
+        return self._ids(text)
+
+    def _ids(self, text: str) -> list[int]:
         return in_vocabulary(self.engine, self.engine.tokenize(text)) if text else []
+
+    def _later(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """Messages of a later turn as the template reads them, and its variables; None if
+        the template does not render turn by turn as it renders the whole (`composes`).
+        (A template that shows tools itself reads them in a variable; one that does not
+        shows them in the first system message, which a later turn does not render.)"""
+        offered = self.shape.offered if self.shape is not None else []
+        tools = offered if tool_calls.knows_tools(self.template) else []
+        shown, variables = tool_calls.conversation(self.template, messages, tools)
+        return (shown, variables) if self.template.composes(variables) else None
+
+    @functools.cached_property
+    def frame(self) -> str:
+        if self._later([]) is None:
+            return ""  # (never alone)
+        tools = [t.as_json() for t in self.shape.offered] if self.shape is not None else []
+        what = [self.template.source, self.template.stop, self.instructions or "", tools]
+        return hashlib.blake2b(json.dumps(what, default=str).encode(), digest_size=16).hexdigest()
+
+    def continuation(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        later = self._later(messages)
+        return None if later is None else self._ids(self.template.render_continuation(*later))
+
+    def closing(self, reply: dict[str, Any], ids: list[int]) -> list[int] | None:
+        later = self._later([reply])
+        found = None if later is None else self.template.reply(later[0][0], later[1])
+        if later is None or found is None:
+            return None
+        opening, text = found
+        head = self._ids(opening)
+        written = self._ids(opening + text)
+        if written[: len(head) + len(ids)] != head + ids:
+            return None  # (the state consumed other tokens than the template writes)
+        closing = written[len(head) + len(ids) :]
+        for role in ("user", "tool", "system"):  # (what a next turn may open with)
+            try:
+                after = self.template.render_continuation([{"role": role, "content": "x"}], later[1])
+            except ChatTemplateError:
+                continue  # (a role the template refuses)
+            if self._ids(opening + text + after) != written + self._ids(after):
+                return None
+        return closing
 
     def new(self, ids: list[int]) -> list[int]:
         limit = self.settings.max_prompt_tokens
@@ -236,7 +285,7 @@ async def create_response(
     logprobs = LOGPROBS in (body.include or [])
     gen = await _generation(body, settings, engine, template, reply_shape, logprobs, started)
     framer = rf.ResponseFramer(
-        new_object_id("resp"),
+        response_id(body.previous_response_id),  # (in its chain: one hash slot, app/store/keys.py)
         body,
         engine.name,
         engine.tokenizer.token_text if logprobs else None,
