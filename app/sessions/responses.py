@@ -2,13 +2,19 @@
 
 A response continues the state an earlier one committed (`previous_response_id`), or a
 conversation's session, or (neither) a new session found as a stateless request's is
-(prefix reuse). What it prefills is found by tokens, never by trust: the caller renders
-the whole conversation (the stored one and the new input) through the chat template to
-token ids, and the stored state is continued only if the tokens it consumed (its chained
-hash, app/prefixes.py) are a prefix of those; then only the rest is prefilled. Otherwise
-(the state expired, a conversation's item was deleted, the instructions changed, a reply
-ended on a token the text does not show) the whole conversation is prefilled in a new
-session. Either way the reply is the one resending the whole conversation would give.
+(prefix reuse). A later turn renders, tokenizes and reads only its own input: its base's
+record says which ids close the base's reply after its state (`Render.closing`: none when
+the state consumed the turn stop, the stop when the reply was cut short) and the frame it
+was rendered under (instructions, tools, template); under the same frame the turn prefills
+those ids and its own messages rendered alone (`Render.continuation`), which for a template
+that composes is what the whole conversation renders to after the state's tokens
+(tests/app/test_turn_rendering.py). Otherwise the whole conversation is rendered (the
+chain's turns, walked in the same read; a conversation's items), and the stored state is
+continued only if the tokens it consumed (its chained hash, app/prefixes.py) are a prefix
+of those; then only the rest is prefilled; else (the state expired, a conversation's item
+was deleted, the instructions changed, a reply ended on a token the text does not show) the
+whole conversation is prefilled in a new session. Either way the reply is the one resending
+the whole conversation would give.
 
 A stored response continues its chain in place: the session the earlier response
 committed to, fenced on that response's version (its record vouches for the tokens that

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ import redis.cluster
 import model
 from app.config import Settings
 from app.store import CLIENT_NAME, SessionStore, StateBlobs, Store, StoreUnavailable, fork_id, parse_redis_url
+from model.chat_template import play_script
+from model.reader import write_chat_template
 from tests.app.sse_client import events, generate
 from tests.conftest import ServerProcess
 from tests.faults.harness import error_type, race, store_for, stored, stream_generate
@@ -43,7 +46,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def _served(redis_url: str, tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server"), redis_url, **SETTINGS) as srv:
+    chat = tmp_path_factory.mktemp("chat") / "tiny"  # (the tiny model, with the play script: Responses)
+    shutil.copytree(tiny_model_dir, chat)
+    write_chat_template(chat, play_script())
+    with ServerProcess(chat, tmp_path_factory.mktemp("server"), redis_url, **SETTINGS) as srv:
         yield srv
 
 
@@ -192,6 +198,34 @@ def test_every_session_route_on_cluster(cluster_server):
             assert c.delete(f"/v1/sessions/{x}").status_code == 204
             r = c.get(f"/v1/sessions/{x}")
             assert r.status_code == 404 and error_type(r) == "session_not_found"
+
+
+def test_a_response_chain_on_cluster_keeps_to_its_slot(cluster, cluster_server):
+    """A chain of responses on Cluster: each continuation's id is in its chain (one slot for
+    its record, its events and the chain's turns), its turns render alone, a turn under other
+    instructions walks the chain in one script, and deleting every response leaves no key."""
+    with cluster_server.client() as c:
+
+        def respond(text: str, previous: str | None, instructions: str) -> dict:
+            body = {"input": text, "previous_response_id": previous, "instructions": instructions,
+                    "temperature": 0, "max_output_tokens": 8}  # fmt: skip
+            r = c.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        made = [respond("Hark.", None, "A wall.")]
+        for text in ("Who?", "Speak."):
+            made.append(respond(text, made[-1]["id"], "A wall."))
+            assert made[-1]["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        made.append(respond("Louder.", made[-1]["id"], "A moat."))  # (rendered whole: the walk)
+        tag = made[0]["id"]
+        assert all(m["id"].startswith(tag) for m in made)
+        slot = redis.cluster.key_slot(f"{{{tag}}}".encode())
+        assert all(redis.cluster.key_slot(f"x:{{{tag}}}{m['id'][len(tag) :]}".encode()) == slot for m in made)
+        for m in made:
+            assert c.delete(f"/v1/responses/{m['id']}").status_code == 200
+    keys = [k for node in cluster.nodes for k in node.client().scan_iter(match=f"*{tag}*")]
+    assert all(b"response:" in k for k in keys), keys  # (only the deletes' tombstones: no turn left)
 
 
 def test_racing_writers_on_cluster_lose_no_update(cluster, cluster_server, tiny_model_dir):
