@@ -27,6 +27,10 @@ replica (QuotaExceeded past it, before any read), and its replays together send 
 per byte sent, so a client that replays a long response in a loop would otherwise take the
 loop from every other client's generations.
 
+A worker's writes ride out a Redis stall or a lost connection of up to `RIDE_OUT` seconds
+(`_through_stalls`): each is retried with its own op id, which its script recognises, once
+Redis answers again; a worker fails its response only past that, not at its first timeout.
+
 The events themselves are framed by the caller (app/api): this module only keeps them.
 """
 
@@ -41,7 +45,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from app import metrics
-from app.store import ObjectNotFound, QuotaExceeded, ResponseRecord, ResponseStore, StoreError
+from app.store import (
+    ObjectNotFound,
+    QuotaExceeded,
+    ResponseRecord,
+    ResponseStore,
+    StoreError,
+    StoreUnavailable,
+    new_op_id,
+)
 from app.tenants import CLIENT, Pace, Tenants
 
 from .responses import Responses
@@ -52,6 +64,8 @@ WAIT = 1.0  # seconds one blocking read of a replay waits for the next event (th
 SETTLING = 0.05  # seconds between reads while a response's last event is out and its status not yet
 # the event types that end a response's events (a `response.failed` may still follow one, when
 # keeping the response fails as it ends)
+# seconds a worker's write rides out a Redis stall before its response fails (`_through_stalls`)
+RIDE_OUT = 10.0
 LAST = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 DIED = "the replica running this background response stopped before it ended"
 FAILED = "the background response failed as it ended: nothing was kept"
@@ -186,8 +200,10 @@ class Background:
     ) -> tuple[dict, int] | None:
         """Keep each event as it comes (after the run's session is named in the response):
         (the last event, the events' bytes) once all are kept; None once it is stopped."""
-        if session and not await self.store.save(
-            response_id, owner, self.retention, ResponseRecord(run=session), worker=True
+        named = ResponseRecord(run=session)
+        if session and not await _through_stalls(
+            self.store,
+            lambda op: self.store.save(response_id, owner, self.retention, named, worker=True, op=op),
         ):
             return None
         last, seq, nbytes = None, 0, 0
@@ -259,12 +275,18 @@ class Background:
     async def _append(self, response_id: str, owner: str, event: dict) -> int:
         """Keep an event (and the response's body, when it carries one): its bytes, or 0
         once the response is stopped."""
-        until, raw = time.time() + self.lease, _dumps(event)
-        ok = await self.store.append_event(response_id, owner, raw, until, self.retention, str(event["type"]))
+        until, raw, kind = time.time() + self.lease, _dumps(event), str(event["type"])
+        ok = await _through_stalls(
+            self.store,
+            lambda op: self.store.append_event(response_id, owner, raw, until, self.retention, kind, op),
+        )
         body = event.get("response")
         if ok and body is not None and body.get("status") in ("queued", "in_progress"):
             record = ResponseRecord(status=str(body["status"]), body=body)
-            ok = await self.store.save(response_id, owner, self.retention, record, worker=True)
+            ok = await _through_stalls(
+                self.store,
+                lambda op: self.store.save(response_id, owner, self.retention, record, worker=True, op=op),
+            )
         return len(raw) if ok else 0
 
     async def _beat(self, response_id: str, owner: str, worker: asyncio.Task | None) -> None:
@@ -367,3 +389,28 @@ class Background:
             if found.orphan and not await self.responses.release(found.owner, found.orphan):
                 continue  # the dead worker's lock on it has not lapsed yet: the next sweep
             await self.store.lease("drop", response_id)
+
+
+async def _through_stalls(store: ResponseStore, write: Callable[[str], Awaitable[bool]]) -> bool:
+    """A worker's write, `write(op)`, carried through a Redis stall or a lost connection of
+    up to `RIDE_OUT` seconds rather than failing the response: retried with the same op id,
+    which the write's script recognises as its own first run (stored.lua's `done`), and
+    only once Redis answers a PING, so that a first run a stalled Redis still held queued
+    (sent before the stall ended, on a connection of its own) has run before the retry.
+    Past `RIDE_OUT`, its error stands: the response fails, as a lapsed lease would."""
+    op, deadline, pause = new_op_id(), time.monotonic() + RIDE_OUT, 0.05
+    while True:
+        try:
+            return await write(op)
+        except StoreUnavailable as exc:  # (OutcomeUnknown too: it may have run, and the retry knows)
+            error = exc
+        while True:
+            if time.monotonic() + pause > deadline:
+                raise error
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
+            try:
+                await store.connection.ping()
+                break
+            except StoreUnavailable:
+                continue

@@ -27,7 +27,7 @@ from app.config import Settings
 from .connection import CLIENT_NAME, Connection, parse_redis_url
 from .keys import Keys, fork_id, response_id
 from .records import ConversationRecord, ResponseRecord
-from .responses import ResponseStore, Walk, new_object_id
+from .responses import ResponseStore, Walk, new_object_id, new_op_id
 from .sessions import SessionStore, Writer
 from .tenants import TenantStore
 from .types import (
@@ -80,6 +80,7 @@ __all__ = [
     "VersionMismatch",
     "Writer",
     "new_object_id",
+    "new_op_id",
     "new_session_id",
     "fork_id",
     "response_id",

@@ -91,15 +91,17 @@ class ResponseStore:
         worker: bool = False,
         turn: list[dict] | None = None,
         parent: str = "",
+        op: str = "",
     ) -> bool:
         """Write the record's fields (making the object if new). `worker`: only while the
         response is active; False when it is not (cancelled or failed meanwhile: nothing
         written). `turn`: a response's own turn (its input and its reply, as the template
-        reads them), kept in its chain once, after `parent`'s (chain.lua)."""
+        reads them), kept in its chain once, after `parent`'s (chain.lua). `op`: the write's
+        id, for a caller that retries it (a retry with the same id answers as its first run)."""
         kind = record.KIND
         pairs = [x for kv in record.to_fields().items() for x in kv]
         own = _json(turn) if turn is not None else ""
-        args = [owner, ttl, "1" if worker else "0", new_op_id(), object_id, own, parent, *pairs]
+        args = [owner, ttl, "1" if worker else "0", op or new_op_id(), object_id, own, parent, *pairs]
         what, check = f"saving {kind} {object_id}", f"read the {kind}"
         raw = await self.connection.run("object_save", self._keys(kind, object_id), args, what, check)
         status = _text(fields(raw)["status"])
@@ -152,11 +154,18 @@ class ResponseStore:
 
     # -- a background response ----------------------------------------------------------------
     async def append_event(
-        self, response_id: str, owner: str, event: str, lease_until: float, ttl: int, kind: str = ""
+        self,
+        response_id: str,
+        owner: str,
+        event: str,
+        lease_until: float,
+        ttl: int,
+        kind: str = "",
+        op: str = "",
     ) -> bool:
         """Append an event of type `kind` ('' : only renew the lease); False once the
-        response was stopped (cancelled, failed or deleted)."""
-        args = [owner, event, f"{lease_until:.3f}", ttl, new_op_id() if event else "", kind]
+        response was stopped (cancelled, failed or deleted). `op`: as `save`'s."""
+        args = [owner, event, f"{lease_until:.3f}", ttl, (op or new_op_id()) if event else "", kind]
         what, check = f"an event of response {response_id}", "read its events"
         answer = fields(
             await self.connection.run("response_event", self.keys.response(response_id), args, what, check)

@@ -19,6 +19,7 @@ A stall shorter than the timeout is only slow: the write answers 2xx.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,3 +356,27 @@ def test_an_unknown_outcome_names_what_to_read(c, srv, r):
     assert sid in message and re.search(r"version 0\b.*\b1\b", message), message
     # the commit ran when the stall ended: the session is at version 1
     assert version_of(c, sid) == (200, 1)
+
+
+def test_a_background_worker_rides_out_a_stall(c, srv, r):
+    """A background worker whose event write meets a stall past the server's timeout
+    retries it with the same op id once Redis answers (app/sessions/background.py,
+    `_through_stalls`), rather than failing its response: the response completes, and its
+    events replay each once, in order."""
+    r.set(STALL_KEY, f"response_event {STALL}")  # (the worker's first event meets it)
+    try:
+        started = c.post("/v1/responses", json=response_body(background=True, max_output_tokens=20))
+        assert started.status_code == 200, started.text
+        rid = started.json()["id"]
+        deadline = time.monotonic() + 60
+        while (status := c.get(f"/v1/responses/{rid}").json()["status"]) in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, "the response never ended"
+            time.sleep(0.1)
+        assert not r.exists(STALL_KEY), "the worker's write never met the stall"
+    finally:
+        r.delete(STALL_KEY)
+        r.ping()
+    assert status in ("completed", "incomplete"), status
+    with c.stream("GET", f"/v1/responses/{rid}", params={"stream": "true"}) as replay:
+        numbers = [data["sequence_number"] for _, data in events(replay)]
+    assert numbers == list(range(len(numbers))) and len(numbers) > 3, numbers
