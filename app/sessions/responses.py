@@ -313,7 +313,7 @@ class Responses:
             own=begun.made or begun.in_place,
             created_at=begun.created_at,
         )
-        own_turn = [*begun.own, reply]
+        own_turn = [*messages(turn.input), reply]  # (a conversation's items stay in its list)
         parent = turn.previous or turn.conversation or ""
         nbytes = sum(map(len, record.to_fields().values())) + events + len(json.dumps(own_turn))
         tenants = self.service.tenants

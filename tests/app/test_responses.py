@@ -210,6 +210,13 @@ def test_a_conversation_turn_reads_only_its_new_items(server, oa, cold):
         whole.append({"role": "assistant", "content": resp.output_text})
         if n:
             assert resp.usage.input_tokens_details.cached_tokens > 0
+    # its last response continued by previous_response_id, under other instructions: the whole
+    # conversation is the conversation's items before that response's input, then its turn
+    more = oa.responses.create(
+        input="Louder.", previous_response_id=resp.id, instructions="A yard.", include=LOGPROBS, **GREEDY
+    )
+    whole.append({"role": "user", "content": "Louder."})
+    same_reply(more, resent(cold, input=whole, instructions="A yard.", include=LOGPROBS))
     oa.conversations.delete(conv.id)
 
 
