@@ -14,11 +14,12 @@ full states in a loop, one of two ways (`--flood`):
     parsed and verified, the caches rebuilt (the engine thread), one step, a commit.
 
 A victim key generates `TOKENS` tokens at a time on a short session of its own; its time to
-first token is taken alone, beside the flood, and alone again (the machine's load drifts),
-and the ratio of p99s is printed with the loads' rate, the bytes they moved and the
+first token is taken alone, beside the flood, and alone again once the flood has settled
+(`SETTLE` seconds: the machine's load drifts), 100 generations a phase by default (so that a
+p99 is not simply the worst one), and the ratio of p99s is printed with the loads' rate, the bytes they moved and the
 machine's memory bandwidth measured in the same run.
 
-Usage: python bench/state_loads.py [--flood imports|loads] [--loaders 3] [--requests 40]
+Usage: python bench/state_loads.py [--flood imports|loads] [--loaders 3] [--requests 100]
                                    [--set NAME=VALUE]
 """
 
@@ -39,6 +40,7 @@ from model.corpus import load_split
 
 LOADER, VICTIM = "bench-loading-key", "bench-victim-key"
 TOKENS = 8
+SETTLE = 5.0  # seconds between the flood's end and the quiet phase after it
 HISTORY = 1100  # tokens of each loader's session: past sinks + window (4 + 1024), a full state
 
 
@@ -117,7 +119,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--flood", choices=("imports", "loads"), default="imports")
     ap.add_argument("--loaders", type=int, default=3, help="the loading key's clients (the issue's: 3)")
-    ap.add_argument("--requests", type=int, default=40, help="the victim's generations per phase")
+    ap.add_argument("--requests", type=int, default=100, help="the victim's generations per phase")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
     args = ap.parse_args()
     extra = dict(item.split("=", 1) for item in args.set)
@@ -146,6 +148,7 @@ def main() -> None:
         beside, e1 = ttfts(server.url, victim, args.requests)
         seconds, loads = time.perf_counter() - began, flood.loads - loads0
         flood.close()
+        time.sleep(SETTLE)  # (the flood's last imports' deletes and frees: not the quiet phase's)
         after, e2 = ttfts(server.url, victim, args.requests)
     finally:
         server.stop()
