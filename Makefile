@@ -117,7 +117,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/session_scale.py --write
 
 # llama.cpp on the shipped assistant's GGUF, side by side with recur (bench/llm_peers.py);
-# builds llama-cpp-python and llama-server from the package index's sdist into .bench-peers/
+# builds llama-cpp-python, llama-server and llama-bench from the package index's sdist into .bench-peers/
 # (minutes), so it is not part of `make bench`
 bench-peers: $(STAMP)
 	$(PY) bench/llm_peers.py --write
