@@ -500,7 +500,11 @@ def _closing(r: dict, also: list[dict] | None = None) -> list[str]:
         *table,
         "",
         "A turn that continues the chain's latest response commits a delta in the chain's own session, so "
-        "its bytes follow the positions it added. A branch (a second continuation of a response) forks that "
+        "its bytes follow the positions it added, and it reads and renders only its own input: the previous "
+        "record says which ids close its reply after its state, and the chain keeps each turn's text once "
+        "(d7fb1bc), so (a)'s reads are the same at 1,000 and 8,000 tokens of history (before, 9 KB and 31 KB: "
+        "each turn read and rewrote the whole conversation's text). A turn longer than a third of the writer "
+        "lock's lease (10 s) renews it, a script more. A branch (a second continuation of a response) forks that "
         "version: the fork names its pages (`fork.lua`, no state written), and the branch's `begin` then "
         "reads that state once, since the hot cache holds the chain's latest commit, not the older one "
         "branched from; its writes are its own delta, as (a)'s. Before pages (until 85c6d17) a branch also wrote "

@@ -294,25 +294,9 @@ class Responses:
                 failed = ResponseRecord(status=status, body=body)
                 await self.store.save(begun.id, turn.owner, self.retention, failed, worker=worker)
             return True
-        prefilled = len(self.service.with_bos([])) + begun.input_tokens  # (the state's, before the reply)
-        reply_ids = [ev.id for ev in begun.run.tokens][: meta.n_tokens - prefilled]
-        closing = begun.render.closing(reply, reply_ids) if meta.n_tokens > prefilled else None
-        closes = "" if closing is None else json.dumps(closing)
-        consumed = prefixes.digest([*begun.rendered, *reply_ids]) if begun.rendered is not None else ""
-        record = ResponseRecord(
-            status=status,
-            body=body,
-            input=turn.input,
-            session=meta.id,
-            version=meta.version,
-            n_tokens=meta.n_tokens,
-            tokens=meta.tokens_hash,
-            digest=consumed,
-            frame=begun.render.frame,
-            closing=closes,
-            own=begun.made or begun.in_place,
-            created_at=begun.created_at,
-        )
+        bos = len(self.service.with_bos([]))
+        record = _record(begun, body, reply, bos)
+        consumed, closes = record.digest or "", record.closing or ""
         own_turn = [*messages(turn.input), reply]  # (a conversation's items stay in its list)
         parent = turn.previous or turn.conversation or ""
         nbytes = sum(map(len, record.to_fields().values())) + events + len(json.dumps(own_turn))
@@ -409,7 +393,7 @@ class Responses:
                 )
             base = Base(r.session or "", r.version or 0, r.n_tokens or 0, r.tokens or "", r.digest or "",
                         r.frame or "", json.loads(r.closing) if r.closing else None)  # fmt: skip
-            whole = None if walk is None else [*await self._context(turn, walk), *own]
+            whole = None if walk is None else [*await _context(self.store, turn, walk), *own]
             return base, own, whole, None
         if turn.conversation is not None:
             names = ["session", "version", "n_tokens", "tokens", "digest", "frame", "closing"]
@@ -450,50 +434,11 @@ class Responses:
                 start = Start(found[0], rest, found[1], found[2], in_place)
                 return Plan(start, None, base.n_tokens - bos + len(rest)), seen
         if whole is None:  # (the state is gone, or the turn's first item is a call: a second read)
-            whole, seen = await self._whole(turn, own, seen)
+            whole, seen = await _whole(self.store, turn, own, seen)
         ids = render(whole, True)
         return Plan(
             await self._session(turn, base, ids, in_place), self.service.with_bos(ids), len(ids)
         ), seen
-
-    async def _whole(
-        self, turn: Turn, own: list[dict[str, Any]], seen: int | None
-    ) -> tuple[list[dict[str, Any]], int | None]:
-        """The whole conversation a response's turn ends, read where the first read left it
-        out: a chain's turns walked from the previous response, or all of a conversation's
-        items; and a conversation's items read through."""
-        if turn.previous is not None:
-            _, walk = await self.store.base(turn.previous, turn.owner, ["status"], "")
-            assert walk is not None  # (no frame: walked)
-            return [*await self._context(turn, walk), *own], seen
-        assert turn.conversation is not None
-        items, _, _ = await self.store.items(turn.conversation, turn.owner, [])
-        return messages([*items, *turn.input]), len(items)
-
-    async def _context(self, turn: Turn, walk: Walk) -> list[dict[str, Any]]:
-        """The conversation the previous response ended, its own reply included."""
-        if walk.broken:
-            raise NotContinuable(
-                f"previous_response_id: the conversation before response {turn.previous!r} is no longer "
-                "stored whole (a response it continues, stored before this server kept turns, was deleted)"
-            )
-        flat = [m for t in walk.turns for m in t]
-        if not walk.root.startswith("conv_"):
-            return flat
-        # its first response followed a conversation's items: those before its own input
-        record = await self.store.read(ResponseRecord, walk.first, turn.owner, ["input"])
-        given = {i.get("id") for i in record.input or []}
-        try:
-            items, _, _ = await self.store.items(walk.root, turn.owner, [])
-        except ObjectNotFound:
-            items = []
-        at = next((n for n, i in enumerate(items) if i.get("id") in given), None)
-        if at is None:
-            raise NotContinuable(
-                f"previous_response_id: response {turn.previous!r} continues conversation {walk.root!r}, whose "
-                "items before it are no longer stored"
-            )
-        return [*messages(items[:at]), *flat]
 
     async def _session(self, turn: Turn, base: Base | None, ids: list[int], in_place: bool = True) -> Start:
         """Where a response starts (`Start`): its base's state if that consumed exactly the
@@ -563,3 +508,69 @@ class Responses:
                 log.info("session %s of a response is still being written: its writer deletes it", session_id)
         except Exception:
             log.warning("could not delete session %s of a response", session_id, exc_info=True)
+
+
+async def _whole(
+    store: ResponseStore, turn: Turn, own: list[dict[str, Any]], seen: int | None
+) -> tuple[list[dict[str, Any]], int | None]:
+    """The whole conversation a response's turn ends, read where the first read left it
+    out: a chain's turns walked from the previous response, or all of a conversation's
+    items; and a conversation's items read through."""
+    if turn.previous is not None:
+        _, walk = await store.base(turn.previous, turn.owner, ["status"], "")
+        assert walk is not None  # (no frame: walked)
+        return [*await _context(store, turn, walk), *own], seen
+    assert turn.conversation is not None
+    items, _, _ = await store.items(turn.conversation, turn.owner, [])
+    return messages([*items, *turn.input]), len(items)
+
+
+async def _context(store: ResponseStore, turn: Turn, walk: Walk) -> list[dict[str, Any]]:
+    """The conversation the previous response ended, its own reply included."""
+    if walk.broken:
+        raise NotContinuable(
+            f"previous_response_id: the conversation before response {turn.previous!r} is no longer "
+            "stored whole (a response it continues, stored before this server kept turns, was deleted)"
+        )
+    flat = [m for t in walk.turns for m in t]
+    if not walk.root.startswith("conv_"):
+        return flat
+    # its first response followed a conversation's items: those before its own input
+    record = await store.read(ResponseRecord, walk.first, turn.owner, ["input"])
+    given = {i.get("id") for i in record.input or []}
+    try:
+        items, _, _ = await store.items(walk.root, turn.owner, [])
+    except ObjectNotFound:
+        items = []
+    at = next((n for n, i in enumerate(items) if i.get("id") in given), None)
+    if at is None:
+        raise NotContinuable(
+            f"previous_response_id: response {turn.previous!r} continues conversation {walk.root!r}, whose "
+            "items before it are no longer stored"
+        )
+    return [*messages(items[:at]), *flat]
+
+
+def _record(begun: Begun, body: dict, reply: dict[str, Any], bos: int) -> ResponseRecord:
+    """A committed response's record: its state, how its reply closes after that state
+    (`Render.closing`), and, when its conversation was rendered whole, the digest of what the
+    state consumed."""
+    meta = begun.run.meta
+    assert meta is not None
+    prefilled = bos + begun.input_tokens  # (the state's, before the reply)
+    reply_ids = [ev.id for ev in begun.run.tokens][: meta.n_tokens - prefilled]
+    closing = begun.render.closing(reply, reply_ids) if meta.n_tokens > prefilled else None
+    return ResponseRecord(
+        status=str(body["status"]),
+        body=body,
+        input=begun.turn.input,
+        session=meta.id,
+        version=meta.version,
+        n_tokens=meta.n_tokens,
+        tokens=meta.tokens_hash,
+        digest=prefixes.digest([*begun.rendered, *reply_ids]) if begun.rendered is not None else "",
+        frame=begun.render.frame,
+        closing="" if closing is None else json.dumps(closing),
+        own=begun.made or begun.in_place,
+        created_at=begun.created_at,
+    )

@@ -62,7 +62,10 @@ def test_state_then_closing_then_the_turn_alone_is_the_whole(name, before, user,
     stop = render.template.stop[0]
     through = render._ids(render.template.reply(answer)[1])  # (its text through the stop, alone)
     consumed = through[: max(0, len(through) - cut)]
-    assert written[: len(through)] == through
+    if written[: len(through)] != through:  # (the prompt's last token and the reply's first merge
+        # in the whole: a state that consumed them apart cannot continue alone)
+        assert render.closing(answer, consumed) is None
+        return
     closing = render.closing(answer, consumed)
     assert closing is not None, (reply, stop)
     alone = render.continuation(later)
