@@ -9,9 +9,9 @@ hot cache and the persistence policy. A reader finds the whole life of a request
 - choices.py: many generations of one request (OpenAI's `n`), and requests that name no
   session (prefix reuse);
 - cache.py: the hot cache;
-- responses.py, conversations.py, background.py: the Responses and Conversations APIs'
-  transactions (a response is a session version; a conversation is a session) and the
-  background responses' workers, leases and sweep.
+- starts.py, responses.py, conversations.py, background.py: the Responses and Conversations
+  APIs' transactions (where a response starts; a response is a session version; a
+  conversation is a session) and the background responses' workers, leases and sweep.
 
 Tenant accounting (admission, quotas, settlement) is app/tenants.py's, called at a
 transaction's start and end; Redis is app/store's; the model is app/engine's. This package
@@ -26,9 +26,10 @@ from .choices import Started, needs_whole_prompt, start_generations, stateless
 from .conversations import Conversations
 from .making import StateRejected
 from .reads import Listed, Listing, ModelMismatch, SessionReads
-from .responses import Begun, NotContinuable, Render, Responses, Turn
+from .responses import Begun, Responses
 from .run import ClientDisconnected, Run
 from .service import Generation, SessionService
+from .starts import NotContinuable, Render, Turn
 
 __all__ = [
     "Background",

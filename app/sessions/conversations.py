@@ -16,8 +16,8 @@ import time
 from app import prefixes
 from app.store import ConversationRecord, ObjectNotFound, ResponseStore, SessionNotFound, new_object_id
 
-from .responses import Render, messages
 from .service import SessionService
+from .starts import Render, messages
 
 
 class Conversations:

@@ -240,7 +240,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "responses-reference-forgets-the-chain",
         "a turn rendered whole keeps only the last of the chain's turns before it",
-        "app/sessions/responses.py",
+        "app/sessions/starts.py",
         "flat = [m for t in walk.turns for m in t]",
         "flat = [m for t in walk.turns[-1:] for m in t]",
         ("tests/app/test_responses.py::test_each_turn_renders_alone_and_equals_the_whole_conversation[shakespeare]",),
@@ -248,7 +248,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "responses-turn-alone-skips-the-closing",
         "a turn rendered alone does not prefill what closes the previous reply (its turn stop)",
-        "app/sessions/responses.py",
+        "app/sessions/starts.py",
         "rest = [*base.closing, *later]",
         "rest = [*later]",
         ("tests/app/test_responses.py::test_each_turn_renders_alone_and_equals_the_whole_conversation[shakespeare]",),
@@ -256,7 +256,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "responses-chain-off-by-one",
         "a continued response consumes its base's last token again",
-        "app/sessions/responses.py",
+        "app/sessions/starts.py",
         "return Start(found[0], tokens[n:], found[1], found[2], in_place)",
         "return Start(found[0], tokens[n - 1 :], found[1], found[2], in_place)",
         ("tests/app/test_responses.py::test_a_response_stored_before_chains_continues[shakespeare]",),

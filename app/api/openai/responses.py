@@ -166,7 +166,7 @@ def item(m: InputItem) -> dict:
 @dataclass(frozen=True)
 class Renderer:
     """The caller's half of the transaction: messages -> the template's text -> token ids
-    (`app.sessions.responses.Render`), whole or a later turn alone; `new` holds a turn's new
+    (`app.sessions.starts.Render`), whole or a later turn alone; `new` holds a turn's new
     tokens to the prompt limit."""
 
     template: ChatTemplate
