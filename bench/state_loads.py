@@ -13,6 +13,11 @@ full states in a loop, one of two ways (`--flood`):
     generates one token at a time on a full session of its own: 47 MB read from Redis,
     parsed and verified, the caches rebuilt (the engine thread), one step, a commit.
 
+Each loader is a process of its own at nice `--client-nice` (19): a victim does not share an
+interpreter with its attackers, and the attackers' own CPU (about 0.1 s per 47 MB upload)
+stands for other machines', not this server's. `--client-nice 0` puts them on an equal
+footing with the server and Redis on this machine's cores.
+
 A victim key generates `TOKENS` tokens at a time on a short session of its own; its time to
 first token is taken alone, beside the flood, and alone again once the flood has settled
 (`SETTLE` seconds: the machine's load drifts), 100 generations a phase by default (so that a
@@ -20,15 +25,16 @@ p99 is not simply the worst one), and the ratio of p99s is printed with the load
 machine's memory bandwidth measured in the same run.
 
 Usage: python bench/state_loads.py [--flood imports|loads] [--loaders 3] [--requests 100]
-                                   [--set NAME=VALUE]
+                                   [--client-nice 19] [--set NAME=VALUE]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -83,35 +89,51 @@ def p99(xs: list[float]) -> float:
 
 
 class Flood:
-    """One thread per loader: each imports `blob` and deletes it, or generates one token on
-    a session of its own (`sessions`), in a loop."""
+    """One process per loader (a victim does not share an interpreter, and its lock, with
+    the clients that flood the server): each imports the state at `blob` (a file) and
+    deletes it, or generates one token on a session of its own (`sessions`), in a loop."""
 
-    def __init__(self, url: str, sessions: list[str], blob: bytes | None):
-        self.stop, self.loads, self.errors, self.blob = threading.Event(), 0, [], blob
-        self.threads = [threading.Thread(target=self._run, args=(url, s), daemon=True) for s in sessions]
-        for t in self.threads:
-            t.start()
+    def __init__(self, url: str, sessions: list[str], blob: Path | None, niceness: int):
+        ctx = mp.get_context("spawn")
+        self.stop, self._loads, self._codes = ctx.Event(), ctx.Value("i", 0), ctx.Array("i", 600)
+        self.errors: list[int] = []
+        self.procs = [
+            ctx.Process(target=_load, args=(url, s, blob, niceness, self.stop, self._loads, self._codes), daemon=True)
+            for s in sessions
+        ]
+        for p in self.procs:
+            p.start()
 
-    def _run(self, url: str, sid: str) -> None:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {LOADER}"}, timeout=300) as c:
-            while not self.stop.is_set():
-                if self.blob is not None:
-                    r = c.post("/v1/sessions/import", content=self.blob,
-                               headers={"Content-Type": "application/octet-stream"})  # fmt: skip
-                    if r.status_code < 300:
-                        c.delete(f"/v1/sessions/{r.json()['id']}")
-                else:
-                    r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 1, "stream": False})
-                if r.status_code < 300:
-                    self.loads += 1
-                else:
-                    self.errors.append(r.status_code)
-                    time.sleep(0.05)  # (a 429 says when to retry; the flood retries sooner)
+    @property
+    def loads(self) -> int:
+        return self._loads.value
 
     def close(self) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(timeout=300)
+        for p in self.procs:
+            p.join(timeout=300)
+        self.errors = [code for code, n in enumerate(self._codes) for _ in range(n)]
+
+
+def _load(url: str, sid: str, path: Path | None, niceness: int, stop, loads, codes) -> None:
+    """One loader's loop (`Flood`), in a process of its own, at nice `niceness`."""
+    os.nice(niceness)
+    blob = path.read_bytes() if path is not None else None
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {LOADER}"}, timeout=300) as c:
+        while not stop.is_set():
+            if blob is not None:
+                r = c.post("/v1/sessions/import", content=blob, headers={"Content-Type": "application/octet-stream"})
+                if r.status_code < 300:
+                    c.delete(f"/v1/sessions/{r.json()['id']}")
+            else:
+                r = c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 1, "stream": False})
+            if r.status_code < 300:
+                with loads.get_lock():
+                    loads.value += 1
+            else:
+                with codes.get_lock():
+                    codes[min(r.status_code, 599)] += 1
+                time.sleep(0.05)  # (a 429 says when to retry; the flood retries sooner)
 
 
 def main() -> None:
@@ -120,6 +142,7 @@ def main() -> None:
     ap.add_argument("--flood", choices=("imports", "loads"), default="imports")
     ap.add_argument("--loaders", type=int, default=3, help="the loading key's clients (the issue's: 3)")
     ap.add_argument("--requests", type=int, default=100, help="the victim's generations per phase")
+    ap.add_argument("--client-nice", type=int, default=19, help="the loaders' niceness (0: the server's)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
     args = ap.parse_args()
     extra = dict(item.split("=", 1) for item in args.set)
@@ -142,7 +165,8 @@ def main() -> None:
             victim = c.post("/v1/sessions", json={"prompt": "ROMEO:\n"}).json()["id"]
         ttfts(server.url, victim, 3)  # (warm)
         alone, e0 = ttfts(server.url, victim, args.requests)
-        flood = Flood(server.url, sessions, full.content if args.flood == "imports" else None)
+        (work / "state").write_bytes(full.content)
+        flood = Flood(server.url, sessions, work / "state" if args.flood == "imports" else None, args.client_nice)
         time.sleep(2)
         began, loads0 = time.perf_counter(), flood.loads
         beside, e1 = ttfts(server.url, victim, args.requests)
@@ -157,7 +181,7 @@ def main() -> None:
     base = (p99(alone) + p99(after)) / 2
     rows = [("alone", alone, e0), (f"beside {args.loaders} loaders", beside, e1), ("alone, after", after, e2)]
     print(f"# another key's first token beside {args.loaders} clients' full-state {args.flood}: "
-          f"`{args.model}`, {' '.join(args.set)}")  # fmt: skip
+          f"`{args.model}`, loaders at nice {args.client_nice} {' '.join(args.set)}")  # fmt: skip
     print(f"a full state: {state_bytes / 1e6:.1f} MB; loads beside the victim: {loads} in {seconds:.1f} s "
           f"({loads / seconds:.2f}/s, {loads * state_bytes / seconds / 1e6:.0f} MB/s read from Redis); "
           f"this machine copies {gbps:.1f} GB/s (one thread)")  # fmt: skip

@@ -131,6 +131,45 @@ class NotSent(RedisConnectionError):
     (Redis down, no primary known). The command never left, so nothing of it ran."""
 
 
+PIECE = 512 * 1024  # bytes: the most of one command the event loop writes before it yields
+
+
+class _InPieces:
+    """A connection that writes a large command (a SmolLM2 state is up to 47 MB) a piece at a
+    time, yielding to the event loop between pieces. redis-py hands the whole command to the
+    transport at once, which (Python < 3.12) joins it, slices and buffers it: three copies of
+    47 MB, about 0.12 s in which no other request's token went out (issue 39's state loads).
+    A command cut short by a timeout or a lost connection is as incomplete as before: Redis
+    never runs a command it has not wholly read."""
+
+    _writer: asyncio.StreamWriter | None
+
+    async def _send_packed_command(self, command: Any) -> None:
+        command = list(command)
+        writer = self._writer
+        if sum(map(len, command)) <= PIECE or writer is None:
+            return await super()._send_packed_command(command)  # type: ignore[misc]
+        for part in command:
+            view = memoryview(part)
+            for at in range(0, len(view), PIECE):
+                if writer.transport.is_closing():
+                    raise RedisConnectionError("Connection closed by the server while writing")
+                writer.write(view[at : at + PIECE])
+                await writer.drain()
+                await asyncio.sleep(0)  # (drain returns at once while the socket takes it all)
+
+
+def _in_pieces(cls: type) -> type:
+    """`cls`, a redis-py connection class, writing large commands in pieces (`_InPieces`):
+    one subclass per class."""
+    if not issubclass(cls, _InPieces):
+        cls = _IN_PIECES.setdefault(cls, type(f"InPieces{cls.__name__}", (_InPieces, cls), {}))
+    return cls
+
+
+_IN_PIECES: dict[type, type] = {}
+
+
 class _Handout:
     """A pool whose failure to hand out a connection says so (NotSent): redis-py raises the
     same errors for a connection refused before a command was sent as for one lost after."""
@@ -233,7 +272,7 @@ class Connection:
             # waiting, so the permits keep the bound (and the wait) of a blocking pool;
             # require_full_coverage=False: a shard without a primary must not stop the
             # client from serving every other slot
-            return RedisCluster(
+            cluster = RedisCluster(
                 startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
                 require_full_coverage=False,
                 max_connections=max_connections,
@@ -241,12 +280,18 @@ class Connection:
                 password=target.password,
                 **common,
             )
+            # (its nodes' connections, those it finds later too, are made from these kwargs)
+            made = cluster.nodes_manager.connection_kwargs
+            made["connection_class"] = _in_pieces(made.get("connection_class", aioredis.Connection))
+            for node in cluster.nodes_manager.startup_nodes.values():
+                node.connection_class = made["connection_class"]
+            return cluster
         if target.kind == "sentinel":
             self._sentinel = self._sentinel or Sentinel(
                 list(target.nodes),
                 sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout),
             )
-            return self._sentinel.master_for(
+            client = self._sentinel.master_for(
                 target.service,
                 connection_pool_class=_SentinelPool,
                 max_connections=max_connections,
@@ -256,9 +301,12 @@ class Connection:
                 password=target.password,
                 **common,
             )
+            client.connection_pool.connection_class = _in_pieces(client.connection_pool.connection_class)
+            return client
         # one server, a bounded pool: past `max_connections` busy ones, a command waits for
         # a free connection (up to `timeout`, then StoreUnavailable) instead of opening another
         pool = _Pool.from_url(url, max_connections=max_connections, timeout=timeout, **common)
+        pool.connection_class = _in_pieces(pool.connection_class)
         return aioredis.Redis.from_pool(pool)
 
     async def run(self, name: str, keys: list[str], args: list[Any], what: str = "", check: str = "") -> Any:
