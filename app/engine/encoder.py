@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from model import LanguageModel, State
 from model.state import STORAGE_DTYPES, encode
 
+from .loader import backgrounded
 from .requests import Failed, Finished, NonFinite, Request, deliver
 from .runner import Counters, Done
 
@@ -32,7 +33,7 @@ class Encoder:
     def __init__(self, lm: LanguageModel, counters: Counters):
         self.lm = lm
         self.counters = counters  # (its encode_seconds: only this thread adds to it)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recur-encoder")
+        self._pool = ThreadPoolExecutor(1, "recur-encoder", initializer=backgrounded)
 
     def submit(self, req: Request, done: Done) -> None:
         self._pool.submit(self._run, req, done)
