@@ -34,3 +34,30 @@ def test_the_bench_measures_its_baseline_tree_with_todays_scripts() -> None:
         pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
     assert result["commit"] == "ad05664"
     assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
+    """bench/gpu_smoke.py waits for a lent GPU; on a CPU (`--device cpu --small`) it runs every
+    code path with tiny models. Once it had rotted unseen (a decode outside `no_grad`, which
+    in-place state growth refuses), and the first GPU lent stopped at its first model. Every
+    check passes here but the GPU's two throughput targets, which a CPU need not meet."""
+    out = subprocess.run(
+        [sys.executable, "gpu_smoke.py", "--device", "cpu", "--small"],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text, text[-3000:]
+    checks = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    failed = [line for line in checks if line.startswith("FAIL")]
+    assert len(checks) == 4 * 6 + 2, checks  # six a family, the shipped model's batch 256, the roofline
+    assert {f.split(":")[0].removeprefix("FAIL  ") for f in failed} <= {
+        "shipped model, batch 256",  # (the GPU's targets)
+        "WikiText-103-size model, batch 1, bandwidth ÷ HBM peak",
+    }, failed
+    for family in ("shakespeare", "smollm2", "mamba", "mamba2"):
+        assert f"-- {family}" in out.stdout
+    assert out.stdout.count("compiled fp32 batch   1, state full") == 4, out.stdout[-3000:]
