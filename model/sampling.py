@@ -287,10 +287,17 @@ def transform(
     The one definition shared by sampling and RL replay. A greedy row's distribution here
     is the one it would have at temperature 1 (it reports the adjusted logits' log-softmax
     instead: see the module docstring)."""
-    B, V = logits.shape
-    adjusted = adjusted_logits(logits, params, context)
+    return _transform(adjusted_logits(logits, params, context), params)
+
+
+def _transform(
+    adjusted: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`transform`'s steps 5-7, from the adjusted logits [B, V]."""
+    B, V = adjusted.shape
     dev = adjusted.device
-    sorted_adjusted, order = adjusted.sort(-1, descending=True)  # (B, V)
+    # (stable: among equal logits the lowest id first, the one argmax gives a greedy `draw`)
+    sorted_adjusted, order = adjusted.sort(dim=-1, descending=True, stable=True)  # (B, V)
     sorted_logits = sorted_adjusted
     if any(p.temperature != 1 and not p.greedy for p in params):  # step 5 (greedy rows: as at 1)
         temp = _on(dev, [1.0 if p.greedy else min(p.temperature, MAX_TEMPERATURE) for p in params])
@@ -325,11 +332,26 @@ def behaviour_logprobs(
     rows, under the adjusted logits' log-softmax. `context` says what each row's request
     had seen (`Context.of(prompts, outputs, vocab_size, eos_id=...)`); it is needed only
     when a row uses a penalty or min_tokens."""
-    logp_sorted, order, sorted_adjusted = transform(logits, params, context)
-    greedy = _on(logp_sorted.device, [p.greedy for p in params], torch.bool)[:, None]
-    reported = torch.where(greedy, F.log_softmax(sorted_adjusted, -1), logp_sorted)
-    logp = torch.empty_like(reported).scatter_(1, order, reported)  # back to vocabulary order
+    adjusted = adjusted_logits(logits, params, context)
+    logp_sorted, order, _ = _transform(adjusted, params)
+    logp = torch.empty_like(logp_sorted).scatter_(1, order, logp_sorted)  # back to vocabulary order
+    if any(p.greedy for p in params):
+        greedy = _on(logp.device, [p.greedy for p in params], torch.bool)[:, None]
+        logp = torch.where(greedy, _greedy_logprobs(adjusted), logp)
     return logp.gather(1, ids[:, None])[:, 0]
+
+
+def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform [B] from each row's own generator."""
+    return torch.stack([torch.rand((), generator=g) for g in generators])
+
+
+def _greedy_logprobs(adjusted: torch.Tensor) -> torch.Tensor:
+    """A greedy row's reported log-probs [B, V], in vocabulary order: the adjusted logits'
+    log-softmax (see the module docstring). Taken in vocabulary order by every path (a sum
+    in another order rounds differently), so a greedy token's log-prob is the same whether
+    its batch's draw sorted the vocabulary or not."""
+    return F.log_softmax(adjusted, -1)
 
 
 @dataclass
@@ -355,17 +377,25 @@ def draw(
     log-probs, and `Context` for `context`); `top` > 0 adds each row's `top` most
     probable alternatives."""
     B, V = logits.shape
-    logp, order, sorted_adjusted = transform(logits, params, context)
+    adjusted = adjusted_logits(logits, params, context)
+    if not top and all(p.greedy for p in params):
+        # every row greedy (a client's temperature 0): the argmax, and no sort of the
+        # vocabulary per row per step, the same token and log-prob as the sorted draw below
+        _uniforms(generators)  # (each row's generator moves on as in any draw)
+        ids = adjusted.argmax(-1)
+        return Draw(ids, _greedy_logprobs(adjusted).gather(1, ids[:, None])[:, 0])
+    logp, order, _ = _transform(adjusted, params)
     dev = logp.device
     greedy = _on(dev, [p.greedy for p in params], torch.bool)
-    # inverse-CDF draw with one uniform per row from that row's own generator
-    u = _on(dev, torch.stack([torch.rand((), generator=g) for g in generators]))
+    # inverse-CDF draw with one uniform per row from that row's own generator, drawn once
+    # the parameters have passed (a refused batch's rows retry alone from the same point)
+    u = _on(dev, _uniforms(generators))
     cdf = logp.exp().cumsum(-1)
     # kept tokens form a prefix of the sorted order, so the draw can never land past it
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0].clamp(max=V - 1)
     pick = torch.where(greedy, torch.zeros_like(pick), pick)
     if any(p.greedy for p in params):
-        logp = torch.where(greedy[:, None], F.log_softmax(sorted_adjusted, -1), logp)
+        logp = torch.where(greedy[:, None], _greedy_logprobs(adjusted).gather(1, order), logp)
     out = Draw(order.gather(1, pick[:, None])[:, 0], logp.gather(1, pick[:, None])[:, 0])
     if top:
         k = min(top, V)

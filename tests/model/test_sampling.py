@@ -84,6 +84,36 @@ def test_extreme_values_stay_numbers():
     assert torch.isfinite(lp).all()
 
 
+@given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.booleans(), st.integers(0, 3))
+@examples(3)
+def test_an_all_greedy_batch_draws_as_the_sorted_path_does(seed, B, ties, top):
+    """An all-greedy batch skips the sort of the vocabulary (`draw`'s argmax path); a batch
+    with one sampled row more, or asked for alternatives, takes the sorted path. The greedy
+    rows' tokens (the lowest id among equal maxima) and log-probs are the same either way,
+    and the same as `behaviour_logprobs` reports for them."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, 64, generator=g)
+    if ties:  # equal maxima: quantised logits tie often
+        logits = (logits * 2).round()
+    params = [SamplingParams(0.0, logit_bias={5: 1.0} if i % 2 else {}) for i in range(B)]
+    fast = draw(logits, params, [make_generator(i) for i in range(B)], top=0)
+    mixed = draw(
+        torch.cat([logits, logits[:1]]), [*params, SamplingParams(0.9)], [make_generator(i) for i in range(B + 1)]
+    )
+    alts = draw(logits, params, [make_generator(i) for i in range(B)], top=top)
+    adjusted = logits.clone()
+    adjusted[1::2, 5] += 1.0
+    first_max = torch.tensor([row.tolist().index(max(row.tolist())) for row in adjusted])
+    assert torch.equal(fast.ids, first_max)
+    for other in (mixed, alts):
+        assert torch.equal(other.ids[:B], fast.ids)
+        assert torch.equal(other.logprobs[:B], fast.logprobs)
+    assert torch.equal(behaviour_logprobs(logits, params, fast.ids), fast.logprobs)
+    if top:
+        assert alts.top_ids is not None and alts.top_logprobs is not None
+        assert torch.equal(alts.top_ids[:, 0], fast.ids) and torch.equal(alts.top_logprobs[:, 0], fast.logprobs)
+
+
 def test_mixed_parameters_in_one_batch_match_running_alone():
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(4))
     params = [
