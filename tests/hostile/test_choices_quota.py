@@ -10,14 +10,17 @@ edges, stateless and on a named session, and count the key's sessions after each
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import redis
 
 from .conftest import SMALL, as_key
 
 QUOTA = 4  # SMALL's sessions
 TRIALS = 8
+RACERS = 4  # n=2 requests at once, with room for one of them
 
 
 def _clear(c: httpx.Client) -> None:
@@ -76,19 +79,43 @@ def test_n_choices_at_the_session_quota_edge_are_all_or_nothing(tenants):
     assert not wrong, wrong
 
 
-def test_racing_requests_for_the_last_places_serve_one(tenants):
-    """Two n=2 requests at once, with room for exactly one of them, in eight trials: one is
-    served with both its choices, the other refused with 429, and the key ends at its limit.
+def _lined_up(r: redis.Redis, requests: int) -> None:
+    """Wait until `requests` scripts wait on Redis's write pause (at most 5 s), and a little
+    longer, so that every request has reached its first write."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        waiting = [c for c in r.client_list() if "b" in c["flags"] and c["cmd"] in {"evalsha", "eval"}]
+        if len(waiting) >= requests:
+            break
+        time.sleep(0.01)
+    time.sleep(0.2)
+
+
+def test_racing_requests_for_the_last_places_serve_one(tenants, redis_url):
+    """Four n=2 requests at once, with room for exactly one of them, in eight trials: one is
+    served with both its choices, the others refused with 429, and the key ends at its limit.
     Each made its own session and then raced for the last place with its fork: both forks
-    were refused and neither was served (the trials before the fix: [429, 429] in 2 of 8)."""
+    were refused and neither was served (the trials before the fix: [429, 429] in 2 of 8).
+
+    The race is made, not hoped for: Redis's writes are paused (`CLIENT PAUSE WRITE`) while
+    the requests are sent, so that each waits at its first write (its tokens' reservation),
+    and they go on together when the pause ends. Left to the clock, a loaded machine served
+    them one after the other and a request that took its places one by one went unseen."""
     outcomes = []
-    with as_key(tenants, SMALL) as c, ThreadPoolExecutor(2) as pool:
+    r = redis.Redis.from_url(redis_url)
+    with as_key(tenants, SMALL) as c, ThreadPoolExecutor(RACERS) as pool:
         for _ in range(TRIALS):
             _clear(c)
             _hold(c, QUOTA - 2)
-            answers = list(pool.map(lambda _: _complete(c, 2), range(2)))
-            served = [len(r.json()["choices"]) for r in answers if r.status_code == 200]
-            refused = [r.json()["error"]["type"] for r in answers if r.status_code != 200]
+            r.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+            try:
+                sent = [pool.submit(_complete, c, 2) for _ in range(RACERS)]
+                _lined_up(r, RACERS)
+            finally:
+                r.execute_command("CLIENT", "UNPAUSE")
+            answers = [f.result() for f in sent]
+            served = [len(a.json()["choices"]) for a in answers if a.status_code == 200]
+            refused = [a.json()["error"]["type"] for a in answers if a.status_code != 200]
             outcomes.append((served, refused, c.get("/v1/usage").json()["sessions"]))
         _clear(c)
-    assert outcomes == [([2], ["quota_exceeded"], QUOTA)] * TRIALS, outcomes
+    assert outcomes == [([2], ["quota_exceeded"] * (RACERS - 1), QUOTA)] * TRIALS, outcomes
