@@ -64,6 +64,7 @@ def run(settings: Settings) -> int:
 
     from app import connections, logs
     from app.api import create_app
+    from app.api.http.sse import SHUTDOWN_GRACE
     from app.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 
     logs.configure(settings.log_level, settings.log_format)
@@ -81,13 +82,16 @@ def run(settings: Settings) -> int:
             settings = settings.model_copy(update={"redis_url": url})
         lm = _load_model(settings)
         # on Ctrl-C or SIGTERM, uvicorn stops taking requests, live streams end with their
-        # final event (app.api.http.sse), the app shuts down, and only then is Redis stopped
+        # final event (app.api.http.sse), the app shuts down, and only then is Redis stopped;
+        # a connection or task still open twice the streams' grace later is cancelled: a stop
+        # is bounded, whatever a client or a handler does
         uvicorn.run(
             create_app(settings, lm),
             host=settings.host,
             port=settings.port,
             http=connections.protocol(settings),
             timeout_keep_alive=settings.keep_alive_timeout,
+            timeout_graceful_shutdown=int(2 * SHUTDOWN_GRACE),
             log_level=settings.log_level,
             log_config=None,  # keep the handlers of app.logs
             access_log=False,  # app.api.http.middleware logs each request, with its ids

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 import model
@@ -24,7 +25,26 @@ from tests.conftest import ROOT, TINY, RedisProcess, free_port
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RECUR_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONFAULTHANDLER"] = "1"  # (`_stopped`: a server that never stops shows its threads)
     return env
+
+
+def _reading(proc: subprocess.Popen, lines: list[str]) -> None:
+    """Collect the server's stderr into `lines` as it comes, in a thread of its own."""
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+
+
+def _stopped(proc: subprocess.Popen, stderr: list[str], timeout: float = 60) -> int:
+    """The server's exit code once it has stopped. One still running `timeout` seconds
+    later (its stop is bounded at well under that: docs/OPERATIONS.md) is made to print
+    every thread's stack (faulthandler, on SIGABRT), and the test fails with them."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=30)
+        time.sleep(0.5)  # (the reader thread's last lines)
+        pytest.fail(f"the server had not stopped {timeout:.0f} s after the signal:\n" + "".join(stderr)[-30_000:])
 
 
 def _interruptible() -> None:
@@ -76,7 +96,7 @@ def test_ctrl_c_ends_a_live_stream_with_its_error_event_then_stops_redis(tiny_mo
     stderr: list[str] = []
     try:
         _ready(url, proc)
-        threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True).start()  # type: ignore[union-attr]
+        _reading(proc, stderr)
         sid = httpx.post(url + "/v1/sessions", json={"prompt": "abc"}).json()["id"]
         seen: list[tuple[str, dict]] = []
         # on_disconnect=commit: the tokens sent are committed as the stream ends, which
@@ -87,7 +107,7 @@ def test_ctrl_c_ends_a_live_stream_with_its_error_event_then_stops_redis(tiny_mo
                 seen.append((name, data))
                 if len(seen) == 20:  # a live stream: Ctrl-C, as the terminal sends it, to the group
                     os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert _stopped(proc, stderr) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -172,7 +192,7 @@ def test_ctrl_c_ends_live_responses_streams_with_their_final_events(tmp_path):
     replayed: list[tuple[str, dict]] = []
     try:
         _ready(url, proc)
-        threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True).start()  # type: ignore[union-attr]
+        _reading(proc, stderr)
         # a background response, and a replay of its events that follows it live
         bg = httpx.post(url + "/v1/responses", json={**long, "background": True, "seed": 1}).json()
 
@@ -191,7 +211,7 @@ def test_ctrl_c_ends_live_responses_streams_with_their_final_events(tmp_path):
                 if len(streamed) == 24:  # both live: Ctrl-C, as the terminal sends it, to the group
                     os.killpg(proc.pid, signal.SIGINT)
         follower.join(timeout=60)
-        assert proc.wait(timeout=60) == 0
+        assert _stopped(proc, stderr) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -242,7 +262,7 @@ def test_redis_that_dies_at_runtime_is_one_line_then_the_server_serves_again(tin
     stderr: list[str] = []
     try:
         _ready(url, proc)
-        threading.Thread(target=lambda: stderr.extend(iter(proc.stderr.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        _reading(proc, stderr)
         redis.proc.kill()  # as a crash would: no goodbye
         redis.proc.wait()
 
