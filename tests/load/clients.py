@@ -29,7 +29,7 @@ from tests.app.sse_client import events
 from tests.conftest import ServerProcess
 
 REFUSALS = {t.value for t, status in STATUS.items() if status in (429, 503)}
-MAX_TOKENS = 16  # per generate; ignore_eos, so every answer has this many tokens
+MAX_TOKENS = 16  # per generate by default; ignore_eos, so every answer has this many tokens
 TOLERANCE = 1e-4  # scored log-probs, loaded under load against alone
 RETRY_AFTER = 0.05  # seconds a refused client waits (the server's Retry-After, shortened)
 
@@ -44,6 +44,7 @@ class Job:
     kind: str
     seed: int = 0
     then: str = " and the rest"
+    max_tokens: int = MAX_TOKENS
 
     @property
     def route(self) -> str:
@@ -54,11 +55,11 @@ class Job:
             return {"prompt": self.then, "commit": True}
         if self.kind == "chat":
             messages = [{"role": "user", "content": self.prompt}]
-            return {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}  # (the served model)
+            return {"messages": messages, "max_tokens": self.max_tokens, "temperature": 0}  # (the served model)
         sampled = self.kind == "seeded-stream"
         return {
             "prompt": " then",
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": self.max_tokens,
             "temperature": 0.8 if sampled else 0,
             "seed": self.seed,
             "ignore_eos": True,
@@ -109,9 +110,13 @@ class Job:
 KINDS = ("greedy", "greedy-stream", "seeded-stream", "score")
 
 
-def jobs(prompts: list[str], kinds: tuple[str, ...] = KINDS, then: str = " and the rest") -> list[Job]:
+def jobs(
+    prompts: list[str], kinds: tuple[str, ...] = KINDS, then: str = " and the rest", max_tokens: int = MAX_TOKENS
+) -> list[Job]:
     """Every kind of job on every prompt, each sampled one with a seed of its own."""
-    return [Job(p, kind, seed, then) for seed, (p, kind) in enumerate(itertools.product(prompts, kinds))]
+    return [
+        Job(p, kind, seed, then, max_tokens) for seed, (p, kind) in enumerate(itertools.product(prompts, kinds))
+    ]
 
 
 def _error_type(r: httpx.Response) -> str:
