@@ -154,7 +154,9 @@ def test_gguf_float_file_is_quantized_to_int4_on_request(tmp_path):
     "measured 0.897 (50 x 128, docs/BENCHMARKS.md); issue 42 open. Strict: the day int4 meets the bound this "
     "fails, and `--precision auto` should then serve int4 (model/checkpoint.py)",
     strict=True,
+    raises=AssertionError,  # (only the bound missed: a timeout or an error fails, never passes as expected)
 )
+@pytest.mark.timeout(1500)  # (beside make test-slow's other worker it outlasted 600 s, which xfail then hid)
 def test_smollm2_int4_agrees_with_fp32():
     """Issue 42's quality bound on the shipped file: greedy tokens identical to the fp32
     path's (the same file, dequantized) for at least 95% of 50 prompts x 128 tokens."""
