@@ -25,13 +25,40 @@ rows it ran with only within bfloat16's tolerance (tests/model/test_packed.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # weights sharing a scale and a zero: GGUF's Q4 block
-BLOCK_N = 64  # the kernel packs output rows in blocks of 64 (two nibbles: rows d and d + 32)
+PAD_N = 64  # output rows are padded to a multiple of every block the kernel packs in
 DEQUANT_ROWS = 48  # from this many rows, one dequantized GEMM beats the row-at-a-time kernel
+
+
+@functools.cache
+def block_rows() -> int:
+    """The rows of a block in which torch's CPU kernel packs a weight on this machine: B rows
+    of each column k, one byte per row pair, the byte of row d holding rows d (low nibble)
+    and d + B/2 (high). B is 64 where the kernel is built for AVX-512 and 32 for AVX2, so it
+    is read off the kernel itself: a probe whose every weight holds its own index, 4 bits at
+    a time, tells where each weight went."""
+    N, K = 2 * PAD_N, 64
+    index = torch.arange(N * K).view(N, K)
+    where = torch.zeros(N * K // 2, 2, dtype=torch.long)
+    for i in range(4):  # (N * K = 2^13 indices: 4 nibbles)
+        p = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> 4 * i) & 15).to(torch.int32), 1)
+        where |= torch.stack([p.reshape(-1) & 15, p.reshape(-1) >> 4], -1).long() << 4 * i
+    for B in (64, 32):
+        byte = torch.arange(N * K // 2)
+        block, k, d = byte // (K * B // 2), byte // (B // 2) % K, byte % (B // 2)
+        expected = torch.stack([(block * B + d) * K + k, (block * B + d + B // 2) * K + k], -1)
+        if torch.equal(where, expected):
+            return B
+    raise RuntimeError(
+        "torch's int4 CPU kernel packs weights in a layout recur does not read on this machine "
+        f"({torch.backends.cpu.get_cpu_capability()}); serve --precision fp32, bf16 or int8"
+    )
 
 
 def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +87,7 @@ class Int4Linear(nn.Module):
                 f"an int4 weight ({N}, {K}) needs K a multiple of {group} and (N, K/{group}) scales"
             )
         self.out_features, self.in_features, self.group = N, K, group
-        pad = -N % BLOCK_N  # rows of zeros (q = 8, scale = zero = 0), sliced off the output
+        pad = -N % PAD_N  # rows of zeros (q = 8, scale = zero = 0), sliced off the output
         q = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
         sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], -1)
         self.register_buffer(
@@ -87,16 +114,16 @@ class Int4Linear(nn.Module):
         return self.dequantized_fp32_t().to(torch.bfloat16)
 
     def dequantized_fp32_t(self) -> torch.Tensor:
-        """W^T (K, N') in fp32, from the packed layout: blocks of 64 rows, each byte of a
-        block's column k holding row d (low nibble) and row d + 32 (high nibble)."""
-        K, G = self.in_features, self.group
-        Nb = self.packed.shape[0] // BLOCK_N
-        p = self.packed.view(Nb, K // G, G, BLOCK_N // 2)
-        q = torch.cat([p & 15, p >> 4], -1).float()  # (Nb, K/G, G, 64)
-        sz = self.scales_zeros.float().view(K // G, Nb, BLOCK_N, 2).permute(1, 0, 2, 3).unsqueeze(2)
-        scale, zero = sz[..., 0], sz[..., 1]  # (Nb, K/G, 1, 64)
+        """W^T (K, N') in fp32, from the packed layout (`block_rows`): blocks of B rows, each
+        byte of a block's column k holding row d (low nibble) and row d + B/2 (high)."""
+        K, G, B = self.in_features, self.group, block_rows()
+        Nb = self.packed.shape[0] // B
+        p = self.packed.view(Nb, K // G, G, B // 2)
+        q = torch.cat([p & 15, p >> 4], -1).float()  # (Nb, K/G, G, B)
+        sz = self.scales_zeros.float().view(K // G, Nb, B, 2).permute(1, 0, 2, 3).unsqueeze(2)
+        scale, zero = sz[..., 0], sz[..., 1]  # (Nb, K/G, 1, B)
         w = torch.addcmul(zero - 8 * scale, q, scale)
-        return w.permute(1, 2, 0, 3).reshape(K, Nb * BLOCK_N)
+        return w.permute(1, 2, 0, 3).reshape(K, Nb * B)
 
     def dequantized(self) -> torch.Tensor:
         """W (N, K) in fp32: what the row-at-a-time kernel multiplies by (tests and
