@@ -109,8 +109,11 @@ def test_a_batch_of_different_histories_runs_as_each_alone(family, mode):
             logits.append(out)
     together = torch.cat(logits, 1)
     for i, (want, want_state) in enumerate(alone):
-        # (unit-gain weights: batched matmuls round otherwise, and the logits reach tens)
-        torch.testing.assert_close(together[i], want[0, rows[i].shape[1] :], atol=1e-4, rtol=1e-5)
+        # (unit-gain weights: batched matmuls round otherwise, and the logits reach tens; the
+        # rounding is the CPU's GEMMs': under 1e-4 with AVX-512's, 2.3e-4 with AVX2's on an
+        # AMD EPYC, after 20 steps of recurrence. A row that saw another's history is off by
+        # whole units)
+        torch.testing.assert_close(together[i], want[0, rows[i].shape[1] :], atol=5e-4, rtol=1e-5)
         got = lm.split_state(batch)[i]
         for name in lm.persistent:
             torch.testing.assert_close(got[name].float(), want_state[name].float(), atol=1e-5, rtol=1e-5)
