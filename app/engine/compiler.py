@@ -127,9 +127,10 @@ def _host_lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _lower_priority() -> None:
-    """This thread (and what it starts) yields the CPU to the serving threads (Linux: a
-    thread's niceness is its own)."""
+def lower_priority() -> None:
+    """This thread (and what it starts) yields the CPU to the serving threads, at nice
+    `NICE` (Linux: a thread's niceness is its own; elsewhere, or where it is refused, it
+    does not change). The compile thread's, and the engine's loader and encoder threads'."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
@@ -254,7 +255,7 @@ class DecodeStep:
 
     # -- the background thread ----------------------------------------------------------
     def _build(self) -> None:
-        _lower_priority()
+        lower_priority()
         t0 = time.perf_counter()
         try:
             with torch.no_grad(), _host_lock():

@@ -14,9 +14,6 @@ This thread never touches the scheduler's lines or the batch, and never runs a m
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,22 +21,19 @@ from concurrent.futures import ThreadPoolExecutor
 from model import LanguageModel, StateError
 
 from . import openmp
+from .compiler import lower_priority
 from .requests import Parsed, Request, Stored
 from .runner import Counters
-
-BACKGROUND_NICE = 10  # the loader's and the encoder's threads: they yield a core to the engine
 
 
 def backgrounded() -> None:
     """A thread pool's initializer: its thread gives way to the engine's on a busy core
-    (nice 10, a tenth of its weight). On a machine with as many cores as the engine has
-    threads, a 47 MB parse or encoding on an equal footing took a core from the engine's
-    step for its whole length. Its torch operations run on it alone (`openmp.step_aside`):
-    a pool of OpenMP workers of its own would make the engine's workers sleep at every
-    operation of a step. The niceness is Linux only; elsewhere, or where it is refused,
-    it does not change."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    (`lower_priority`: nice 10, as the compile thread, a tenth of its weight). On a machine
+    with as many cores as the engine has threads, a 47 MB parse or encoding on an equal
+    footing took a core from the engine's step for its whole length. Its torch operations
+    run on it alone (`openmp.step_aside`): a pool of OpenMP workers of its own would make
+    the engine's workers sleep at every operation of a step."""
+    lower_priority()
     openmp.step_aside()
 
 
