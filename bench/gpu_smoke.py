@@ -157,8 +157,16 @@ def main() -> int:
     ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the device's HBM peak, GB/s (H200: 4,800)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a dry run of the code paths")
     ap.add_argument("--small", action="store_true", help="a small roofline model (dry runs)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps a figure (default 50, eager decode twice that; --small: 5, a dry run needs\n"
+        "the code paths, not the figures: CPU bf16 at batch 256 took minutes of a CI run)",
+    )
     args = ap.parse_args()
     dev = args.device
+    steps = args.steps or (5 if args.small else 50)
     if dev == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this script is for GPU hosts (see docs/BENCHMARKS.md)")
         return 2
@@ -171,19 +179,19 @@ def main() -> int:
     ok = True
     for name in args.models.split(","):
         print(f"-- {name}", flush=True)
-        ok &= smoke(name, dev, args.small, args.hbm_gbs)
-    ok &= roofline(dev, args.hbm_gbs, args.small)
+        ok &= smoke(name, dev, args.small, args.hbm_gbs, steps)
+    ok &= roofline(dev, args.hbm_gbs, args.small, steps)
     return 0 if ok else 1
 
 
-def smoke(name: str, dev: str, small: bool, hbm_gbs: float) -> bool:
+def smoke(name: str, dev: str, small: bool, hbm_gbs: float, steps: int) -> bool:
     """Every correctness check and the throughput sweep for one model."""
     lm = load(name, dev, small)
     ok, states = correctness(lm, load(name, "cpu", small), dev)
     ok &= compiled_matches_eager(lm, states[1], dev)
-    batch_256 = throughput(lm, states[2], dev)
+    batch_256 = throughput(lm, states[2], dev, 2 * steps)
     try:
-        compiled_throughput(lm, dev, hbm_gbs)
+        compiled_throughput(lm, dev, hbm_gbs, steps)
     except Exception as exc:  # (a figure, not a check: the sweep goes on to the next model)
         print(
             f"compiled throughput failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True
@@ -198,7 +206,7 @@ def smoke(name: str, dev: str, small: bool, hbm_gbs: float) -> bool:
 
 
 @torch.no_grad()
-def compiled_throughput(lm: LanguageModel, dev: str, hbm_gbs: float) -> None:
+def compiled_throughput(lm: LanguageModel, dev: str, hbm_gbs: float, steps: int) -> None:
     """The compiled decode step (Inductor's kernels) at batch 1 and 16, fp32 and bf16, its
     state full (a constant shape: one graph): tokens/s, and the bytes it reads (weights and
     state) per second ÷ the HBM peak."""
@@ -209,7 +217,6 @@ def compiled_throughput(lm: LanguageModel, dev: str, hbm_gbs: float) -> None:
         lm.precision = precision
         weights = sum(p.numel() * p.element_size() for p in lm.parameters())
         for batch in (1, 16):
-            steps = 50
             dt, st = timed_greedy(step, lm.stack_states([full] * batch), steps, dev)
             per_step = weights + st.nbytes()
             achieved = per_step * steps / dt / 1e9
@@ -242,7 +249,7 @@ def sync(dev: str) -> None:
 
 
 @torch.no_grad()
-def throughput(lm, state, dev: str) -> float:
+def throughput(lm, state, dev: str, steps: int) -> float:
     """Greedy decode tokens/s at batch 1, 16, 64 and 256, fp32 and bf16, printed; returns
     fp32 batch 256's."""
     weights = sum(p.numel() * p.element_size() for p in lm.parameters())
@@ -255,7 +262,7 @@ def throughput(lm, state, dev: str) -> float:
             for _ in range(5):
                 _, st = lm(tok, st, IN_PLACE)
             sync(dev)
-            steps, t0 = 100, time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(steps):
                 logits = lm.next_logits(st)
                 tok = logits.argmax(-1, keepdim=True)
@@ -275,7 +282,7 @@ def throughput(lm, state, dev: str) -> float:
 
 
 @torch.no_grad()
-def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
+def roofline(dev: str, hbm_gbs: float, small: bool, steps: int) -> bool:
     """A WikiText-103-size Transformer-XL (random weights) at batch 1, its memory full:
     bandwidth achieved (weights + the key/value state each step reads) ÷ HBM peak, eager
     and as a CUDA graph."""
@@ -299,7 +306,6 @@ def roofline(dev: str, hbm_gbs: float, small: bool) -> bool:
                 lm.forward, dynamic=True, mode="reduce-overhead" if dev == "cuda" else "default"
             )
         )
-        steps = 50
         dt, _ = timed_greedy(step, state, steps, dev)
         achieved = per_step * steps / dt / 1e9
         best = max(best, achieved / hbm_gbs)
