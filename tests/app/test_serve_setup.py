@@ -44,7 +44,9 @@ def _stopped(proc: subprocess.Popen, stderr: list[str], timeout: float = 60) -> 
         proc.send_signal(signal.SIGABRT)
         proc.wait(timeout=30)
         time.sleep(0.5)  # (the reader thread's last lines)
-        pytest.fail(f"the server had not stopped {timeout:.0f} s after the signal:\n" + "".join(stderr)[-30_000:])
+        pytest.fail(
+            f"the server had not stopped {timeout:.0f} s after the signal:\n" + "".join(stderr)[-30_000:]
+        )
 
 
 def _interruptible() -> None:
@@ -308,13 +310,15 @@ def test_the_embedded_redis_keeps_the_data_dir_bounded(tiny_model_dir, tmp_path)
         assert int(r.config_get("maxmemory")["maxmemory"]) == 32 * 1024 * 1024
         assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
         kept = httpx.post(url + "/v1/sessions", json={"prompt": "kept"}).json()["id"]
-        for i in range(40):  # someone else's bytes, a MiB at a time, until the guard sees 90%
-            if int(r.info("memory")["used_memory"]) >= 0.92 * 32 * 1024 * 1024:
-                break
-            r.set(f"filler:{i}", b"x" * (1024 * 1024))
-        deadline = time.monotonic() + 30
+        # someone else's bytes, a MiB at a time, until the guard sees 90%. The guard is what says
+        # when: a reading of used_memory just after a write holds its append-only buffer too,
+        # which Redis then frees (filling to 92% of it once left the guard below 90% for 30 s)
+        deadline, i = time.monotonic() + 60, 0
         while not httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+            if int(r.info("memory")["used_memory"]) < 0.95 * 32 * 1024 * 1024:
+                r.set(f"filler:{i}", b"x" * (1024 * 1024))
+                i += 1
+            time.sleep(0.6)  # (the guard reads every 0.5 s)
         refused = httpx.post(url + "/v1/sessions", json={"prompt": "one more"})
         assert refused.status_code == 507 and refused.json()["error"]["type"] == "storage_full", refused.text
         assert httpx.get(f"{url}/v1/sessions/{kept}").status_code == 200  # (nothing evicted)
