@@ -239,8 +239,20 @@ def keys_file(directory: Path) -> Path:
     return path
 
 
+# how long a client reuses an idle connection: below the server's keep-alive timeout (5 s by
+# default), as a well-set client's is. httpx's default is 5 s too, so a request sent as the
+# server closed that idle connection met a reset (once in a with-compile load, where a
+# client's connection to one replica idles while the other answers it slowly)
+KEEPALIVE_EXPIRY = 2.0
+
+
 def as_key(server: ServerProcess, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {key}"})
+    return httpx.Client(
+        base_url=server.url,
+        timeout=120,
+        headers={"Authorization": f"Bearer {key}"},
+        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+    )
 
 
 def answers_alone(server: ServerProcess, todo: list[Job]) -> dict[Job, object]:
