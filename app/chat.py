@@ -27,6 +27,10 @@ from pathlib import Path
 
 import httpx
 
+# how long the client reuses an idle connection: below the server's keep-alive timeout (5 s by
+# default), where httpx's own default is 5 s too, so that a request never leaves on a
+# connection the server is closing at that moment (a reset, docs/DEPLOY.md)
+KEEPALIVE_EXPIRY = 2.0
 HELP = "type a prompt and Enter to continue the session; /info shows it; /quit, Ctrl-D or Ctrl-C at the prompt exits"
 
 
@@ -214,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key_file is not None:
         headers["Authorization"] = "Bearer " + args.api_key_file.read_text().splitlines()[0].strip()
     timeout = httpx.Timeout(10.0, read=None)  # a stream may pause for as long as the model needs
-    with httpx.Client(base_url=args.url, headers=headers, timeout=timeout) as client:
+    limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY)
+    with httpx.Client(base_url=args.url, headers=headers, timeout=timeout, limits=limits) as client:
         chat = Chat(client, args)
         try:
             chat.open(args.session)

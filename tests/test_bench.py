@@ -42,9 +42,9 @@ def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
     """bench/gpu_smoke.py waits for a lent GPU; on a CPU (`--device cpu --small`) it runs every
     code path with tiny models. Once it had rotted unseen (a decode outside `no_grad`, which
     in-place state growth refuses), and the first GPU lent stopped at its first model. Every
-    check passes here but the GPU's two throughput targets, which a CPU need not meet. A dry run
-times 5 steps a figure (`--small`): 49 s alone with inductor's cache warm, where 100 steps of
-CPU bf16 at batch 256 made it 187 s alone and past 600 s in CI."""
+        check passes here but the GPU's two throughput targets, which a CPU need not meet. A dry run
+    times 5 steps a figure (`--small`): 49 s alone with inductor's cache warm, where 100 steps
+    of CPU bf16 at batch 256 made it 187 s alone and past 600 s in CI."""
     out = subprocess.run(
         [sys.executable, "gpu_smoke.py", "--device", "cpu", "--small"],
         cwd=BENCH,

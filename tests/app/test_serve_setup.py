@@ -315,10 +315,11 @@ def test_the_embedded_redis_keeps_the_data_dir_bounded(tiny_model_dir, tmp_path)
         # which Redis then frees (filling to 92% of it once left the guard below 90% for 30 s)
         deadline, i = time.monotonic() + 60, 0
         while not httpx.get(url + "/readyz").json()["storage_full"] and time.monotonic() < deadline:
-            if int(r.info("memory")["used_memory"]) < 0.95 * 32 * 1024 * 1024:
+            used = int(r.info("memory")["used_memory"])
+            if used < 0.95 * 32 * 1024 * 1024:
                 r.set(f"filler:{i}", b"x" * (1024 * 1024))
                 i += 1
-            if int(r.info("memory")["used_memory"]) >= 0.85 * 32 * 1024 * 1024:
+            if used >= 0.85 * 32 * 1024 * 1024:
                 time.sleep(0.6)  # (near the mark: the guard reads every 0.5 s)
         refused = httpx.post(url + "/v1/sessions", json={"prompt": "one more"})
         assert refused.status_code == 507 and refused.json()["error"]["type"] == "storage_full", refused.text

@@ -25,6 +25,7 @@ import httpx
 
 from app.api.http.error_types import ErrorType
 from app.api.http.errors import STATUS
+from app.chat import KEEPALIVE_EXPIRY
 from tests.app.sse_client import events
 from tests.conftest import ServerProcess
 
@@ -239,18 +240,13 @@ def keys_file(directory: Path) -> Path:
     return path
 
 
-# how long a client reuses an idle connection: below the server's keep-alive timeout (5 s by
-# default), as a well-set client's is. httpx's default is 5 s too, so a request sent as the
-# server closed that idle connection met a reset (once in a with-compile load, where a
-# client's connection to one replica idles while the other answers it slowly)
-KEEPALIVE_EXPIRY = 2.0
-
-
 def as_key(server: ServerProcess, key: str) -> httpx.Client:
     return httpx.Client(
         base_url=server.url,
         timeout=120,
         headers={"Authorization": f"Bearer {key}"},
+        # (as `recur chat`'s: at httpx's 5 s, the server's own, one request in a with-compile
+        # load left as the server closed its idle connection, and met a reset)
         limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
     )
 

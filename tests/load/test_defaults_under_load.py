@@ -20,8 +20,8 @@ alone on the quiet replica A (scored log-probs within 1e-4), every acknowledged 
 the session holds, read through the replica that made it; every limit reached, on both
 replicas a full batch; no engine error in either server's log; and, with the compile, both
 compiles `ready` (replicas on one host never spoil each other's), the second load's answers
-as exact, and a replica whose compiled step serves its batch classes taking compiled steps. Slow (minutes): `make
-test-slow`, which `.ci/run` runs after `make test`. The same load on the tiny model, in
+as exact, and a replica whose compiled step serves its batch classes taking compiled steps.
+Slow (minutes): `make test-slow`, which `.ci/run` runs after `make test`. The same load on the tiny model, in
 `make test`: `test_limits_under_load.py`.
 """
 
@@ -115,7 +115,7 @@ def test_the_defaults_serve_a_mixed_load_on_two_replicas_without_a_failure(repli
     for srv in replicas:
         assert _compile_state(srv) == "ready", srv.log_tail(3000)
     steps = [srv.metric("recur_decode_compiled_steps_total") for srv in replicas]
-    began = time.monotonic()
+    began = time.monotonic()  # (`done` reads it: the second load's own LOAD_SECONDS)
     _served(replicas, drive(replicas, todo, answers, done, LOAD_LIMIT))
     for srv, before in zip(replicas, steps, strict=True):
         if any(
