@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .gguf_metadata import scalars
+
 FILE = "generation_config.json"
 
 
@@ -131,14 +133,8 @@ def _from_hf(file: Path) -> GenerationConfig | None:
 
 
 def _from_gguf(file: Path) -> GenerationConfig | None:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(file)).fields
-    values = {}
-    for key, ours in _GGUF_KEYS.items():
-        field = fields.get(key)
-        if field is not None and field.data:
-            values[ours] = field.parts[field.data[0]][0].item()
+    meta = scalars(file)
+    values = {ours: meta[key] for key, ours in _GGUF_KEYS.items() if meta.get(key) is not None}
     return _checked(values, f"{file}'s GGUF metadata")
 
 

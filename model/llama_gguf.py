@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .chat_template import ChatTemplate
+from .gguf_metadata import keep_scalars
 from .int4 import Int4Linear, quantize_groups
 from .int8 import Int8Blocks, Int8Linear, quantize_blocks, quantize_rows
 from .llama import LAYER, Llama, LlamaConfig, layer_weights, serving_span
@@ -86,6 +87,7 @@ class GGUF:
 
         self.path = path
         self.reader = GGUFReader(str(path))
+        keep_scalars(path, self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.get("general.architecture")
         if self.arch in HYBRIDS:

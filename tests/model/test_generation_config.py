@@ -53,6 +53,18 @@ def test_gguf_metadata(tmp_path):
     assert model.load(plain).generation_config == GenerationConfig()
 
 
+def test_a_gguf_file_rewritten_in_place_is_read_again(tmp_path):
+    """A load keeps the scalars of the GGUF metadata it parsed (`model.gguf_metadata`), by the
+    file's version: a file written again at the same path, with another recommendation and
+    another size, is read afresh, never answered from what was kept."""
+    file = tmp_path / "m.gguf"
+    write_gguf(file, random_weights(seed=1), "Q8_0", sampling={"temp": 0.3})
+    assert model.load(file).generation_config.recommended() == pytest.approx({"temperature": 0.3})
+    write_gguf(file, random_weights(seed=1), "Q8_0", sampling={"temp": 0.7, "top_k": 5})
+    assert generation_config.read(file).recommended() == pytest.approx({"temperature": 0.7, "top_k": 5})
+    assert model.load(file).generation_config.recommended() == pytest.approx({"temperature": 0.7, "top_k": 5})
+
+
 def test_a_packaged_model_without_its_own_finds_its_card(tmp_path):
     file = write_gguf(tmp_path / "m.gguf", random_weights(seed=1), "Q8_0")
     assert generation_config.read(file, "smollm2") == generation_config.CARDS["smollm2"]
