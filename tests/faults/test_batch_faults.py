@@ -30,13 +30,16 @@ PROMPTS = [list(b"To be, "), list(b"or not~"), list(b"that is"), list(b"the que"
 
 def run_all(lm: model.LanguageModel, make: Callable[[], list[Request]]) -> list[Finished | BaseException]:
     """Queue every request `make` makes (on the loop: a request belongs to one), then start
-    the engine, so that they share its steps; their outcomes."""
+    the engine, so that they share its steps; their outcomes. A stored start is parsed by the
+    engine's loader thread, which delivers it when it is ready: the engine starts only once
+    every one was delivered, or the rows would join its steps one by one, as they were parsed."""
 
     async def go() -> list[Finished | BaseException]:
         engine = engine_for(lm, cpu_threads=1)
         requests = make()
         for r in requests:
             engine.submit(r)
+        await asyncio.to_thread(engine.loader.drain)
         engine.start()
         try:
             return await asyncio.gather(*(r.finished() for r in requests), return_exceptions=True)
@@ -111,7 +114,16 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny_model_dir: Path, bad_at: 
         assert not bool(torch.isfinite(lm.next_logits(lm.load_state(bad.snapshot))).all())
     starts = [good, good, good]
     starts[bad_at] = bad
+    sampled: list[int] = []  # the rows of each step's logits
+    next_logits = lm.next_logits
+
+    def counted(state):  # type: ignore[no-untyped-def]
+        sampled.append(int(state.n_tokens.shape[0]))
+        return next_logits(state)
+
+    lm.next_logits = counted  # type: ignore[method-assign]
     results = run_all(lm, lambda: [Request(s, [], GREEDY, None, 6, [], persist=Persist()) for s in starts])
+    assert sampled[0] == len(starts)  # the bad row shared its first step with the good ones
     assert isinstance(results[bad_at], NonFinite), results[bad_at]
     for i, res in enumerate(results):
         if i != bad_at:
