@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .gguf_metadata import scalars
+from .gguf_metadata import metadata
 
 FILE = "generation_config.json"
 
@@ -133,7 +133,7 @@ def _from_hf(file: Path) -> GenerationConfig | None:
 
 
 def _from_gguf(file: Path) -> GenerationConfig | None:
-    meta = scalars(file)
+    meta = metadata(file).scalars
     values = {ours: meta[key] for key, ours in _GGUF_KEYS.items() if meta.get(key) is not None}
     return _checked(values, f"{file}'s GGUF metadata")
 

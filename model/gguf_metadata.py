@@ -1,19 +1,28 @@
-"""A GGUF file's scalar metadata (numbers and strings: its architecture, its sampling
-recommendation), parsed once per version of the file.
+"""What a GGUF file's metadata says, parsed once per version of the file: its scalars
+(numbers and strings: the architecture, the sampling recommendation) and its chat template
+with its stop tokens' texts.
 
 Parsing a GGUF file's metadata takes seconds (SmolLM2's 49,152 tokens and their merges are
-arrays of strings), and one load reads the file for the model (`model.llama_gguf`) and again
-for its sampling recommendation (`model.generation_config`). The reader that parses a file
-keeps its scalars here; the parsed arrays are not kept (they hold some 200 MB). This module
-imports no family, so every reader of GGUF metadata may import it.
+arrays of strings), and a server's start reads it three times: for the model
+(`model.llama_gguf`), its sampling recommendation (`model.generation_config`) and its chat
+template. The reader that parses a file keeps what those need here, by the file's version
+(path, modification time, size); the parsed arrays are not kept (they hold some 200 MB).
+This module imports no family, so every reader of GGUF metadata may import it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCALARS_KEPT = 8  # file versions whose scalar metadata `scalars` keeps
+KEPT = 8  # file versions whose metadata is kept
+
+
+@dataclass(frozen=True)
+class Metadata:
+    scalars: dict[str, Any]  # every field that is not an array, by key
+    template: tuple[str, tuple[str, ...]] | None  # the chat template's source, its stops' texts
 
 
 def _version(path: Path) -> tuple[str, int, int]:
@@ -21,33 +30,40 @@ def _version(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), st.st_mtime_ns, st.st_size
 
 
-_scalars: dict[tuple[str, int, int], dict[str, Any]] = {}
+_kept: dict[tuple[str, int, int], Metadata] = {}
 
 
-def keep_scalars(path: Path, reader: Any) -> dict[str, Any]:
-    """Keep the scalars of the file `reader` (a `gguf.GGUFReader`) parsed, by its version."""
+def _template(fields: dict[str, Any], scalars: dict[str, Any]) -> tuple[str, tuple[str, ...]] | None:
+    """The chat template's source and the texts of the EOS, end-of-turn and end-of-message
+    tokens (those the file names), or None when it has no template."""
+    source = scalars.get("tokenizer.chat_template")
+    if source is None:
+        return None
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return source, ()
+    ids = [scalars.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    n = len(tokens.data)
+    return source, tuple(dict.fromkeys(tokens.contents(i) for i in ids if i is not None and 0 <= i < n))
+
+
+def of_reader(path: Path, reader: Any) -> Metadata:
+    """What `reader` (a `gguf.GGUFReader` of `path`) parsed, kept by the file's version."""
     from gguf import GGUFValueType
 
-    found = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if field.types and field.types[0] != GGUFValueType.ARRAY
-    }
-    _scalars[_version(path)] = found
-    while len(_scalars) > SCALARS_KEPT:
-        _scalars.pop(next(iter(_scalars)))
+    fields = reader.fields
+    scalars = {k: f.contents() for k, f in fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
+    found = _kept[_version(path)] = Metadata(scalars, _template(fields, scalars))
+    while len(_kept) > KEPT:
+        _kept.pop(next(iter(_kept)))
     return found
 
 
-def scalars(path: Path) -> dict[str, Any]:
-    """The GGUF file's scalar metadata (numbers, strings; no arrays) by key. Parsing a file's
-    metadata takes seconds (SmolLM2's 49,152 tokens and their merges, arrays), and one load
-    reads the file for the model and again for its sampling recommendation
-    (`model.generation_config`): the scalars of the versions (path, modification time, size)
-    a `GGUF` opened are kept, the parsed arrays are not (they hold some 200 MB)."""
-    found = _scalars.get(_version(path))
+def metadata(path: Path) -> Metadata:
+    """The GGUF file's metadata: as a reader of this version of it kept it, else parsed now."""
+    found = _kept.get(_version(path))
     if found is None:
         from gguf import GGUFReader
 
-        found = keep_scalars(path, GGUFReader(str(path)))
+        found = of_reader(path, GGUFReader(str(path)))
     return found

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .chat_template import ChatTemplate
-from .gguf_metadata import keep_scalars
+from .gguf_metadata import metadata, of_reader
 from .int4 import Int4Linear, quantize_groups
 from .int8 import Int8Blocks, Int8Linear, quantize_blocks, quantize_rows
 from .llama import LAYER, Llama, LlamaConfig, layer_weights, serving_span
@@ -87,7 +87,7 @@ class GGUF:
 
         self.path = path
         self.reader = GGUFReader(str(path))
-        keep_scalars(path, self.reader)
+        of_reader(path, self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.get("general.architecture")
         if self.arch in HYBRIDS:
@@ -383,15 +383,9 @@ _BYTE_ALPHABET = frozenset(_BYTE_CHARS)
 
 def chat_template(path: Path) -> ChatTemplate | None:
     """The file's chat template, stopping at the EOS token's text and the end-of-turn
-    token's (if named), or None when it has none."""
-    f = GGUF(path)
-    source = f.get("tokenizer.chat_template")
-    if source is None:
-        return None
-    tokens = f.get("tokenizer.ggml.tokens")
-    ids = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    stop = tuple(dict.fromkeys(tokens[i] for i in ids if i is not None and 0 <= i < len(tokens)))
-    return ChatTemplate(source, stop)
+    token's (if named), or None when it has none (`model.gguf_metadata`: read once)."""
+    found = metadata(path).template
+    return None if found is None else ChatTemplate(*found)
 
 
 def read(path: Path, weights: str = "fp32") -> Llama:
