@@ -19,7 +19,8 @@ comes back in the caller's dtype; the residual stream, the norms and the attenti
 fp32. The kernel works a row at a time: below `DEQUANT_ROWS` rows (decode, a few streams)
 it is the fastest product there is (3x fp32's at one row); from there (a prefill chunk,
 many streams) the layer is dequantized to bfloat16 for that call and multiplied by one GEMM
-(4x the kernel at 256 rows). The two round differently, so a token's logits depend on the
+(4x the kernel at 256 rows), or, on a CPU without bfloat16 units, where that GEMM is 90x
+slower than fp32's, dequantized to fp32 and multiplied in fp32 (`model/cpu_gemm.py`). The two round differently, so a token's logits depend on the
 rows it ran with only within bfloat16's tolerance (tests/model/test_packed.py).
 """
 
@@ -30,6 +31,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_gemm
 
 GROUP = 32  # weights sharing a scale and a zero: GGUF's Q4 block
 PAD_N = 64  # output rows are padded to a multiple of every block the kernel packs in
@@ -100,11 +103,15 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = x.reshape(-1, self.in_features)
         if rows.shape[0] < DEQUANT_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_zeros)
-        else:
-            y = rows @ self.dequantized_t()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros
+            )
+        elif cpu_gemm.BF16_GEMM:
+            y = rows.to(torch.bfloat16) @ self.dequantized_t()
+        else:  # no bfloat16 units: an fp32 GEMM (model/cpu_gemm.py)
+            y = rows.float() @ self.dequantized_fp32_t()
         return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
 
     def dequantized_t(self) -> torch.Tensor:

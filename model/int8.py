@@ -21,6 +21,9 @@ weight once, moves a quarter as much. Two products, by the number of rows (token
 
     A product of fewer than `MIN_ROWS` rows is padded to them (the kernel picks a much
     faster path from there).
+    On a CPU without int8 units (no VNNI, no AMX), where `_int_mm` is 40x slower than an fp32
+    GEMM, the rows go instead through an fp32 GEMM with the weights dequantized for the
+    call (`model/cpu_gemm.py`).
 
 Both treat every row alone, so a row's result never depends on the rows batched with it
 within a regime; across the two it differs by bfloat16's rounding of the input (a chunked
@@ -43,6 +46,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_gemm
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +82,10 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] < PACKED_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.scale_bf16)
-        else:
+        elif cpu_gemm.INT8_GEMM:
             y = self.exact(rows.float())
+        else:  # no int8 units: an fp32 GEMM (model/cpu_gemm.py)
+            y = rows.float() @ self.dequantized().t()
         return y.view(*lead, self.out_features).to(x.dtype)
 
     def exact(self, rows: torch.Tensor) -> torch.Tensor:
@@ -94,6 +101,10 @@ class Int8Linear(nn.Module):
         y = torch._int_mm(halves.to(torch.int8), self.q.t()).float()  # exact integer sums
         y = torch.addcmul(y[n : 2 * n], y[:n], torch.full((), float(HALF)))  # 128 hi + lo
         return y.mul_(sx).mul_(self.scale)
+
+    def dequantized(self) -> torch.Tensor:
+        """W (N, K) in fp32, for this call only."""
+        return self.q.float().mul_(self.scale[:, None])
 
     def weight_bytes(self) -> int:
         """Bytes a product reads: the int8 rows and their scales."""

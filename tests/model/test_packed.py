@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 import model
+from model import cpu_gemm
 from model.int4 import DEQUANT_ROWS, Int4Linear, quantize_groups
-from model.int8 import Int8Embedding, Int8Head, Int8Linear
+from model.int8 import Int8Embedding, Int8Head, Int8Linear, quantize_rows
 from model.llama import Llama
 
 from .conftest import run_chunks
@@ -65,11 +66,20 @@ def dequantized_reference(lm: Llama) -> Llama:
     return ref
 
 
+@pytest.fixture(params=[True, False], ids=["low-precision-gemm", "fp32-gemm"])
+def gemm(request, monkeypatch) -> bool:
+    """Both many-row products on any CPU (model/cpu_gemm.py): the bfloat16 and int8 GEMMs a
+    CPU with AVX-512 / VNNI / AMX takes, and the fp32 GEMM one without them takes."""
+    monkeypatch.setattr(cpu_gemm, "BF16_GEMM", request.param)
+    monkeypatch.setattr(cpu_gemm, "INT8_GEMM", request.param)
+    return request.param
+
+
 def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
     return (a - b).abs().max().item() <= rel * b.abs().max().item()
 
 
-def test_int4_groups_round_trip_and_both_products_agree():
+def test_int4_groups_round_trip_and_both_products_agree(gemm):
     """A layer's weights within half a step of the group's grid (plus bfloat16's rounding of
     the scales); the row-at-a-time kernel and the dequantized GEMM agree within bfloat16."""
     torch.manual_seed(0)
@@ -86,7 +96,7 @@ def test_int4_groups_round_trip_and_both_products_agree():
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_packed_path_matches_its_dequantized_reference(precision):
+def test_packed_path_matches_its_dequantized_reference(precision, gemm):
     """The packed kernels with bfloat16 activations against fp32 products of the very same
     rounded weights: the activations' rounding only, a percent of the logits at most, and
     the greedy tokens (nearly) all alike."""
@@ -102,7 +112,7 @@ def test_packed_path_matches_its_dequantized_reference(precision):
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_packed_path_is_boundary_invariant(precision):
+def test_packed_path_is_boundary_invariant(precision, gemm):
     """One forward against chunks of every size a server runs (decode's single tokens, a few
     rows, chunks past `DEQUANT_ROWS` and int8's `PACKED_ROWS`), and batched against alone:
     the same greedy tokens and log-probs within bfloat16's tolerance."""
@@ -116,6 +126,33 @@ def test_packed_path_is_boundary_invariant(precision):
     assert (whole.argmax(-1) == chunked.argmax(-1)).float().mean().item() >= 0.98
     pair = torch.cat([tokens, tokens.flip(1)])
     assert close(lm(pair)[0][:1], whole, 0.02)
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_without_low_precision_units_many_rows_are_an_fp32_product(precision, monkeypatch):
+    """On a CPU without bfloat16 or int8 units (model/cpu_gemm.py) a many-row product is the
+    fp32 rows times the fp32 weights, built here from the quantizer's own integers and
+    scales (int4's scales and zeros rounded to bfloat16, as the layer holds them): equal to
+    fp32's rounding (within 2e-6 of the largest output; measured 3e-7), where the bfloat16
+    and 14-bit products are off by more than 1e-5 (int8's measured 5e-5)."""
+    monkeypatch.setattr(cpu_gemm, "BF16_GEMM", False)
+    monkeypatch.setattr(cpu_gemm, "INT8_GEMM", False)
+    torch.manual_seed(1)
+    w, x = torch.randn(100, 96), torch.randn(2 * DEQUANT_ROWS, 96)
+    if precision == "int4":
+        q, scale, zero = quantize_groups(w)
+        layer: nn.Module = Int4Linear(q, scale, zero)
+        s, z = (t.bfloat16().double().repeat_interleave(32, 1) for t in (scale, zero))
+        ref_w = (q.double() - 8) * s + z
+    else:
+        q, scale = quantize_rows(w)
+        layer = Int8Linear(q, scale)
+        ref_w = q.double() * scale.double()[:, None]
+    ref = x.double() @ ref_w.t()
+    assert (layer(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    monkeypatch.setattr(cpu_gemm, "BF16_GEMM", True)
+    monkeypatch.setattr(cpu_gemm, "INT8_GEMM", True)
+    assert (layer(x).double() - ref).abs().max().item() > 1e-5 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])

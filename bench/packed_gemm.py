@@ -1,0 +1,58 @@
+"""What the packed layers' many-row products cost on this CPU (model/cpu_gemm.py): one
+SmolLM2 MLP-sized product, 512 rows x 576 -> 1536 (a prompt's chunk), in fp32, in bfloat16
+and in int8 (`torch._int_mm`), side by side in one run, with the machine's fp32 GEMM rate as
+its limit; and which product each packed layer takes here."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from model import cpu_gemm
+
+
+def best_ms(f, rounds: int) -> float:
+    f()  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    M, K, N = args.rows, 576, 1536
+    x, w = torch.randn(M, K), torch.randn(K, N)
+    xi = torch.randint(-127, 128, (M, K), dtype=torch.int8)
+    wi = torch.randint(-127, 128, (K, N), dtype=torch.int8)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    ms = {
+        "fp32": best_ms(lambda: x @ w, args.rounds),
+        "bfloat16": best_ms(lambda: xb @ wb, args.rounds),
+        "int8 (_int_mm)": best_ms(lambda: torch._int_mm(xi, wi), args.rounds),
+    }
+    flops = 2 * M * K * N
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s), {M} x {K} x {N}"
+    )
+    print("| product | ms | GFLOP/s | ÷ fp32's time |")
+    print("|---|---|---|---|")
+    for name, t in ms.items():
+        print(f"| {name} | {t:.2f} | {flops / t / 1e6:.1f} | {t / ms['fp32']:.1f}x |")
+    print(
+        f"int4 prefill takes the {'bfloat16' if cpu_gemm.BF16_GEMM else 'fp32'} GEMM here; "
+        f"int8 prefill the {'int8' if cpu_gemm.INT8_GEMM else 'fp32'} one"
+    )
+
+
+if __name__ == "__main__":
+    main()
