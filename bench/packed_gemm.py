@@ -1,26 +1,22 @@
 """What the packed layers' many-row products cost on this CPU (model/cpu_gemm.py): one
 SmolLM2 MLP-sized product, 512 rows x 576 -> 1536 (a prompt's chunk), in fp32, in bfloat16
-and in int8 (`torch._int_mm`), side by side in one run, with the machine's fp32 GEMM rate as
-its limit; and which product each packed layer takes here."""
+and in int8 (`torch._int_mm`), side by side in one run, against the machine's fp32 GEMM rate
+measured in the same run (`roofline.gemm_rate`: a square 2048 product); and which product
+each packed layer takes here."""
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from roofline import best_of, gemm_rate
 
 from model import cpu_gemm
 
 
 def best_ms(f, rounds: int) -> float:
     f()  # warm-up
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best_of(f, rounds) * 1e3
 
 
 def main() -> None:
@@ -40,14 +36,16 @@ def main() -> None:
         "bfloat16": best_ms(lambda: xb @ wb, args.rounds),
         "int8 (_int_mm)": best_ms(lambda: torch._int_mm(xi, wi), args.rounds),
     }
-    flops = 2 * M * K * N
+    flops, limit = 2 * M * K * N, gemm_rate(args.threads)
     print(
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s), {M} x {K} x {N}"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s), {M} x {K} x {N}; "
+        f"the machine's fp32 GEMM {limit / 1e9:.1f} GFLOP/s"
     )
-    print("| product | ms | GFLOP/s | ÷ fp32's time |")
-    print("|---|---|---|---|")
+    print("| product | ms | GFLOP/s | ÷ the fp32 GEMM rate | ÷ fp32's time |")
+    print("|---|---|---|---|---|")
     for name, t in ms.items():
-        print(f"| {name} | {t:.2f} | {flops / t / 1e6:.1f} | {t / ms['fp32']:.1f}x |")
+        rate = flops / t * 1e3
+        print(f"| {name} | {t:.2f} | {rate / 1e9:.1f} | {rate / limit:.0%} | {t / ms['fp32']:.1f}x |")
     print(
         f"int4 prefill takes the {'bfloat16' if cpu_gemm.BF16_GEMM else 'fp32'} GEMM here; "
         f"int8 prefill the {'int8' if cpu_gemm.INT8_GEMM else 'fp32'} one"

@@ -19,9 +19,10 @@ comes back in the caller's dtype; the residual stream, the norms and the attenti
 fp32. The kernel works a row at a time: below `DEQUANT_ROWS` rows (decode, a few streams)
 it is the fastest product there is (3x fp32's at one row); from there (a prefill chunk,
 many streams) the layer is dequantized to bfloat16 for that call and multiplied by one GEMM
-(4x the kernel at 256 rows), or, on a CPU without bfloat16 units, where that GEMM is 90x
-slower than fp32's, dequantized to fp32 and multiplied in fp32 (`model/cpu_gemm.py`). The two round differently, so a token's logits depend on the
-rows it ran with only within bfloat16's tolerance (tests/model/test_packed.py).
+(4x the kernel at 256 rows); on a CPU without bfloat16 units, where that GEMM is 90x slower
+than fp32's, the GEMM is fp32's (`model/cpu_gemm.py`). The products round differently, so a
+token's logits depend on the rows it ran with only within bfloat16's tolerance
+(tests/model/test_packed.py).
 """
 
 from __future__ import annotations
@@ -108,21 +109,17 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros
             )
-        elif cpu_gemm.BF16_GEMM:
-            y = rows.to(torch.bfloat16) @ self.dequantized_t()
-        else:  # no bfloat16 units: an fp32 GEMM (model/cpu_gemm.py)
-            y = rows.float() @ self.dequantized_fp32_t()
+        else:  # one GEMM, in bfloat16 where the CPU has its units (model/cpu_gemm.py)
+            dtype = torch.bfloat16 if cpu_gemm.BF16_GEMM else torch.float32
+            y = rows.to(dtype) @ self.dequantized_fp32_t().to(dtype)
         return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
-
-    def dequantized_t(self) -> torch.Tensor:
-        """W^T (K, N') in bfloat16: each weight computed in fp32, then rounded once (a
-        bfloat16 product, q * scale + (zero - 8 scale), would round it three times, which
-        costs the many-row product's greedy agreement with fp32 several times over)."""
-        return self.dequantized_fp32_t().to(torch.bfloat16)
 
     def dequantized_fp32_t(self) -> torch.Tensor:
         """W^T (K, N') in fp32, from the packed layout (`block_rows`): blocks of B rows, each
-        byte of a block's column k holding row d (low nibble) and row d + B/2 (high)."""
+        byte of a block's column k holding row d (low nibble) and row d + B/2 (high). A
+        bfloat16 GEMM rounds each weight once from it (a bfloat16 product, q * scale + (zero
+        - 8 scale), would round it three times, which costs the many-row product's greedy
+        agreement with fp32 several times over)."""
         K, G, B = self.in_features, self.group, block_rows()
         Nb = self.packed.shape[0] // B
         p = self.packed.view(Nb, K // G, G, B // 2)

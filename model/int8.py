@@ -20,10 +20,9 @@ weight once, moves a quarter as much. Two products, by the number of rows (token
         y[t, o] = s_x[t] s[o] (128 sum_i hi[t, i] q[o, i] + sum_i lo[t, i] q[o, i])
 
     A product of fewer than `MIN_ROWS` rows is padded to them (the kernel picks a much
-    faster path from there).
-    On a CPU without int8 units (no VNNI, no AMX), where `_int_mm` is 40x slower than an fp32
-    GEMM, the rows go instead through an fp32 GEMM with the weights dequantized for the
-    call (`model/cpu_gemm.py`).
+    faster path from there). On a CPU without int8 units (no VNNI, no AMX), where `_int_mm`
+    is 40x slower than an fp32 GEMM, the rows go instead through an fp32 GEMM with the
+    weights dequantized for the call (`model/cpu_gemm.py`).
 
 Both treat every row alone, so a row's result never depends on the rows batched with it
 within a regime; across the two it differs by bfloat16's rounding of the input (a chunked
