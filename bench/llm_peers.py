@@ -488,26 +488,33 @@ def section(r: dict) -> str:
             f"through its bindings (one batch of {PROMPT_TOKENS}) and through `llama-bench -p {PROMPT_TOKENS} -n 0` "
             f"(here {r['prompt']['llama-bench']:.1f} tokens/s at best).",
         ]
-    lines += ["", *WHY, "", "Reproduce: `make bench-peers` (`--write` rewrites this section).", ""]
+    lines += ["", why(r), "", "Reproduce: `make bench-peers` (`--write` rewrites this section).", ""]
     return "\n".join(lines)
 
 
-WHY = [
-    "Why. Batch 1: a step reads every weight once, so bytes and per-op overhead decide it. recur's int4 "
-    "path (model/int4.py) reads the file's Q4_1 blocks as they are (0.96x the file's bytes a step), as "
-    "llama.cpp does, but its eager step is some 1,500 PyTorch ops whose dispatch does not scale with threads; "
-    'the compiled step (`--compile`; section "Packed weights", side by side with llama.cpp) removes most of '
-    "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
-    "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "
-    "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); the packed paths "
-    "dequantize each layer to bf16 for the same GEMM, a little slower. 16 streams: recur's 16-row step alone (the note under the table) "
-    "is not what loses: its server keeps only a quarter of it. Around each step the server runs "
-    "the scheduler, the sessions service (every session's state to Redis, a transactional commit per "
-    "request), each request's prompt prefilled among the decoding rows, and the HTTP framing, on an event "
-    "loop that shares the GIL with the engine thread (section 12); llama.cpp keeps none of that state. The "
-    "servers here also run the eager step (no `--compile`: the compile of three batch classes takes "
-    "minutes on 2 cores).",
-]
+def why(r: dict) -> str:
+    """The profile behind the table, with the share of the 16-row step the server keeps read
+    off this run (it was a quarter on one host, a half on another)."""
+    kept = ""
+    if "model_streams" in r and "streams" in r:
+        shares = [r["streams"][p] / r["model_streams"][p] for p in PRECISIONS]
+        kept = f"its server keeps only {min(shares):.0%} to {max(shares):.0%} of it. "
+    return (
+        "Why. Batch 1: a step reads every weight once, so bytes and per-op overhead decide it. recur's int4 "
+        "path (model/int4.py) reads the file's Q4_1 blocks as they are (0.96x the file's bytes a step), as "
+        "llama.cpp does, but its eager step is some 1,500 PyTorch ops whose dispatch does not scale with threads; "
+        'the compiled step (`--compile`; section "Packed weights", side by side with llama.cpp) removes most of '
+        "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
+        "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "
+        "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); the packed paths "
+        "dequantize each layer to bf16 for the same GEMM, a little slower. 16 streams: recur's 16-row step alone (the note under the table) "
+        "is not what loses: " + kept + "Around each step the server runs "
+        "the scheduler, the sessions service (every session's state to Redis, a transactional commit per "
+        "request), each request's prompt prefilled among the decoding rows, and the HTTP framing, on an event "
+        "loop that shares the GIL with the engine thread (section 12); llama.cpp keeps none of that state. The "
+        "servers here also run the eager step (no `--compile`: the compile of three batch classes takes "
+        "minutes on 2 cores)."
+    )
 
 
 def main() -> None:
