@@ -1,8 +1,10 @@
 """What the packed layers' many-row products cost on this CPU (model/cpu_gemm.py): one
 SmolLM2 MLP-sized product, 512 rows x 576 -> 1536 (a prompt's chunk), in fp32, in bfloat16
 and in int8 (`torch._int_mm`), side by side in one run, against the machine's fp32 GEMM rate
-measured in the same run (`roofline.gemm_rate`: a square 2048 product); and which product
-each packed layer takes here."""
+measured in the same run (`roofline.gemm_rate`: a square 2048 product); which product
+each packed layer takes here; and what an int4 layer of that size pays before its product,
+its weights dequantized to the product's dtype (`Int4Linear.dequantized_t`), against a
+plain copy of the same bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from roofline import best_of, gemm_rate
 
 from model import cpu_gemm
+from model.int4 import Int4Linear, quantize_groups
 
 
 def best_ms(f, rounds: int) -> float:
@@ -49,6 +52,17 @@ def main() -> None:
     print(
         f"int4 prefill takes the {'bfloat16' if cpu_gemm.BF16_GEMM else 'fp32'} GEMM here; "
         f"int8 prefill the {'int8' if cpu_gemm.INT8_GEMM else 'fp32'} one"
+    )
+    dtype = torch.bfloat16 if cpu_gemm.BF16_GEMM else torch.float32
+    layer = Int4Linear(*quantize_groups(torch.randn(N, K)))
+    src = layer.dequantized_t(dtype)
+    dst = torch.empty_like(src)
+    deq = best_ms(lambda: layer.dequantized_t(dtype), args.rounds)
+    copy = best_ms(lambda: dst.copy_(src), args.rounds)
+    gemm = ms["bfloat16" if cpu_gemm.BF16_GEMM else "fp32"]
+    print(
+        f"int4 dequantization of that layer to {dtype}: {deq:.3f} ms, {deq / copy:.1f}x a copy of its "
+        f"{src.numel() * src.element_size() / 1e6:.2f} MB ({copy:.3f} ms), {deq / gemm:.0%} of the product's time"
     )
 
 

@@ -111,28 +111,35 @@ class Int4Linear(nn.Module):
             )
         else:  # one GEMM, in bfloat16 where the CPU has its units (model/cpu_gemm.py)
             dtype = torch.bfloat16 if cpu_gemm.BF16_GEMM else torch.float32
-            y = rows.to(dtype) @ self.dequantized_fp32_t().to(dtype)
+            y = rows.to(dtype) @ self.dequantized_t(dtype)
         return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
 
-    def dequantized_fp32_t(self) -> torch.Tensor:
-        """W^T (K, N') in fp32, from the packed layout (`block_rows`): blocks of B rows, each
-        byte of a block's column k holding row d (low nibble) and row d + B/2 (high). A
-        bfloat16 GEMM rounds each weight once from it (a bfloat16 product, q * scale + (zero
-        - 8 scale), would round it three times, which costs the many-row product's greedy
-        agreement with fp32 several times over)."""
+    def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W^T (K, N') in `dtype`, from the packed layout (`block_rows`): blocks of B rows,
+        each byte of a block's column k holding row d (low nibble) and row d + B/2 (high).
+        Each weight is computed in fp32 and rounded to `dtype` once: a bfloat16 GEMM's
+        weights round once (a bfloat16 product, q * scale + (zero - 8 scale), would round
+        them three times, which costs the many-row product's greedy agreement with fp32
+        several times over). A prefill chunk pays this for every layer, so each nibble is
+        written straight into its place in W^T, rounded as it is stored, with no fp32 copy
+        of W^T built and permuted first (`bench/packed_gemm.py` times it against a copy of
+        its bytes and against the product)."""
         K, G, B = self.in_features, self.group, block_rows()
-        Nb = self.packed.shape[0] // B
-        p = self.packed.view(Nb, K // G, G, B // 2)
-        q = torch.cat([p & 15, p >> 4], -1).float()  # (Nb, K/G, G, B)
-        sz = self.scales_zeros.float().view(K // G, Nb, B, 2).permute(1, 0, 2, 3).unsqueeze(2)
-        scale, zero = sz[..., 0], sz[..., 1]  # (Nb, K/G, 1, B)
-        w = torch.addcmul(zero - 8 * scale, q, scale)
-        return w.permute(1, 2, 0, 3).reshape(K, Nb * B)
+        Nb, h = self.packed.shape[0] // B, B // 2
+        p = self.packed.view(Nb, K // G, G, h)
+        sz = self.scales_zeros.view(K // G, Nb, B, 2).permute(1, 0, 2, 3).unsqueeze(2)
+        scale = sz[..., 0].float()  # (Nb, K/G, 1, B)
+        base = sz[..., 1].float() - 8 * scale
+        out = torch.empty(K, Nb * B, dtype=dtype, device=p.device)
+        blocks = out.view(K // G, G, Nb, B).permute(2, 0, 1, 3)  # (Nb, K/G, G, B), over W^T
+        torch.addcmul(base[..., :h], p & 15, scale[..., :h], out=blocks[..., :h])
+        torch.addcmul(base[..., h:], p >> 4, scale[..., h:], out=blocks[..., h:])
+        return out
 
     def dequantized(self) -> torch.Tensor:
         """W (N, K) in fp32: what the row-at-a-time kernel multiplies by (tests and
         references: serving never expands it)."""
-        return self.dequantized_fp32_t()[:, : self.out_features].t()
+        return self.dequantized_t()[:, : self.out_features].t()
 
     def weight_bytes(self) -> int:
         """Bytes a product reads: the packed integers, the scales and the zeros."""

@@ -95,6 +95,24 @@ def test_int4_groups_round_trip_and_both_products_agree(gemm):
     assert close(many, ref, 0.02) and close(few, ref, 0.02)
 
 
+def test_int4_dequantization_puts_each_weight_in_place_rounded_once():
+    """What the many-row GEMM multiplies by: each weight (q - 8) scale + zero from its own
+    nibble, in its own place of W^T, computed in fp32 (the fp32 GEMM's weights, within a
+    few fp32 steps of the exact value) and rounded to bfloat16 once (a chain of bfloat16
+    operations would round it three times)."""
+    torch.manual_seed(1)
+    N, K = 100, 96  # padded to the kernel's 128 rows
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    scale, zero = torch.rand(N, K // 32) * 0.1, torch.randn(N, K // 32) * 0.1
+    layer = Int4Linear(q, scale, zero)
+    s, z = (t.bfloat16().double().repeat_interleave(32, 1) for t in (scale, zero))  # as the kernel holds them
+    exact = (q.double() - 8) * s + z  # (N, K)
+    fp32 = layer.dequantized_t(torch.float32)
+    assert fp32.shape == (K, 128) and (fp32[:, N:] == 0).all()
+    assert ((fp32[:, :N].t().double() - exact).abs() <= 4 * 2.0**-24 * exact.abs().amax()).all()
+    assert torch.equal(layer.dequantized_t(torch.bfloat16), fp32.bfloat16())
+
+
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 def test_packed_path_matches_its_dequantized_reference(precision, gemm):
     """The packed kernels with bfloat16 activations against fp32 products of the very same
