@@ -13,12 +13,16 @@ Per precision:
   * weight bytes a decode step reads (every block matrix and the head once; the token
     lookup reads one row) over the file's bytes: the issue's target is <= 1.2;
   * greedy agreement with fp32 on the same file (`agreement`): `--prompts` prompts of 32
-    tokens from the held-out corpus, `--tokens` greedy tokens each, each path running
-    freely; the share of tokens identical position by position (a divergence counts every
-    token after it as different) and the share of prompts identical throughout.
+    tokens from the held-out corpus, `--tokens` greedy tokens each. Each path running
+    freely: the share of tokens identical position by position (a divergence counts every
+    token after it as different) and the share of prompts identical throughout; and
+    teacher-forced on fp32's tokens: the share of positions where the path picks fp32's
+    token from fp32's history (a flip counts once). With `--llama-cpp`, llama.cpp's own
+    picks on the same file and prompts too: how far the peer itself is from the bound.
 
 Ratios, not times, are the result; no test asserts a time. Usage:
     python bench/llm_packed.py [--threads 1,2] [--prompts 50 --tokens 128] [--llama-cpp] [--no-compile] [--write]
+(`--threads ""` measures the agreement alone, and prints the section without writing it.)
 `--write` puts the section "## Packed weights: fp32, int8, int4" into docs/BENCHMARKS.md.
 """
 
@@ -29,9 +33,10 @@ import functools
 import json
 import os
 
+import numpy as np
 import torch
 from harness import arguments, publish
-from llm_peers import llama_cpp_stepper, rate, stepper
+from llm_peers import llama_cpp, llama_cpp_stepper, rate, stepper
 
 import model
 from app.engine.compiler import DecodeStep
@@ -105,34 +110,98 @@ def prompts(n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(lm: LanguageModel, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
-    """(B, tokens) greedy continuations of a batch of prompts."""
+def greedy(
+    lm: LanguageModel, prompt: torch.Tensor, tokens: int, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, tokens) greedy continuations of a batch of prompts. With `forced` (B, tokens),
+    teacher forcing: each step is fed forced's token, and what comes back is the token the
+    path would have picked there."""
     _, state = lm(prompt)
     out = []
-    for _ in range(tokens):
+    for i in range(tokens):
         nxt = lm.next_logits(state).argmax(-1, keepdim=True)
         out.append(nxt)
-        _, state = lm(nxt, state)
+        _, state = lm(nxt if forced is None else forced[:, i : i + 1], state)
     return torch.cat(out, 1)
 
 
-def agreement(precision: str, prompts: int = 50, tokens: int = 128, detail: bool = False):
+def batched(
+    lm: LanguageModel, rows: torch.Tensor, tokens: int, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`greedy` over `rows` in batches of BATCH."""
+    parts = range(0, len(rows), BATCH)
+    return torch.cat(
+        [
+            greedy(lm, rows[i : i + BATCH], tokens, None if forced is None else forced[i : i + BATCH])
+            for i in parts
+        ]
+    )
+
+
+@functools.cache
+def reference(n: int, tokens: int) -> torch.Tensor:
+    """fp32's greedy continuations of the `n` prompts: what every path is held to."""
+    return batched(loaded("fp32"), prompts(n), tokens)
+
+
+def shares(picks: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """The share of tokens identical to `ref`'s, position by position, and of rows identical
+    throughout."""
+    same = picks == ref
+    return float(same.float().mean()), float(same.all(-1).float().mean())
+
+
+def agreement(
+    precision: str, prompts: int = 50, tokens: int = 128, detail: bool = False, forced: bool = False
+):
     """The share of greedy tokens identical to fp32's, position by position, over `prompts`
-    prompts x `tokens` tokens (each path running freely); with `detail`, also the share of
-    prompts identical throughout."""
-    same, whole = 0, 0
-    batch = globals()["prompts"](prompts)
-    for i in range(0, prompts, BATCH):
-        rows = batch[i : i + BATCH]
-        ref, ours = greedy(loaded("fp32"), rows, tokens), greedy(loaded(precision), rows, tokens)
-        same += int((ref == ours).sum())
-        whole += int((ref == ours).all(-1).sum())
-    share = same / (prompts * tokens)
-    return (share, whole / prompts) if detail else share
+    prompts x `tokens` tokens, each path running freely (a divergence counts every token
+    after it as different); with `detail`, also the share of prompts identical throughout.
+    `forced`: teacher-forced on fp32's tokens instead, so that each position asks only
+    whether the path picks fp32's token from fp32's history (a flip counts once)."""
+    ref = reference(prompts, tokens)
+    picks = batched(loaded(precision), globals()["prompts"](prompts), tokens, ref if forced else None)
+    share, whole = shares(picks, ref)
+    return (share, whole) if detail else share
+
+
+def llama_cpp_picks(
+    rows: torch.Tensor, tokens: int, forced: torch.Tensor | None, threads: int
+) -> torch.Tensor:
+    """llama.cpp's own greedy picks on the same file and the same prompts (its Q4_1 products
+    with 8-bit activations, as it serves): free-running, or teacher-forced on `forced`."""
+    llm = llama_cpp(model.checkpoint.resolve("smollm2"), threads)
+    out = []
+    for b, row in enumerate(rows.tolist()):
+        llm.reset()
+        llm.eval(row)
+        picks = []
+        for i in range(tokens):
+            # the last evaluated position's logits (llama-cpp-python keeps `scores` only with logits_all)
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+            picks.append(int(np.argmax(logits)))
+            llm.eval([picks[-1] if forced is None else int(forced[b, i])])
+        out.append(picks)
+    return torch.tensor(out)
+
+
+def agreements(paths: list[str], n: int, tokens: int, threads: int) -> dict:
+    """Each path's agreement with fp32, free-running (tokens, prompts) and teacher-forced
+    (tokens): recur's precisions, and "llama.cpp" for the peer's own."""
+    ref, rows = reference(n, tokens), prompts(n)
+    out: dict = {"prompts": n, "tokens": tokens}
+    for p in paths:
+        if p == "llama.cpp":
+            free, forced = (llama_cpp_picks(rows, tokens, f, threads) for f in (None, ref))
+            out[p] = (*shares(free, ref), shares(forced, ref)[0])
+        else:
+            out[p] = (*agreement(p, n, tokens, detail=True), agreement(p, n, tokens, forced=True))
+        print(f"agreement {p} (free, prompts, forced): {out[p]}", flush=True)
+    return out
 
 
 def section(r: dict) -> str:
-    first = next(iter(r["decode"].values()))
+    first = next(iter(r["decode"].values()), {})  # (none: `--threads ""`, agreement alone)
     cols = [c for p in PRECISIONS for c in (p, f"{p} served") if c in first]
     cols += ["llama.cpp"] if "llama.cpp" in first else []
     head = [c.replace(" served", ", served") for c in cols]
@@ -145,12 +214,15 @@ def section(r: dict) -> str:
         "and served as `recur serve --compile` serves it (the engine's `DecodeStep` after its probe at that "
         "thread count: **compiled** where the probe adopted the compiled step, else eager).",
         "",
-        "| batch-1 decode, tokens/s | "
-        + " | ".join(head)
-        + " | int4 / fp32 |"
-        + (" int4 served / llama.cpp |" if "llama.cpp" in cols else ""),
-        "|---" * (len(cols) + 2 + ("llama.cpp" in cols)) + "|",
     ]
+    if first:
+        lines += [
+            "| batch-1 decode, tokens/s | "
+            + " | ".join(head)
+            + " | int4 / fp32 |"
+            + (" int4 served / llama.cpp |" if "llama.cpp" in cols else ""),
+            "|---" * (len(cols) + 2 + ("llama.cpp" in cols)) + "|",
+        ]
     for threads, row in r["decode"].items():
         marks = r["adopted"].get(threads, {})
         cells = " | ".join(
@@ -175,10 +247,22 @@ def section(r: dict) -> str:
         + " |",
     ]
     a = r["agreement"]
-    lines.append(
+    paths = [p for p in ("int8", "int4", "llama.cpp") if p in a]
+    lines += [
+        "",
         f"| greedy tokens identical to fp32's ({a['prompts']} prompts x {a['tokens']} tokens; target >= 95%) | "
-        "1.00 | " + " | ".join(f"{a[p][0]:.3f} (prompts {a[p][1]:.2f})" for p in ("int8", "int4")) + " |"
-    )
+        + " | ".join(paths)
+        + " |",
+        "|---" * (len(paths) + 1) + "|",
+    ]
+    for i, what in enumerate(
+        (
+            "free-running, position by position",
+            "prompts identical throughout",
+            "teacher-forced on fp32's tokens",
+        )
+    ):
+        lines.append(f"| {what} | " + " | ".join(f"{a[p][i]:.3f}" for p in paths) + " |")
     lines += ["", "Reproduce: `python bench/llm_packed.py --write`.", ""]
     return "\n".join(lines)
 
@@ -198,21 +282,24 @@ def main() -> None:
         help="also each precision as `recur serve --compile` serves it (a compile per precision and thread count)",
     )
     args = ap.parse_args()
+    if args.write and not args.threads:
+        ap.error(
+            '--write rewrites the whole section, decode figures included: --threads "" measures agreement only'
+        )
     path = model.checkpoint.resolve("smollm2")
     r: dict = {"cpus": os.cpu_count(), "rounds": args.rounds, "file_bytes": path.stat().st_size}
     r["weight_bytes"] = {p: weight_bytes(loaded(p)) for p in PRECISIONS}
     print(f"weight bytes: {json.dumps(r['weight_bytes'])} (file {r['file_bytes']})", flush=True)
     r["decode"], r["adopted"] = {}, {}
-    for t in (int(x) for x in args.threads.split(",")):
+    for t in (int(x) for x in args.threads.split(",") if x):
         r["decode"][t], r["adopted"][t] = decode_rates(
             t, args.steps, args.rounds, args.llama_cpp, args.compile
         )
         print(f"decode tokens/s, {t} thread(s): {json.dumps(r['decode'][t])}", flush=True)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    r["agreement"] = {"prompts": args.prompts, "tokens": args.tokens}
-    for p in ("int8", "int4"):
-        r["agreement"][p] = agreement(p, args.prompts, args.tokens, detail=True)
-        print(f"agreement {p}: {r['agreement'][p]}", flush=True)
+    threads = min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    paths = ["int8", "int4"] + (["llama.cpp"] if args.llama_cpp else [])
+    r["agreement"] = agreements(paths, args.prompts, args.tokens, threads)
     publish(SECTION, section(r), r, args.write)
 
 

@@ -178,15 +178,22 @@ def prompt_text() -> str:
     return load_split("shakespeare", "test")[0][1][10_000:10_600]
 
 
-def llama_cpp_stepper(gguf: Path, threads: int):
-    """llama-cpp-python's decode, one token per eval, greedy, after the prompt: a step."""
+def llama_cpp(gguf: Path, threads: int, **options):
+    """llama-cpp-python's `Llama` on `gguf` with `threads` threads (for decode and batches),
+    a context of 4,096 unless `options` say otherwise."""
     # always the libllama built here: pip may hand out a wheel it cached from a build on another
     # CPU (llama.cpp compiles for the building machine's instructions: an illegal instruction here)
     os.environ["LLAMA_CPP_LIB_PATH"] = str(build_llama_cpp())
     sys.path.insert(0, str(build_python()))
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False)
+    options = {"n_ctx": 4096, **options}
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, verbose=False, **options)
+
+
+def llama_cpp_stepper(gguf: Path, threads: int):
+    """llama-cpp-python's decode, one token per eval, greedy, after the prompt: a step."""
+    llm = llama_cpp(gguf, threads)
     llm.eval(llm.tokenize(prompt_text().encode(), add_bos=False))
 
     def step() -> None:
@@ -253,20 +260,7 @@ def prompt_ids() -> list[int]:
 
 def llama_cpp_prompt(gguf: Path, threads: int, ids: list[int], flash_attn: bool):
     """llama.cpp processing the prompt in one batch into an empty cache: one call, timed."""
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(build_llama_cpp())
-    sys.path.insert(0, str(build_python()))
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=str(gguf),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=4096,
-        n_batch=PROMPT_TOKENS,
-        n_ubatch=PROMPT_TOKENS,
-        flash_attn=flash_attn,
-        verbose=False,
-    )
+    llm = llama_cpp(gguf, threads, n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS, flash_attn=flash_attn)
 
     def run() -> None:
         llm.reset()
