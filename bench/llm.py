@@ -1,6 +1,9 @@
 """The shipped assistant (smollm2, SmolLM2-135M-Instruct) against the machine's limits:
-decode at batch 1, 16 and 64 and prefill at 2,048 tokens, with its weights in fp32 and in
-int8 (`--precision int8`, model/int8.py), side by side in one run.
+decode at batch 1, 16 and 64 and prefill at 2,048 tokens, with its weights in fp32, int8
+and int4 (`--precision int8|int4`, model/int8.py, model/int4.py), side by side in one run;
+and what batching buys, issue 42's "16 streams ÷ 1 stream" (target >= 6x at 512 tokens of
+history each, and at a full window with the bytes a step reads): batch 1 and 16 after
+`--history` tokens, beside the full window's rows.
 
 bench/roofline.py's machinery does the work: the machine's limits (`Machine`: read
 bandwidth, GEMM rate, sampled before each model and at the end), the step the server runs
@@ -9,7 +12,8 @@ goes), prefill (`prefill`, best of 3) and the fractions of each roofline (`again
 this script adds is what a step of this family must do (`llama_work`):
 
   bytes   every weight matrix once (fp32: 4 bytes a weight; int8: 1, plus a 4-byte scale a
-          row), the embedding only as the (tied) head, + the keys and values attended:
+          row; int4: half a byte, plus a scale and a zero a group of 32), the embedding only
+          as the (tied) head, + the keys and values attended:
           2·B·L·K·kvh·hd in the state's dtype, K = S + W + 1 (sinks, window, the new token)
   FLOPs   2·B·(every weight matrix's multiply-adds + attention's 2·L·H·hd·K)
 
@@ -62,7 +66,9 @@ WORK["llama"] = llama_work
 MODELS = {
     "smollm2-fp32": lambda: model.load("smollm2", device="cpu", precision="fp32"),
     "smollm2-int8": lambda: model.load("smollm2", device="cpu", precision="int8"),
+    "smollm2-int4": lambda: model.load("smollm2", device="cpu", precision="int4"),
 }
+TARGET = 6.0  # issue 42: 16 streams ÷ 1 stream, recur alone, at 512 tokens of history each
 
 
 def section(r: dict) -> str:
@@ -73,7 +79,8 @@ def section(r: dict) -> str:
         "",
         f"`python bench/llm.py`, 1 torch thread, {m['cores']} cores; the machine read {m['bandwidth_1t']} GB/s "
         f"and multiplied {m['gemm_1t']} GFLOP/s (fp32 GEMM) on one thread at best, {m['bandwidth_1t_lowest']} "
-        f"GB/s at worst ({m['samples']} samples: a shared machine). The state is full: {r['span']}.",
+        f"GB/s at worst ({m['samples']} samples: a shared machine). The state is full ({r['span']}), but in the "
+        f"rows after {r['history']} tokens of history (their K is the smaller).",
         "",
         "| weights | batch | K | MB a step | MFLOP a step | ms a step | tokens/s | bandwidth roofline | compute roofline | kernels | top ops |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -84,6 +91,7 @@ def section(r: dict) -> str:
             f"{d['mflop_per_step']} | {d['step_ms']} | {d['tokens_per_s']} | {d['bandwidth_roofline']:.1%} | "
             f"{d['compute_roofline']:.1%} | {d['kernel_share']:.0%} | {_ops(d)} |"
         )
+    lines += ["", *_batching(r)]
     if before:
         lines += ["", *_before(r, before)]
     lines += ["", "Prefill of a 2,048-token prompt (chunks of `tgt_len`, best of 3):", ""]
@@ -104,12 +112,14 @@ def section(r: dict) -> str:
 
 WHY = [
     "Where the time goes. A decode step reads every weight once: at batch 1 it is bound by memory "
-    "bandwidth, and int8 weights (a quarter of the bytes) are the lever. The int8 product runs on the CPU's "
-    "int8 units (`torch._int_mm`, model/int8.py), whose batch-1 kernel reads its weights more slowly than "
-    "fp32's matrix-vector product does, so int8 gains less than 4x. As the batch grows the same weights serve "
-    "more rows, and the attention over the window (K keys and values a layer, for every stream) becomes most "
-    "of the bytes a step moves: at batch 64 the step is attention-bound whatever the weights' format, and "
-    "`bmm` leads the profile.",
+    "bandwidth, and packed weights (int8 about a quarter of fp32's bytes, int4 a sixth) are the lever. At a "
+    "few rows the packed layers run torch's weight-only kernels on bfloat16 activations "
+    "(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`; model/int8.py, model/int4.py), and the int4 "
+    "kernel works a row at a time: a 16-row step multiplies every weight 16 times, the later rows from cache, "
+    "so the packed paths gain less from batching than fp32's GEMM, which reads its weights once for all the "
+    "rows. As the batch grows the attention over the window (K keys and values a layer, for every stream) "
+    "becomes most of the bytes a step moves: at batch 64 the step is attention-bound whatever the weights' "
+    "format, and `bmm` leads the profile.",
     "",
     "The attention reads each layer's keys and values where they lie in the state's arena: one product per "
     "key/value head, with the streams as its batch axis (`_in_place` in model/llama.py). Before, "
@@ -120,6 +130,34 @@ WHY = [
     "64 steps (model/state/arena.py, `ARENA_SLACK`) its spare rows run out and the window moves to a new arena, "
     "1/64 of a window a step on average, which the median step above leaves out.",
 ]
+
+
+def _batching(r: dict) -> list[str]:
+    """16 rows ÷ 1 row of each weight format, at the short history and at the full window,
+    against issue 42's target (the short history's)."""
+    rows = {(d["model"], d["history"], d["batch"]): d for d in r["decode"]}
+    lines = [
+        f"What batching buys (issue 42: 16 streams ÷ 1 stream, recur alone, >= {TARGET:.0f}x at "
+        f"{r['history']} tokens of history each; at a full window, with the bytes a step reads; the rows after "
+        f"{r['history']} tokens are in the table above beside the full window's):",
+        "",
+        "| weights | history, tokens | 1 row, tokens/s | 16 rows, tokens/s | 16 ÷ 1 | MB a 16-row step reads | of which keys and values | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, history, B), d in rows.items():
+        one = rows.get((name, history, 1))
+        if B != 16 or one is None:
+            continue
+        ratio = d["tokens_per_s"] / one["tokens_per_s"]
+        verdict = "(reported)"
+        if history == r["history"]:
+            verdict = "met" if ratio >= TARGET else f"**missed** by {TARGET / ratio:.1f}x"
+        kv = d["mb_per_step"] - d["weight_mb"]
+        lines.append(
+            f"| {name.removeprefix('smollm2-')} | {history} | {one['tokens_per_s']} | {d['tokens_per_s']} | "
+            f"{ratio:.2f}x | {d['mb_per_step']} | {kv:.1f} ({kv / d['mb_per_step']:.0%}) | {verdict} |"
+        )
+    return lines
 
 
 def _ops(d: dict) -> str:
@@ -164,7 +202,9 @@ def baseline(commit: str, args: argparse.Namespace) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,64", help="batches at a full window")
+    ap.add_argument("--history", type=int, default=512, help="tokens of history of the batching rows")
+    ap.add_argument("--history-batches", default="1,16", help="batches after --history tokens (empty: none)")
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timed decode steps per figure")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--only", help="comma list of: " + ", ".join(MODELS))
@@ -189,12 +229,15 @@ def main() -> None:
         span = f"sinks {lm.config.sinks} + window {lm.config.window}"
         served = served_step(lm)[0] if args.compiled else None
         steps += decode(name, lm, batches, args.budget, skipped, served)
+        short = [int(b) for b in args.history_batches.split(",") if b]
+        steps += decode(name, lm, short, args.budget, skipped, served, history=args.history)
         if args.prefill_tokens:
             prefills.append(prefill(name, lm, args.prefill_tokens, served))
         del lm
     m.sample()
     against(steps, prefills, m)
     result = {"machine": m.summary(), "span": span, "decode": steps, "prefill": prefills, "skipped": skipped}
+    result["history"] = args.history
     result["threads"], result["cpus"] = 1, os.cpu_count()
     if before is not None:
         result["before"] = before

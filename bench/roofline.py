@@ -434,10 +434,17 @@ def _columns(w: Work) -> dict:
 
 @torch.no_grad()
 def decode(
-    name: str, lm: LanguageModel, batches: list[int], budget_s: float, skipped: list[dict], served: Any | None
+    name: str,
+    lm: LanguageModel,
+    batches: list[int],
+    budget_s: float,
+    skipped: list[dict],
+    served: Any | None,
+    history: int | None = None,
 ) -> list[dict]:
-    """Each batch's decode step against the limits (batch_row)."""
-    n = fill_length(lm)
+    """Each batch's decode step against the limits (batch_row), every row's state after
+    `history` tokens (default: every time axis filled to its bound)."""
+    n = history or fill_length(lm)
     one = lm.consume(
         torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)), lm.new_state(1)
     )[1]
@@ -449,7 +456,7 @@ def decode(
             print(f"{name} batch {B}: skipped, its state needs {need / GIB:.1f} GiB at its peak", flush=True)
             skipped.append({"model": name, "batch": B, "gib": round(need / GIB, 1)})
             continue
-        rows.append(batch_row(name, lm, one, B, budget_s, served, work, _columns))
+        rows.append({**batch_row(name, lm, one, B, budget_s, served, work, _columns), "history": n})
     return rows
 
 
