@@ -15,7 +15,11 @@ plays read in a row by one session, about 138,000 tokens).
    window, the first `--sweep-tokens` tokens), and a full state's bytes per session in each
    state dtype (`recur serve --state-dtype`: float32, bfloat16, float16).
 3. The weight formats: perplexity of fp32 (the GGUF's Q4_1 weights dequantized), bf16
-   (autocast) and int8 (model/int8.py) over the first `--precision-tokens` tokens.
+   (autocast), int8 (model/int8.py) and int4 (model/int4.py: the file's Q4_1 blocks packed
+   as they are, as `--precision int4` serves them) over the first `--precision-tokens`
+   tokens (issue 42's bound: within 1% of fp32's over the 105,000-token study).
+   `--only formats` measures this part alone (fp32's log-probs read again) and puts it
+   into the raw figures beside the others' last run.
 
 `--write` puts the section "## 10. The assistant: quality" into docs/BENCHMARKS.md and the
 plot into docs/llm_perplexity.png; `make bench` does. The raw figures go to
@@ -48,6 +52,7 @@ RAW = DOCS / "results" / "bench" / "llm_quality.json"
 BUCKET = 1000
 WINDOWS = (256, 512, 1024, 2048)
 DTYPES = ("float32", "bfloat16", "float16")
+FORMATS = ("fp32", "bf16", "int8", "int4")
 
 
 def held_out(lm: model.LanguageModel) -> list[int]:
@@ -61,14 +66,16 @@ _LOADED: dict[str, model.LanguageModel] = {}
 
 def load(window: int, sinks: int = 4, precision: str = "fp32") -> model.LanguageModel:
     """The shipped model in `precision` with this span, read once (a GGUF read takes tens of
-    seconds): the span changes no weight, bf16 is autocast over the same weights, and int8
-    quantizes a copy of them."""
+    seconds): the span changes no weight, bf16 is autocast over the same weights, int8
+    quantizes a copy of them, and int4 packs the file's own blocks."""
     if "fp32" not in _LOADED:
         _LOADED["fp32"] = model.load("smollm2", device="cpu", precision="fp32")
     if precision == "int8" and "int8" not in _LOADED:
         _LOADED["int8"] = copy.deepcopy(_LOADED["fp32"])
         _LOADED["int8"].quantize()
-    lm = _LOADED["int8" if precision == "int8" else "fp32"]
+    if precision == "int4" and "int4" not in _LOADED:  # the file's blocks as they are, as served
+        _LOADED["int4"] = model.load("smollm2", device="cpu", precision="int4")
+    lm = _LOADED[precision if precision in ("int8", "int4") else "fp32"]
     lm.with_options({"window": window, "sinks": sinks})
     lm.precision = precision
     return lm
@@ -169,7 +176,7 @@ def precisions(ids: list[int], window: int, served: torch.Tensor) -> list[dict]:
     skip = torch.zeros(len(ids), dtype=torch.bool)
     skip[0] = True
     ref = served[: len(ids)]
-    for precision in ("fp32", "bf16", "int8"):
+    for precision in FORMATS:
         lp = ref if precision == "fp32" else stream(load(window, precision=precision), ids)
         diff = (lp - ref)[~skip].abs()
         rows.append(
@@ -286,9 +293,17 @@ def main() -> None:
     ap.add_argument(
         "--rewrite", action="store_true", help="redraw the section from docs/results/bench/llm_quality.json"
     )
+    ap.add_argument("--only", choices=["formats"], help="measure one part, keep the others' last figures")
     args = ap.parse_args()
     if args.rewrite:
         r = json.loads(RAW.read_text())
+    elif args.only == "formats":
+        torch.set_num_threads(args.threads)
+        r = json.loads(RAW.read_text())
+        ids = held_out(load(args.window))[: args.precision_tokens]
+        r["precisions"] = precisions(ids, args.window, stream(load(args.window), ids))
+        r["precision_tokens"], r["precision_threads"] = len(ids), args.threads
+        RAW.write_text(json.dumps(r, indent=1))
     else:
         torch.set_num_threads(args.threads)
         ids = held_out(load(args.window))
