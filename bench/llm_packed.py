@@ -246,25 +246,28 @@ def section(r: dict) -> str:
         + " | ".join(f"{r['weight_bytes'][p] / r['file_bytes']:.2f}" for p in PRECISIONS)
         + " |",
     ]
-    a = r["agreement"]
+    lines += ["", *agreement_table(r["agreement"])]
+    lines += ["", "Reproduce: `python bench/llm_packed.py --write`.", ""]
+    return "\n".join(lines)
+
+
+def agreement_table(a: dict) -> list[str]:
+    """Each path's shares (`agreements`) as a table, a row per measure."""
     paths = [p for p in ("int8", "int4", "llama.cpp") if p in a]
-    lines += [
-        "",
+    lines = [
         f"| greedy tokens identical to fp32's ({a['prompts']} prompts x {a['tokens']} tokens; target >= 95%) | "
         + " | ".join(paths)
         + " |",
         "|---" * (len(paths) + 1) + "|",
     ]
-    for i, what in enumerate(
-        (
-            "free-running, position by position",
-            "prompts identical throughout",
-            "teacher-forced on fp32's tokens",
-        )
-    ):
+    measures = (
+        "free-running, position by position",
+        "prompts identical throughout",
+        "teacher-forced on fp32's tokens",
+    )
+    for i, what in enumerate(measures):
         lines.append(f"| {what} | " + " | ".join(f"{a[p][i]:.3f}" for p in paths) + " |")
-    lines += ["", "Reproduce: `python bench/llm_packed.py --write`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
