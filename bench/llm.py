@@ -79,8 +79,8 @@ def section(r: dict) -> str:
         "",
         f"`python bench/llm.py`, 1 torch thread, {m['cores']} cores; the machine read {m['bandwidth_1t']} GB/s "
         f"and multiplied {m['gemm_1t']} GFLOP/s (fp32 GEMM) on one thread at best, {m['bandwidth_1t_lowest']} "
-        f"GB/s at worst ({m['samples']} samples: a shared machine). The state is full ({r['span']}), but in the "
-        f"rows after {r['history']} tokens of history (their K is the smaller).",
+        f"GB/s at worst ({m['samples']} samples: a shared machine). The state is full ({r['span']}), except in the "
+        f"rows after {r['history']} tokens of history (the smaller K).",
         "",
         "| weights | batch | K | MB a step | MFLOP a step | ms a step | tokens/s | bandwidth roofline | compute roofline | kernels | top ops |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

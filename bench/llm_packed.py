@@ -171,6 +171,8 @@ def llama_cpp_picks(
     """llama.cpp's own greedy picks on the same file and the same prompts (its Q4_1 products
     with 8-bit activations, as it serves): free-running, or teacher-forced on `forced`."""
     llm = llama_cpp(model.checkpoint.resolve("smollm2"), threads)
+    from llama_cpp import llama_get_logits_ith  # (importable once `llama_cpp` has put its build on the path)
+
     out = []
     for b, row in enumerate(rows.tolist()):
         llm.reset()
@@ -178,7 +180,7 @@ def llama_cpp_picks(
         picks = []
         for i in range(tokens):
             # the last evaluated position's logits (llama-cpp-python keeps `scores` only with logits_all)
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+            logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
             picks.append(int(np.argmax(logits)))
             llm.eval([picks[-1] if forced is None else int(forced[b, i])])
         out.append(picks)

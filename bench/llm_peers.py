@@ -488,7 +488,7 @@ def section(r: dict) -> str:
 
 def why(r: dict) -> str:
     """The profile behind the table, with the share of the 16-row step the server keeps read
-    off this run (it was a quarter on one host, a half on another)."""
+    off this run (a quarter before the engine's OpenMP fix, about half since)."""
     kept = ""
     if "model_streams" in r and "streams" in r:
         shares = [r["streams"][p] / r["model_streams"][p] for p in PRECISIONS]

@@ -213,11 +213,6 @@ def bench(name: str):
     return importlib.import_module(name)
 
 
-def bench_agreement():
-    """bench/llm_packed.py's `agreement`."""
-    return bench("llm_packed").agreement
-
-
 @pytest.mark.slow
 @pytest.mark.xfail(
     reason="below the floor of bf16 activations: exact weights with only the products' inputs in bf16 "
@@ -231,7 +226,7 @@ def bench_agreement():
 def test_smollm2_int4_agrees_with_fp32():
     """Issue 42's quality bound on the shipped file: greedy tokens identical to the fp32
     path's (the same file, dequantized) for at least 95% of 50 prompts x 128 tokens."""
-    assert bench_agreement()("int4", prompts=50, tokens=128) >= 0.95
+    assert bench("llm_packed").agreement("int4", prompts=50, tokens=128) >= 0.95
 
 
 @pytest.mark.slow
@@ -243,7 +238,7 @@ def test_smollm2_int4_picks_fp32s_token_from_fp32s_history():
     own path on the same file 0.9944, recur's int8 0.9945 (docs/BENCHMARKS.md). Planted
     (16 x 64): every layer's scales 2% off gives 0.977, one layer's zeros without Q4_1's
     8d 0.825; one layer's scales 2% off stays within it (0.998)."""
-    assert bench_agreement()("int4", prompts=50, tokens=128, forced=True) >= 0.995
+    assert bench("llm_packed").agreement("int4", prompts=50, tokens=128, forced=True) >= 0.995
 
 
 STUDY_TOKENS = 20_000  # of the held-out study's 105,000 (bench/llm_quality.py reads them all)
