@@ -159,6 +159,8 @@ def _apart(
     qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
 ) -> torch.Tensor:
     """Each part scored by its own product, one softmax over both -> (B, kvh, g*T, hd)."""
+    if _fused(qg, win, T):
+        return _apart_fused(qg, qs, win, sk, masks)
     scores = _masked(_in_place(qg, win[0].transpose(-1, -2)), masks[1], T)  # (B, kvh, g*T, Kw)
     Ks = 0
     if qs is not None and sk is not None:
@@ -172,6 +174,48 @@ def _apart(
             out.view(B * kvh, gT, hd), p[..., :Ks].reshape(B * kvh, gT, Ks), sk[1].reshape(B * kvh, Ks, hd)
         )
     return out.view(p.shape[0], p.shape[1], -1, win[1].shape[-1])
+
+
+def _fused(qg: torch.Tensor, win: Pair, T: int) -> bool:
+    """Whether a decode step's window goes through torch's fused CPU attention kernel: one
+    query per row, more than one row, eager, on the CPU, in one floating dtype. A step of
+    many rows reads every row's window: the fused kernel (scores, softmax and values in one
+    pass, accumulated in fp32) reads each key and value once, where the two products read
+    them apart: 16 rows of smollm2's shape, one thread, the 30 layers 70 ms against 97 at
+    513 keys, 130 against 173 at 1,024; the whole int4 step 1.16x (`bench/attention.py`).
+    One row's step is the calls between kernels, and the merge's few calls cost more than
+    the kernel saves there (7.0 ms against 5.4), so one row keeps the products; a graph
+    being compiled keeps them too (inductor fuses them itself)."""
+    return (
+        T == 1
+        and qg.shape[0] > 1
+        and qg.device.type == "cpu"
+        and qg.dtype in (torch.float32, torch.bfloat16)
+        and qg.dtype == win[0].dtype == win[1].dtype
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _apart_fused(
+    qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks
+) -> torch.Tensor:
+    """`_apart` for one query per row, the window through the fused kernel, which gives its
+    log-sum-exp too: the sinks' scores (their own query) join the window's by log-sum-exp,
+    the softmax over both that `_apart` takes -> (B, kvh, g, hd)."""
+    mask = masks[1]
+    if mask is not None:  # (B, 1, 1, 1, K) -> (B, 1, 1, K), for the g rows of every head
+        mask = mask.view(mask.shape[0], 1, 1, mask.shape[-1]).to(qg.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, win[0], win[1], attn_mask=mask, scale=1.0
+    )
+    if qs is None or sk is None or sk[0].shape[2] == 0:
+        return out
+    if mask is not None:  # a row that sees no window key (all its keys sinks) gets lse 0: -inf
+        lse = lse.masked_fill(mask.amax(-1) == float("-inf"), float("-inf"))
+    scores = _masked((qs @ sk[0].transpose(-1, -2)).float(), masks[0], 1)  # (B, kvh, g, Ks)
+    both = torch.logaddexp(lse, scores.logsumexp(-1))  # the log of the softmax's denominator
+    out = out.float().mul_((lse - both).exp_().unsqueeze(-1))
+    return out.add_((scores - both.unsqueeze(-1)).exp_() @ sk[1].float()).to(win[1].dtype)
 
 
 def _joined(qg: torch.Tensor, qs: torch.Tensor, win: Pair, sk: Pair, masks: Masks, T: int) -> torch.Tensor:

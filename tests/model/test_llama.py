@@ -180,6 +180,37 @@ def test_a_batched_decode_step_reads_the_window_where_it_lies():
     assert state["k"].shape[2] == window and not copied
 
 
+FUSED = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def test_a_decode_step_of_many_rows_runs_the_fused_kernel_as_each_row_alone():
+    """One query per row and several rows: the window through torch's fused CPU attention
+    kernel, the sinks joined by log-sum-exp (`model.attention._fused`), against each row
+    decoded alone (one row keeps the two products: a path the fused one does not share),
+    within fp32's reordering: rows whose every key is still a sink (the window masked
+    whole), rows filling their sinks, rows with a full window, left-padded."""
+    lm = tiny(seed=6)
+    g = torch.Generator().manual_seed(6)
+    alone = []
+    for h in (0, 1, S + 1, S + W, 3 * (S + W)):
+        st_ = lm.new_state(1)
+        if h:
+            _, st_ = lm(torch.randint(0, 258, (1, h), generator=g), st_)
+        alone.append(st_)
+    x = torch.randint(0, 258, (len(alone), 4), generator=g)
+    with torch.no_grad():
+        batched = lm.stack_states(alone)
+        for t in range(x.shape[1]):
+            with torch.profiler.profile() as prof:
+                logits, batched = lm(x[:, t : t + 1], batched)
+            assert sum(e.name == FUSED for e in prof.events()) == lm.config.n_layer
+            for row, one in enumerate(alone):
+                with torch.profiler.profile() as prof:
+                    mine, alone[row] = lm(x[row : row + 1, t : t + 1], one)
+                assert not any(e.name == FUSED for e in prof.events())
+                assert (logits[row] - mine[0]).abs().max().item() <= 1e-5
+
+
 # -- the state -------------------------------------------------------------------------------
 def test_the_state_stops_growing_past_s_plus_w():
     lm = tiny()
