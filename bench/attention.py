@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from harness import write_section
 from roofline import read_bandwidth
 
 import model
@@ -28,6 +29,14 @@ from model import attention
 
 LAYERS, KVH, GROUP, HD, SINKS = 30, 3, 3, 64, 4
 R = TypeVar("R")
+SECTION = "## Attention over many rows"
+WHAT = [
+    "A decode step's attention (model/attention.py): the two products (scores, then values) read each row's "
+    "keys and values apart; torch's fused CPU attention kernel reads them once, its sums in fp32, and the "
+    "sinks (their own query) join it by log-sum-exp. The model takes the fused kernel for one query per "
+    "row and more than one row (`_fused`); one row, where the step is the calls between kernels, keeps "
+    "the products. Both paths alternate in one run.",
+]
 
 
 def alternating(paths: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -90,31 +99,32 @@ def layers(rows: int, keys: int) -> Callable[[], list[torch.Tensor]]:
     return run
 
 
-def part_one(threads: int, rounds: int) -> None:
+def part_one(threads: int, rounds: int) -> list[str]:
+    """The attention alone, both paths, at 1 and 16 rows: the table's lines."""
     torch.set_num_threads(threads)
     bandwidth = read_bandwidth(threads)
-    print(
-        f"## The attention of one step, 30 layers, {threads} thread(s); read bandwidth {bandwidth / 1e9:.2f} GB/s\n"
-    )
-    print(
-        "| rows | keys | MB read | products ms | fused ms | fused ÷ products speed | fused, share of bandwidth | largest difference |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    lines = [
+        f"The 30 layers' attention of one decode step, {threads} thread(s); this run read "
+        f"{bandwidth / 1e9:.2f} GB/s (`roofline.read_bandwidth`); the fused column forced at one row too:",
+        "",
+        "| rows | keys | MB read | products, ms | fused, ms | speed | fused, of the bandwidth | largest difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for rows, keys in ((1, 513), (1, 1024), (16, 513), (16, 1024)):
         run = layers(rows, keys)
-        same = max(
-            (a - b).abs().max().item()
-            for a, b in zip(switched(False, run)(), switched(True, run)(), strict=True)
-        )
+        apart = zip(switched(False, run)(), switched(True, run)(), strict=True)
+        same = max((a - b).abs().max().item() for a, b in apart)
         t = alternating({"products": switched(False, run), "fused": switched(True, run)}, rounds)
         nbytes = rows * LAYERS * 2 * (keys + SINKS) * KVH * HD * 4
-        print(
+        lines.append(
             f"| {rows} | {keys} | {nbytes / 1e6:.1f} | {t['products'] * 1e3:.2f} | {t['fused'] * 1e3:.2f} | "
             f"{t['products'] / t['fused']:.2f}x | {nbytes / t['fused'] / bandwidth:.0%} | {same:.1e} |"
         )
+    return lines
 
 
-def part_two(threads: int, precision: str, history: int, rounds: int) -> None:
+def part_two(threads: int, precision: str, history: int, rounds: int) -> str:
+    """smollm2's whole 16-row step, both paths: the table's line."""
     torch.set_num_threads(threads)
     lm = model.load("smollm2", device="cpu", precision=precision)
     g = torch.Generator().manual_seed(0)
@@ -130,7 +140,7 @@ def part_two(threads: int, precision: str, history: int, rounds: int) -> None:
             return logits
 
         t = alternating({"products": switched(False, step), "fused": switched(True, step)}, rounds)
-    print(
+    return (
         f"| {precision} | {history} | {t['products'] * 1e3:.1f} | {t['fused'] * 1e3:.1f} | "
         f"{t['products'] / t['fused']:.2f}x | {16 / t['products']:.1f} | {16 / t['fused']:.1f} |"
     )
@@ -143,17 +153,22 @@ def main() -> None:
     ap.add_argument("--precision", default="int4,fp32")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-step", action="store_true", help="the attention alone, not the whole step")
+    ap.add_argument("--write", action="store_true", help="put the section into docs/BENCHMARKS.md")
     args = ap.parse_args()
-    part_one(args.threads, args.rounds)
-    if args.no_step:
-        return
-    print(
-        f"\n## smollm2's whole decode step, 16 rows after {args.history} tokens each, {args.threads} thread(s)\n"
-    )
-    print("| weights | history | products ms | fused ms | speed | tokens/s, products | tokens/s, fused |")
-    print("|---|---|---|---|---|---|---|")
-    for precision in args.precision.split(","):
-        part_two(args.threads, precision, args.history, args.rounds)
+    lines = [SECTION, "", *WHAT, "", *part_one(args.threads, args.rounds)]
+    if not args.no_step:
+        lines += ["", f"smollm2's whole decode step, 16 rows after {args.history} tokens each, {args.threads} thread(s):",
+                  "", "| weights | history | products, ms | fused, ms | speed | tokens/s, products | tokens/s, fused |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [part_two(args.threads, p, args.history, args.rounds) for p in args.precision.split(",")]
+    lines += [
+        "",
+        f"Reproduce: `python bench/attention.py --threads {args.threads}` (`--write` rewrites this section).",
+        "",
+    ]
+    print("\n".join(lines))
+    if args.write:
+        write_section(SECTION, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -119,10 +119,14 @@ WHY = [
     "so the packed paths gain less from batching than fp32's GEMM, which reads its weights once for all the "
     "rows. As the batch grows the attention over the window (K keys and values a layer, for every stream) "
     "becomes most of the bytes a step moves: at batch 64 the step is attention-bound whatever the weights' "
-    "format, and `bmm` leads the profile.",
+    "format, and its attention kernel leads the profile.",
     "",
-    "The attention reads each layer's keys and values where they lie in the state's arena: one product per "
-    "key/value head, with the streams as its batch axis (`_in_place` in model/llama.py). Before, "
+    "The attention reads each layer's keys and values where they lie in the state's arena. With one query per "
+    "row and more than one row (a decode step of a batch) torch's fused CPU attention kernel "
+    "(`_scaled_dot_product_flash_attention_for_cpu`) reads each once, the sinks joined by log-sum-exp "
+    "(`_fused` in model/attention.py; 1.33-1.39x the two products over 30 layers at 16 rows, the whole "
+    "16-row step 1.10-1.16x: section Attention over many rows); one row takes one product per key/value "
+    "head, with the streams as its batch axis (`_in_place`). Before, "
     "`torch.matmul` folded streams and heads into one axis, which for a window inside an arena "
     "([B, L, capacity, kvh·hd]: one stream's rows of a layer are L·capacity rows from the next's) cannot be a "
     "view, so it copied every layer's window twice a step: the `copy_` at the top of the rows before, about "
