@@ -181,11 +181,11 @@ def _fused(qg: torch.Tensor, win: Pair, T: int) -> bool:
     query per row, more than one row, eager, on the CPU, in one floating dtype. A step of
     many rows reads every row's window: the fused kernel (scores, softmax and values in one
     pass, accumulated in fp32) reads each key and value once, where the two products read
-    them apart: 16 rows of smollm2's shape, one thread, the 30 layers 70 ms against 97 at
-    513 keys, 130 against 173 at 1,024; the whole int4 step 1.16x (`bench/attention.py`).
-    One row's step is the calls between kernels, and the merge's few calls cost more than
-    the kernel saves there (7.0 ms against 5.4), so one row keeps the products; a graph
-    being compiled keeps them too (inductor fuses them itself)."""
+    them apart: 16 rows of smollm2's shape, one thread, the 30 layers 65 ms against 91 at
+    513 keys, 125 against 166 at 1,024; the whole int4 step 1.17x (`bench/attention.py`,
+    docs/BENCHMARKS.md). One row's step is the calls between kernels, and the merge's few
+    calls cost more than the kernel saves there (6.3 ms against 4.8), so one row keeps the
+    products; a graph being compiled keeps them too (inductor fuses them itself)."""
     return (
         T == 1
         and qg.shape[0] > 1
