@@ -29,8 +29,9 @@ def _tokens(lm, rows: int) -> torch.Tensor:
 _BUILT: dict[tuple[str, int], tuple] = {}
 # the rows the probe compiles for: every class on the shipped RLT; on the tiny one the class
 # of 1 row (each class is a graph of its own: the tiny RLT's 1-row class is 10 s of compile,
-# 40 s with inductor's cache empty), and its 4-row class too for the slow suite's unequal rows
+# 40 s with inductor's cache empty); the slow suite's tests compile its 4-row class too
 MAX_ROWS = {"tiny-rlt": 1, "shakespeare-rlt": 64}
+SLOW_ROWS = {name: max(4, rows) for name, rows in MAX_ROWS.items()}
 
 
 def _compiled(name: str, max_rows: int | None = None) -> tuple:
@@ -47,7 +48,7 @@ def _compiled(name: str, max_rows: int | None = None) -> tuple:
 @pytest.mark.slow  # (an inductor compile per model: 80 s of make test's 10 minutes)
 @pytest.mark.parametrize("name", MODELS)  # Transformer-XL: tests/app/test_engine_scale.py
 def test_the_compiled_step_takes_over_only_after_its_probe(name):
-    lm, step = _compiled(name, rows := max(4, MAX_ROWS[name]))
+    lm, step = _compiled(name, SLOW_ROWS[name])
     with torch.no_grad():
         # 20 tokens: the window cache is full, the encoder's and memory's are not
         one = lm.consume([1, *b"ROMEO: what light", 32], lm.new_state(1))[1]
@@ -57,10 +58,15 @@ def test_the_compiled_step_takes_over_only_after_its_probe(name):
         step.start()
         step._thread.join(timeout=600)
         assert step.status.state == "ready", step.status.error
-        assert set(step.status.verdicts) == set(step.classes) == {c for c in (1, 4, 16, 64) if c <= rows}
+        assert (
+            set(step.status.verdicts)
+            == set(step.classes)
+            == {c for c in (1, 4, 16, 64) if c <= SLOW_ROWS[name]}
+        )
         for v in step.status.verdicts.values():
             assert v.adopted and v.max_diff <= TOLERANCE
-        served = [r for r in (1, 3, 9) if r <= rows]  # 3 rows: the 4-row class; 9: the 16-row class
+        # 3 rows: the 4-row class; 9: the 16-row class
+        served = [r for r in (1, 3, 9) if r <= SLOW_ROWS[name]]
         for rows in served:
             state = lm.stack_states([one] * rows)
             eager, compiled = state, state
@@ -82,7 +88,7 @@ def test_rows_of_unequal_length_give_the_eager_logits(name):
     """Rows whose memories are left-padded: shapes and guards the probe did not meet. The
     compiled code serves them, or (its guards refusing) the eager forward does under the
     stance eager_on_recompile, never a compile on the engine thread: the same logits."""
-    lm, step = _compiled(name, max(4, MAX_ROWS[name]))
+    lm, step = _compiled(name, SLOW_ROWS[name])
     assert step.classes[-1] >= 4  # (two rows: the 4-row class serves them)
     with torch.no_grad():
         short = lm.consume([1, *b"To be"], lm.new_state(1))[1]

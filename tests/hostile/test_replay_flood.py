@@ -69,8 +69,8 @@ def test_a_replay_flood_is_held_to_its_limit_and_fails_no_other_key(server):
     other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER, max_retries=0, timeout=120)
     r = flooder.responses.create(input="A long tale.", background=True, max_output_tokens=EVENTS,
                                  extra_body={"min_tokens": EVENTS})  # fmt: skip
-    # its end: max_output_tokens (incomplete), or, as rarely, the template's turn stop completed by
-    # the very token that reached it (completed; a stop is searched for first): either way EVENTS
+    # its end: max_output_tokens (incomplete) or, rarely, the template's turn stop completed by the
+    # very token that reached it (completed: a stop is searched for first); either way EVENTS tokens
     last = list(flooder.responses.retrieve(r.id, stream=True))[-1]
     assert last.type in ("response.incomplete", "response.completed")
     assert last.response.usage is not None and last.response.usage.output_tokens == EVENTS
