@@ -155,6 +155,13 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(-1)
 
 
+def _sink_scores(qs: torch.Tensor, sk: Pair, masks: Masks, T: int) -> torch.Tensor:
+    """The sinks' scores, each sink met by its own rotation of the query, a batch's padding
+    and unfilled sink slots masked -> (B, kvh, g*T, Ks). Both ways of scoring a step
+    (`_apart`, `_apart_fused`) take them from here."""
+    return _masked(qs @ sk[0].transpose(-1, -2), masks[0], T)
+
+
 def _apart(
     qg: torch.Tensor, qs: torch.Tensor | None, win: Pair, sk: Pair | None, masks: Masks, T: int
 ) -> torch.Tensor:
@@ -165,7 +172,7 @@ def _apart(
     Ks = 0
     if qs is not None and sk is not None:
         Ks = sk[0].shape[2]
-        scores = torch.cat([_masked(qs @ sk[0].transpose(-1, -2), masks[0], T), scores], -1)
+        scores = torch.cat([_sink_scores(qs, sk, masks, T), scores], -1)
     p = _softmax(scores).to(win[1].dtype)
     out = _in_place(p[..., Ks:], win[1])
     if sk is not None and Ks:
@@ -212,7 +219,7 @@ def _apart_fused(
         return out
     if mask is not None:  # a row that sees no window key (all its keys sinks) gets lse 0: -inf
         lse = lse.masked_fill(mask.amax(-1) == float("-inf"), float("-inf"))
-    scores = _masked((qs @ sk[0].transpose(-1, -2)).float(), masks[0], 1)  # (B, kvh, g, Ks)
+    scores = _sink_scores(qs, sk, masks, 1).float()  # (B, kvh, g, Ks)
     both = torch.logaddexp(lse, scores.logsumexp(-1))  # the log of the softmax's denominator
     out = out.float().mul_((lse - both).exp_().unsqueeze(-1))
     return out.add_((scores - both.unsqueeze(-1)).exp_() @ sk[1].float()).to(win[1].dtype)

@@ -309,12 +309,21 @@ FAULTS: tuple[Fault, ...] = (
         "llama-decode-step-unmasks-the-sinks",
         "a LLaMA decode step scores every stored sink slot, a batch's padding and unfilled ones too",
         "model/attention.py",
-        "_masked(qs @ sk[0].transpose(-1, -2), masks[0], T)",
-        "qs @ sk[0].transpose(-1, -2)",
+        "return _masked(qs @ sk[0].transpose(-1, -2), masks[0], T)",
+        "return qs @ sk[0].transpose(-1, -2)",
         (
             "tests/model/test_llama_window_parity.py"
             "::test_the_engines_decode_step_past_the_window_equals_transformers",
         ),
+    ),
+    Fault(
+        "llama-fused-step-counts-an-empty-window",
+        "a batch's fused decode step gives a row whose keys are all sinks its masked window's "
+        "log-sum-exp of 0: the sinks share the softmax with a window that is not there",
+        "model/attention.py",
+        'lse = lse.masked_fill(mask.amax(-1) == float("-inf"), float("-inf"))',
+        "lse = lse",
+        ("tests/model/test_llama.py::test_a_decode_step_of_many_rows_runs_the_fused_kernel_as_each_row_alone",),
     ),
     Fault(
         "delta-keeps-the-snapshots-fixed-tensors",
