@@ -6,11 +6,13 @@ Each step the scheduler
   2. picks the next prompt chunk (at most `lm.segment_len` tokens) of admitted requests
      that still have prompt to consume, grouped by chunk length so each group is one
      forward pass without padding (chunked prefill). While other rows decode, the chunks
-     of a step hold at most `prefill_tokens_per_step` tokens together, taken in turn
-     from the prefilling rows: a long prompt is consumed over many steps and never
-     stalls the decoding streams for more than that budget (chunking changes no result:
-     boundary invariance). With nothing decoding, every prefilling row takes a whole
-     segment per step;
+     of a step hold at most `prefill_tokens_per_step` tokens together for each row
+     waiting on its prompt per decoding row (rounded up; `prefill_budget`), shared in
+     equal chunks and taken in turn: a long prompt arriving among streams is consumed
+     over many steps and never stalls them for more than that budget, and a burst of
+     prompts arriving together is consumed in chunks of one length, one forward for them
+     all (chunking changes no result: boundary invariance). With nothing decoding,
+     every prefilling row takes a whole segment per step;
   3. picks every request whose prompt is consumed and that still samples, for ONE decode
      step all together;
   4. hands back the requests that are done (their last token sampled, or, asking for no
@@ -46,9 +48,10 @@ from .requests import Request
 from .runner import Plan, Row
 
 _STOP = object()  # the inbox item that ends the engine thread
-# prompt tokens one step consumes while other rows decode (`Settings.prefill_tokens_per_step`):
-# on the shipped models about as long as a 16-row decode step takes, so a prompt arriving
-# at most doubles the decoding streams' inter-token latency while it is consumed
+# prompt tokens one step consumes while other rows decode, for each row waiting on its prompt
+# per decoding row (`Settings.prefill_tokens_per_step`): on the shipped models about as long
+# as a 16-row decode step takes, so a prompt arriving at most doubles the decoding streams'
+# inter-token latency while it is consumed
 PREFILL_TOKENS_PER_STEP = 32
 
 
@@ -191,21 +194,40 @@ class Scheduler:
 
     def prefill_groups(self) -> list[tuple[int, list[Row]]]:
         """This step's prompt chunks: (chunk length, the rows that consume one that long).
-        While rows decode, at most `prefill_tokens_per_step` tokens in all; the rows served
-        go to the back of the line, so that prefilling rows take the budget in turn."""
+        While rows decode, the step's budget (`prefill_budget`) is shared out evenly: each
+        row takes at most its equal share, so that rows consuming their prompts together
+        take chunks of one length, one forward for them all; the rows served go to the back
+        of the line, so that prefilling rows take the budget in turn."""
         rows = [r for r in self._prefilling if not r.req.cancelled]
-        budget = self.prefill_tokens_per_step if self._decoding else math.inf
+        budget = self.prefill_budget(len(rows))
+        share = self.segment_len if math.isinf(budget) else max(1, int(budget) // max(1, len(rows)))
         groups: dict[int, list[Row]] = collections.defaultdict(list)
         served = 0
         for r in rows:
             if budget <= 0:
                 break
-            size = int(min(self.segment_len, len(r.pending), budget))
+            size = int(min(self.segment_len, share, len(r.pending), budget))
             budget -= size
             groups[size].append(r)
             served += 1
         self._prefilling = rows[served:] + rows[:served]
         return list(groups.items())
+
+    def prefill_budget(self, prefilling: int) -> float:
+        """The prompt tokens this step may consume: with nothing decoding, every prefilling
+        row's next segment. While rows decode, `prefill_tokens_per_step`, which bounds how
+        long a prompt arriving stalls the streams (each decode step waits for the step's
+        prompt chunks), times how many rows wait on a prompt for each row that decodes,
+        rounded up (TGI's `waiting_served_ratio` weighs the same two counts). A long prompt
+        arriving among streams is consumed at the budget itself; a burst of requests
+        arriving together, of which the first already decode, is not held at the budget of
+        one prompt: its prompts are consumed as many chunks a step as there are rows waiting
+        for their first token per decoding row, so the burst's rows reach their first
+        tokens (and decode together) sooner, and the decoding rows' gaps grow by that ratio
+        only while the waiting rows outnumber them."""
+        if not self._decoding:
+            return math.inf
+        return self.prefill_tokens_per_step * max(1, -(-prefilling // len(self._decoding)))
 
     def prefilled(self) -> None:
         """Move the rows whose prompt is now consumed on (to decoding, or done)."""

@@ -52,14 +52,15 @@ def test_each_step_runs_the_schedulers_plan():
         assert plans[-1] == ([(3, [short])], [short])
         long = engine.submit(_request(engine, list(range(7, 20)), max_tokens=2))  # 14 with BOS
         score = engine.submit(_request(engine, [21, 22], max_tokens=0))
-        step()  # beside a decoding row: the budget, in turn (the long prompt first, then the score)
+        # beside one decoding row, two rows wait on their prompts: twice the budget, an equal
+        # share each (the score's whole prompt is less than its share)
+        step()
+        assert plans[-1] == ([(BUDGET, [long]), (3, [score])], [short])
+        assert id(score) in done and not done[id(score)].row.ids  # asked for none: never sampled
+        step()  # one waits, one decodes: the budget itself
         assert plans[-1] == ([(BUDGET, [long])], [short])
         step()
-        # the score's whole prompt (3), then the rest of the budget to the long one: one chunk length
-        assert plans[-1] == ([(3, [score, long])], [short])
-        assert id(score) in done and not done[id(score)].row.ids  # asked for none: never sampled
-        step()
-        assert plans[-1] == ([(5, [long])], [short, long])  # its prompt ends: it samples now, last
+        assert plans[-1] == ([(2, [long])], [short, long])  # its prompt ends: it samples now, last
         while len(done) < 3:
             step()
         engine.encoder.close()
@@ -67,6 +68,55 @@ def test_each_step_runs_the_schedulers_plan():
         alone.start()
         try:
             for req in (short, long):
+                ref = alone.submit(_request(alone, req.prompt[1:], req.max_tokens))
+                assert done[id(req)].row.ids == (await ref.finished()).token_ids
+        finally:
+            alone.stop()
+
+    asyncio.run(go())
+
+
+def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_row():
+    """Rows arriving together after one already decodes: the step consumes the budget
+    times how many wait per decoding row, shared in equal chunks, so the waiting rows take
+    one forward together (not the budget of one prompt, in turn, one row a step); as they
+    start decoding, the budget falls back. The tokens are each row's alone."""
+    lm = sensitive_model("transformer-xl", TINY)
+
+    async def go():
+        engine = engine_for(lm, cpu_threads=1, prefill_tokens_per_step=BUDGET)
+        s, runner = engine.scheduler, engine.runner
+        plans, done = [], {}
+
+        def step() -> None:
+            s.receive(wait=False)
+            for req in s.admit():
+                s.add(runner.load(req))
+            waiting, decoding = len(s._prefilling), len(s._decoding)
+            plan = s.schedule()
+            plans.append(([(size, [r.req for r in rows]) for size, rows in plan.prefill], waiting, decoding))
+            assert not runner.execute(plan)
+            for row in s.update([]):
+                done[id(row.req)] = runner.finish(row)
+            engine.outbox.flush()
+
+        first = engine.submit(_request(engine, [5, 6], max_tokens=12))
+        step()  # alone: its whole prompt, and it decodes from here
+        burst = [engine.submit(_request(engine, list(range(7, 7 + n)), max_tokens=3)) for n in (20, 23, 26)]
+        for _ in range(3):  # 3 wait, 1 decodes: 3 budgets, an equal share each, one chunk length
+            step()
+            assert plans[-1][0] == [(BUDGET, burst)]
+        while len(done) < 4:
+            step()
+        for chunks, waiting, decoding in plans[1:]:
+            if decoding:
+                assert sum(size * len(rows) for size, rows in chunks) <= BUDGET * -(-waiting // decoding)
+        assert plans[4][0] == [(3, burst[:1]), (BUDGET, burst[1:])]  # the first prompt ends
+        engine.encoder.close()
+        alone = engine_for(lm, cpu_threads=1)
+        alone.start()
+        try:
+            for req in (first, *burst):
                 ref = alone.submit(_request(alone, req.prompt[1:], req.max_tokens))
                 assert done[id(req)].row.ids == (await ref.finished()).token_ids
         finally:
