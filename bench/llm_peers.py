@@ -390,6 +390,13 @@ def model_streams(precision: str, threads: int, steps: int = 24) -> float:
     return STREAMS * rate(step, steps)
 
 
+def stream_prompt_tokens() -> int:
+    """The streams' prompt tokens in recur's tokenizer (the same file's vocabulary)."""
+    tok = model.load("smollm2", device="cpu", precision="int4").tokenizer
+    assert tok is not None
+    return sum(len(tok.encode(p)) for p in prompts())
+
+
 def recur_streams(precision: str, threads: int) -> float:
     work = Path(tempfile.mkdtemp(prefix="recur-peers-"))
     redis = Redis(work / "redis")
@@ -475,6 +482,20 @@ def section(r: dict) -> str:
             + ", ".join(f"{r['streams'][p] / alone[p]:.0%}" for p in PRECISIONS)
             + " of it.",
         ]
+    if "model_streams" in r and "prompt" in r:
+        bound = serial_bound(r)
+        lines[-1] += (
+            f" The step alone is not the servers' whole work: both also consume the {STREAMS} prompts "
+            f"({r['stream_prompt_tokens']:,} tokens in recur's tokenizer) within the timed run. A server "
+            "that wasted nothing around recur's own parts, its prompts at this run's prompt rate and then "
+            f"{STREAMS}-row steps at the rate above, would give "
+            + ", ".join(f"{p} {bound[p]:.1f}" for p in PRECISIONS)
+            + " tokens/s ("
+            + ", ".join(f"{bound[p] / r['streams']['llama.cpp']:.2f}x" for p in PRECISIONS)
+            + " llama-server); recur's server reaches "
+            + ", ".join(f"{r['streams'][p] / bound[p]:.0%}" for p in PRECISIONS)
+            + " of that."
+        )
     if "prompt" in r:
         lines += [
             "",
@@ -486,13 +507,27 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
+def serial_bound(r: dict) -> dict[str, float]:
+    """Per precision, the aggregate tokens/s of a server that consumed the streams' prompts
+    at the run's prompt rate (one 512-token prompt), then decoded them all in full
+    STREAMS-row steps at the step-alone rate: no step shared, nothing lost around them."""
+    made = STREAMS * NEW_TOKENS
+    return {
+        p: made / (r["stream_prompt_tokens"] / r["prompt"][p] + made / r["model_streams"][p])
+        for p in PRECISIONS
+    }
+
+
 def why(r: dict) -> str:
-    """The profile behind the table, with the share of the 16-row step the server keeps read
-    off this run (a quarter before the engine's OpenMP fix, about half since)."""
-    kept = ""
-    if "model_streams" in r and "streams" in r:
-        shares = [r["streams"][p] / r["model_streams"][p] for p in PRECISIONS]
-        kept = f"its server keeps only {min(shares):.0%} to {max(shares):.0%} of it. "
+    """The profile behind the table, with the serial bound read off this run (the note
+    under the table)."""
+    bound = ""
+    if "model_streams" in r and "prompt" in r:
+        best = max(serial_bound(r).values()) / r["streams"]["llama.cpp"]
+        bound = (
+            f"so the target needs both faster than llama-server's: the bound of this run is {best:.2f}x "
+            "llama-server. "
+        )
     return (
         "Why. Batch 1: a step reads every weight once, so bytes and per-op overhead decide it. recur's int4 "
         "path (model/int4.py) reads the file's Q4_1 blocks as they are (0.96x the file's bytes a step), as "
@@ -501,13 +536,20 @@ def why(r: dict) -> str:
         "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
         "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "
         "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); the packed paths "
-        "dequantize each layer to bf16 for the same GEMM, a little slower. 16 streams: recur's 16-row step alone (the note under the table) "
-        "is not what loses: " + kept + "Around each step the server runs "
-        "the scheduler, the sessions service (every session's state to Redis, a transactional commit per "
-        "request), each request's prompt prefilled among the decoding rows, and the HTTP framing, on an event "
-        "loop that shares the GIL with the engine thread (section 12); llama.cpp keeps none of that state. The "
-        "servers here also run the eager step (no `--compile`: the compile of three batch classes takes "
-        "minutes on 2 cores)."
+        "dequantize each layer to bf16 for the same GEMM, a little slower. 16 streams: each server consumes the "
+        "16 prompts and decodes 16 rows, and its aggregate counts both; recur's serial bound (the note under the "
+        "table) is what its own prefill and step allow, "
+        + bound
+        + "The 16 requests arrive together: the first "
+        "decodes while the others still wait on their prompts, which a step now consumes as many budgets of "
+        "`--prefill-tokens-per-step` at a time as rows wait per decoding row, in equal chunks, one forward for "
+        "them all (`prefill_budget`, app/engine/scheduler.py); at the budget of one prompt they took one row's "
+        "32-token chunk a step, and the server kept half of the step alone. What the server still loses (the "
+        "engine thread's profile, in \"Against issue 42's targets\" below): the batch's states "
+        "restacked as rows join and leave (a copy of every row), the prompts' last chunks, each of its own "
+        "length, in a forward of their own, and sampling; the event loop, Redis and the HTTP framing take under "
+        "1% of a core. The servers here also run the eager step (no `--compile`: the compile of three batch "
+        "classes takes minutes on 2 cores)."
     )
 
 
@@ -535,6 +577,7 @@ def main() -> None:
         print(f"{STREAMS} streams, aggregate tokens/s: {json.dumps(st)}", flush=True)
         r["streams"] = st
         r["model_streams"] = {p: model_streams(p, T) for p in PRECISIONS}
+        r["stream_prompt_tokens"] = stream_prompt_tokens()
         print(f"{STREAMS}-row step alone, tokens/s: {json.dumps(r['model_streams'])}", flush=True)
     r["load"].append(os.getloadavg()[0])
     publish(SECTION, section(r), r, args.write)
