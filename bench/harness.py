@@ -349,11 +349,11 @@ def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def model_at(commit: str) -> Iterator[Path | None]:
-    """A folder holding `commit`'s model/ (a script run with it on PYTHONPATH measures that
-    code, with today's bench/, in the same run as today's), or None where git cannot give
-    that tree; removed afterwards."""
-    archive = subprocess.run(["git", "archive", commit, "model"], cwd=ROOT, capture_output=True, check=False)
+def model_at(commit: str, parts: tuple[str, ...] = ("model",)) -> Iterator[Path | None]:
+    """A folder holding `commit`'s model/ (and any other top-level `parts`, such as app/: a
+    script run with it on PYTHONPATH measures that code, with today's bench/, in the same
+    run as today's), or None where git cannot give that tree; removed afterwards."""
+    archive = subprocess.run(["git", "archive", commit, *parts], cwd=ROOT, capture_output=True, check=False)
     if archive.returncode != 0:
         print(f"no baseline: git archive {commit} failed", flush=True)
         yield None
