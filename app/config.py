@@ -130,9 +130,9 @@ class ServiceSettings(BaseSettings):
         "prefill): a long prompt is consumed over many steps and the decoding streams advance every "
         "step; larger gives a long prompt its first token sooner, smaller keeps others' token gaps "
         "shorter. While more rows wait on their prompts than decode, a step consumes this many for "
-        "each waiting row per decoding row (rounded up), in equal chunks: a burst of requests "
-        "reaches its first tokens together (with nothing decoding, a prompt is consumed a whole "
-        "segment per step)",
+        "each waiting row per decoding row (rounded up, up to one segment), in equal chunks: a "
+        "burst of requests reaches its first tokens together (with nothing decoding, a prompt is "
+        "consumed a whole segment per step)",
     )
     max_queued_requests: int = Field(
         256, ge=1, description="requests waiting for the scheduler beyond which new ones get 429"

@@ -166,8 +166,8 @@ def section(r: dict) -> str:
         f"{r['load'][1]:.1f} at the end). Two schedulers alternating over {r['rounds']} rounds, each in a "
         f"process of its own, each one's best round: commit {BASE}'s, where the prompts waiting beside a "
         "decoding row shared one prompt's budget a step (`--prefill-tokens-per-step`, 32), and today's, where a "
-        "step takes that budget for each row waiting on its prompt per decoding row, in equal chunks "
-        "(`prefill_budget`, app/engine/scheduler.py).",
+        "step takes that budget for each row waiting on its prompt per decoding row, up to one segment (256 "
+        "tokens), in equal chunks (`prefill_budget`, app/engine/scheduler.py).",
         "",
         f"| | one prompt's budget ({BASE}) | per waiting row (today) | today ÷ before |",
         "|---|---|---|---|",

@@ -7,8 +7,8 @@ Each step the scheduler
      that still have prompt to consume, grouped by chunk length so each group is one
      forward pass without padding (chunked prefill). While other rows decode, the chunks
      of a step hold at most `prefill_tokens_per_step` tokens together for each row
-     waiting on its prompt per decoding row (rounded up; `prefill_budget`), shared in
-     equal chunks and taken in turn: a long prompt arriving among streams is consumed
+     waiting on its prompt per decoding row (rounded up, up to one segment;
+     `prefill_budget`), shared in equal chunks and taken in turn: a long prompt arriving among streams is consumed
      over many steps and never stalls them for more than that budget, and a burst of
      prompts arriving together is consumed in chunks of one length, one forward for them
      all (chunking changes no result: boundary invariance). With nothing decoding,
@@ -177,8 +177,8 @@ class Scheduler:
         """This step's plan: the prompt chunks (`prefill_groups`), and the rows that sample a
         token, those decoding and then those whose prompt this step's chunk ends (they
         sample in the same step, as they did when their prompt ended before it)."""
+        self._decoding = [r for r in self._decoding if not r.req.cancelled]  # (before the budget counts them)
         groups = self.prefill_groups()
-        self._decoding = [r for r in self._decoding if not r.req.cancelled]
         ends = {
             id(r) for size, rows in groups for r in rows if size == len(r.pending) and r.req.max_tokens > 0
         }
@@ -224,10 +224,14 @@ class Scheduler:
         one prompt: its prompts are consumed as many chunks a step as there are rows waiting
         for their first token per decoding row, so the burst's rows reach their first
         tokens (and decode together) sooner, and the decoding rows' gaps grow by that ratio
-        only while the waiting rows outnumber them."""
+        only while the waiting rows outnumber them. It grows up to one segment a step (never
+        below the setting): the most one prompt consumes in a step with nothing decoding, so
+        a client's flood of long prompts beside another's streams stretches their gaps to
+        at most a segment's prefill, for a shorter while than the setting alone would."""
         if not self._decoding:
             return math.inf
-        return self.prefill_tokens_per_step * max(1, -(-prefilling // len(self._decoding)))
+        ratio = max(1, -(-prefilling // len(self._decoding)))
+        return max(self.prefill_tokens_per_step, min(self.prefill_tokens_per_step * ratio, self.segment_len))
 
     def prefilled(self) -> None:
         """Move the rows whose prompt is now consumed on (to decoding, or done)."""

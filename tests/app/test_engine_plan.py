@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.engine import Request
 from model.sampling import SamplingParams
 from tests.app.engine_requests import engine_for
@@ -76,11 +78,13 @@ def test_each_step_runs_the_schedulers_plan():
     asyncio.run(go())
 
 
-def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_row():
+@pytest.mark.parametrize("waiting", [2, 3])
+def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_row(waiting):
     """Rows arriving together after one already decodes: the step consumes the budget
-    times how many wait per decoding row, shared in equal chunks, so the waiting rows take
-    one forward together (not the budget of one prompt, in turn, one row a step); as they
-    start decoding, the budget falls back. The tokens are each row's alone."""
+    times how many wait per decoding row, up to one segment (2 rows: 2 budgets; 3 rows: 3
+    budgets would pass the tiny model's 16-token segment), shared in equal chunks, so the
+    waiting rows take one forward together (not the budget of one prompt, in turn, one row
+    a step); as they start decoding, the budget falls back. The tokens are each row's alone."""
     lm = sensitive_model("transformer-xl", TINY)
 
     async def go():
@@ -92,9 +96,11 @@ def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_r
             s.receive(wait=False)
             for req in s.admit():
                 s.add(runner.load(req))
-            waiting, decoding = len(s._prefilling), len(s._decoding)
+            n_waiting, n_decoding = len(s._prefilling), len(s._decoding)
             plan = s.schedule()
-            plans.append(([(size, [r.req for r in rows]) for size, rows in plan.prefill], waiting, decoding))
+            plans.append(
+                ([(size, [r.req for r in rows]) for size, rows in plan.prefill], n_waiting, n_decoding)
+            )
             assert not runner.execute(plan)
             for row in s.update([]):
                 done[id(row.req)] = runner.finish(row)
@@ -102,16 +108,19 @@ def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_r
 
         first = engine.submit(_request(engine, [5, 6], max_tokens=12))
         step()  # alone: its whole prompt, and it decodes from here
-        burst = [engine.submit(_request(engine, list(range(7, 7 + n)), max_tokens=3)) for n in (20, 23, 26)]
-        for _ in range(3):  # 3 wait, 1 decodes: 3 budgets, an equal share each, one chunk length
+        lengths = (20, 23, 26)[:waiting]
+        burst = [engine.submit(_request(engine, list(range(7, 7 + n)), max_tokens=3)) for n in lengths]
+        budget = min(BUDGET * waiting, s.segment_len)
+        assert s.segment_len < BUDGET * 3 and budget >= BUDGET  # (the case of 3 meets the cap)
+        for _ in range(3):  # all wait beside one decoding row: an equal share each, one chunk length
             step()
-            assert plans[-1][0] == [(BUDGET, burst)]
-        while len(done) < 4:
+            assert plans[-1][0] == [(budget // waiting, burst)]
+        while len(done) < waiting + 1:
             step()
-        for chunks, waiting, decoding in plans[1:]:
-            if decoding:
-                assert sum(size * len(rows) for size, rows in chunks) <= BUDGET * -(-waiting // decoding)
-        assert plans[4][0] == [(3, burst[:1]), (BUDGET, burst[1:])]  # the first prompt ends
+        for chunks, n_waiting, n_decoding in plans[1:]:
+            if n_decoding:
+                cap = max(BUDGET, min(BUDGET * -(-n_waiting // n_decoding), s.segment_len))
+                assert sum(size * len(rows) for size, rows in chunks) <= cap
         engine.encoder.close()
         alone = engine_for(lm, cpu_threads=1)
         alone.start()
