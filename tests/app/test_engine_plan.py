@@ -27,53 +27,68 @@ def _request(engine, prompt: list[int], max_tokens: int) -> Request:
     return Request(None, [bos, *prompt], SamplingParams(temperature=0.0), None, max_tokens, [])
 
 
+class Steps:
+    """Takes the engine's steps itself (its thread never starts): each step's plan as
+    (prompt chunks as (length, requests), the requests that sample, the rows waiting on a
+    prompt and those decoding as it was planned), and the rows that finished, by request."""
+
+    def __init__(self, engine):
+        self.engine, self.plans, self.done = engine, [], {}
+
+    def __call__(self) -> None:
+        s, runner = self.engine.scheduler, self.engine.runner
+        s.receive(wait=False)
+        for req in s.admit():
+            s.add(runner.load(req))
+        waiting, decoding = len(s._prefilling), len(s._decoding)
+        plan = s.schedule()
+        chunks = [(size, [r.req for r in rows]) for size, rows in plan.prefill]
+        self.plans.append((chunks, [r.req for r in plan.decode], waiting, decoding))
+        assert not runner.execute(plan)
+        for row in s.update([]):
+            self.done[id(row.req)] = runner.finish(row)
+        self.engine.outbox.flush()
+
+    async def equal_alone(self, lm, requests: list[Request]) -> None:
+        """Each request's tokens are those it gets alone, on an engine of its own."""
+        self.engine.encoder.close()
+        alone = engine_for(lm, cpu_threads=1)
+        alone.start()
+        try:
+            for req in requests:
+                ref = alone.submit(_request(alone, req.prompt[1:], req.max_tokens))
+                assert self.done[id(req)].row.ids == (await ref.finished()).token_ids
+        finally:
+            alone.stop()
+
+
 def test_each_step_runs_the_schedulers_plan():
     lm = sensitive_model("transformer-xl", TINY)
 
     async def go():
         engine = engine_for(lm, cpu_threads=1, prefill_tokens_per_step=BUDGET)
-        s, runner = engine.scheduler, engine.runner
-        plans, done = [], {}
+        step = Steps(engine)
 
-        def step() -> None:
-            s.receive(wait=False)
-            for req in s.admit():
-                s.add(runner.load(req))
-            plan = s.schedule()
-            plans.append(
-                ([(size, [r.req for r in rows]) for size, rows in plan.prefill], [r.req for r in plan.decode])
-            )
-            failed = runner.execute(plan)
-            assert not failed
-            for row in s.update([]):
-                done[id(row.req)] = runner.finish(row)
-            engine.outbox.flush()
+        def plan() -> tuple:  # the last step's chunks and sampling rows
+            return step.plans[-1][:2]
 
         short = engine.submit(_request(engine, [5, 6], max_tokens=8))
         step()  # alone: its whole prompt (3 tokens with BOS) in one chunk, and it samples at once
-        assert plans[-1] == ([(3, [short])], [short])
+        assert plan() == ([(3, [short])], [short])
         long = engine.submit(_request(engine, list(range(7, 20)), max_tokens=2))  # 14 with BOS
         score = engine.submit(_request(engine, [21, 22], max_tokens=0))
         # beside one decoding row, two rows wait on their prompts: twice the budget, an equal
         # share each (the score's whole prompt is less than its share)
         step()
-        assert plans[-1] == ([(BUDGET, [long]), (3, [score])], [short])
-        assert id(score) in done and not done[id(score)].row.ids  # asked for none: never sampled
+        assert plan() == ([(BUDGET, [long]), (3, [score])], [short])
+        assert id(score) in step.done and not step.done[id(score)].row.ids  # asked for none: never sampled
         step()  # one waits, one decodes: the budget itself
-        assert plans[-1] == ([(BUDGET, [long])], [short])
+        assert plan() == ([(BUDGET, [long])], [short])
         step()
-        assert plans[-1] == ([(2, [long])], [short, long])  # its prompt ends: it samples now, last
-        while len(done) < 3:
+        assert plan() == ([(2, [long])], [short, long])  # its prompt ends: it samples now, last
+        while len(step.done) < 3:
             step()
-        engine.encoder.close()
-        alone = engine_for(lm, cpu_threads=1)
-        alone.start()
-        try:
-            for req in (short, long):
-                ref = alone.submit(_request(alone, req.prompt[1:], req.max_tokens))
-                assert done[id(req)].row.ids == (await ref.finished()).token_ids
-        finally:
-            alone.stop()
+        await step.equal_alone(lm, [short, long])
 
     asyncio.run(go())
 
@@ -89,46 +104,22 @@ def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_r
 
     async def go():
         engine = engine_for(lm, cpu_threads=1, prefill_tokens_per_step=BUDGET)
-        s, runner = engine.scheduler, engine.runner
-        plans, done = [], {}
-
-        def step() -> None:
-            s.receive(wait=False)
-            for req in s.admit():
-                s.add(runner.load(req))
-            n_waiting, n_decoding = len(s._prefilling), len(s._decoding)
-            plan = s.schedule()
-            plans.append(
-                ([(size, [r.req for r in rows]) for size, rows in plan.prefill], n_waiting, n_decoding)
-            )
-            assert not runner.execute(plan)
-            for row in s.update([]):
-                done[id(row.req)] = runner.finish(row)
-            engine.outbox.flush()
-
+        step, seg = Steps(engine), engine.scheduler.segment_len
         first = engine.submit(_request(engine, [5, 6], max_tokens=12))
         step()  # alone: its whole prompt, and it decodes from here
         lengths = (20, 23, 26)[:waiting]
         burst = [engine.submit(_request(engine, list(range(7, 7 + n)), max_tokens=3)) for n in lengths]
-        budget = min(BUDGET * waiting, s.segment_len)
-        assert s.segment_len < BUDGET * 3 and budget >= BUDGET  # (the case of 3 meets the cap)
+        budget = min(BUDGET * waiting, seg)
+        assert seg < BUDGET * 3 and budget >= BUDGET  # (the case of 3 meets the cap)
         for _ in range(3):  # all wait beside one decoding row: an equal share each, one chunk length
             step()
-            assert plans[-1][0] == [(budget // waiting, burst)]
-        while len(done) < waiting + 1:
+            assert step.plans[-1][0] == [(budget // waiting, burst)]
+        while len(step.done) < waiting + 1:
             step()
-        for chunks, n_waiting, n_decoding in plans[1:]:
+        for chunks, _, n_waiting, n_decoding in step.plans[1:]:
             if n_decoding:
-                cap = max(BUDGET, min(BUDGET * -(-n_waiting // n_decoding), s.segment_len))
+                cap = max(BUDGET, min(BUDGET * -(-n_waiting // n_decoding), seg))
                 assert sum(size * len(rows) for size, rows in chunks) <= cap
-        engine.encoder.close()
-        alone = engine_for(lm, cpu_threads=1)
-        alone.start()
-        try:
-            for req in (first, *burst):
-                ref = alone.submit(_request(alone, req.prompt[1:], req.max_tokens))
-                assert done[id(req)].row.ids == (await ref.finished()).token_ids
-        finally:
-            alone.stop()
+        await step.equal_alone(lm, [first, *burst])
 
     asyncio.run(go())
