@@ -101,7 +101,7 @@ test-image: $(STAMP)
 	PY=$(PY) tests/deploy/image_test.sh
 
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
-# each from its own run: prefix reuse, many streams (issue 30's figures), the SSMs (issue 29),
+# each from its own run: prefix reuse, many streams (issue 30's figures) and a burst of prompts, the SSMs (issue 29),
 # the assistant's speed, its quality and the cost of its state dtypes (long: two hours), and what
 # a session costs in Redis, turn by turn on each route (issue 41)
 bench: $(STAMP) $(REF_STAMP)
@@ -109,6 +109,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/chat_reuse.py --write
 	$(PY) bench/responses.py --write
 	$(PY) bench/streams.py --write
+	$(PY) bench/burst.py --write
 	$(PY) bench/ssm.py --write
 	$(PY) bench/llm.py --write
 	$(PY) bench/llm_quality.py --write

@@ -64,3 +64,26 @@ def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
     for family in ("shakespeare", "smollm2", "mamba", "mamba2"):
         assert f"-- {family}" in out.stdout
     assert out.stdout.count("compiled fp32 batch   1, state full") == 4, out.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_burst_bench_runs_both_schedulers() -> None:
+    """bench/burst.py runs commit b1b9133's app/ and model/ beside today's (from `git
+    archive`), so a change to the engine's API could stop it unseen. One round here; what
+    it counts (not its times) must show today's scheduler consuming a burst's prompts in
+    under half the forwards and reaching a full batch in under half the steps."""
+    out = subprocess.run(
+        [sys.executable, "burst.py", "--rounds", "1"], cwd=BENCH, capture_output=True, text=True, timeout=800
+    )
+    if "git cannot give commit" in out.stdout + out.stderr:
+        pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))
+    before, today = result["base"], result["today"]
+    assert today["prompt_tokens"] == before["prompt_tokens"] > 0
+    # (measured: 21 forwards against 73, a full batch at step 11 against 59; today's equal
+    # shares without the ratio, the budget of one prompt a step: 73 forwards, step 65)
+    assert 2 * today["prefill_forwards"] < before["prefill_forwards"]
+    assert 2 * today["first_full_step"] < before["first_full_step"]
+    assert result["limits"]["bound_tokens_per_s"] > 0
