@@ -8,11 +8,12 @@ Each step the scheduler
      forward pass without padding (chunked prefill). While other rows decode, the chunks
      of a step hold at most `prefill_tokens_per_step` tokens together for each row
      waiting on its prompt per decoding row (rounded up, up to one segment;
-     `prefill_budget`), shared in equal chunks and taken in turn: a long prompt arriving among streams is consumed
-     over many steps and never stalls them for more than that budget, and a burst of
-     prompts arriving together is consumed in chunks of one length, one forward for them
-     all (chunking changes no result: boundary invariance). With nothing decoding,
-     every prefilling row takes a whole segment per step;
+     `prefill_budget`), shared in equal chunks and taken in turn: a long prompt
+     arriving among streams is consumed over many steps and never stalls them for more
+     than that budget, and a burst of prompts arriving together is consumed in chunks
+     of one length, one forward for them all (chunking changes no result: boundary
+     invariance). With nothing decoding, every prefilling row takes a whole segment per
+     step;
   3. picks every request whose prompt is consumed and that still samples, for ONE decode
      step all together;
   4. hands back the requests that are done (their last token sampled, or, asking for no
