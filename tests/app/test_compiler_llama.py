@@ -108,6 +108,20 @@ def test_the_probe_adopts_a_step_within_the_bound_and_refuses_one_beyond(monkeyp
 _BUILT: dict[str, tuple] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_compile_cache():
+    """dynamo's cache from this worker's earlier modules forgotten first. With the graphs of
+    the LLaMAs compiled before in the process (tests/app/test_compiler.py's probes and
+    tests/model/test_fast_paths.py's compiled steps) still cached, the int8 step here,
+    counted as served compiled, returned states grown in arenas, as an eager forward's are:
+    the slow suite failed so on 7 Dec, and `pytest -m slow -p no:randomly` on those two files
+    and this one fails so every time. Raising dynamo's recompile limit (to 1,024) does not
+    change it; forgetting the cache does. Why a cached graph serves it so is not yet known
+    (issue 42's note): a server compiles one model in its process."""
+    torch._dynamo.reset()
+    yield
+
+
 def _compiled(precision: str) -> tuple:
     """The model and its DecodeStep after the probe, once per precision for this module.
     margin inf: adopted wherever it agrees, however fast, so that it surely serves here."""
