@@ -8,8 +8,7 @@ chunk length) and its decode step apart.
 
 Two schedulers side by side, each in a process of its own with its app/ and model/ first on
 the path, alternating over rounds, each side's best round kept: today's, and commit BASE's,
-before a burst's prompts took the prefill budget per waiting row (app/engine/scheduler.py
-`prefill_budget`): there the 15 prompts waiting beside the first decoding row shared one
+before a burst's prompts took the prefill budget per waiting row (app/engine/prefill.py): there the 15 prompts waiting beside the first decoding row shared one
 prompt's budget, one row's 32-token chunk a step. The machine's limit for this load is
 measured in the same run: recur's prompt rate (a 512-token prompt) and its 16-row step alone,
 put together as a server that lost nothing between them would run (`serial_bound`, as
@@ -167,7 +166,7 @@ def section(r: dict) -> str:
         f"process of its own, each one's best round: commit {BASE}'s, where the prompts waiting beside a "
         "decoding row shared one prompt's budget a step (`--prefill-tokens-per-step`, 32), and today's, where a "
         "step takes that budget for each row waiting on its prompt per decoding row, up to one segment (256 "
-        "tokens), in equal chunks (`prefill_budget`, app/engine/scheduler.py).",
+        "tokens), in equal chunks (`PrefillBudget`, app/engine/prefill.py).",
         "",
         f"| | one prompt's budget ({BASE}) | per waiting row (today) | today ÷ before |",
         "|---|---|---|---|",

@@ -543,7 +543,7 @@ def why(r: dict) -> str:
         + "The 16 requests arrive together: the first "
         "decodes while the others still wait on their prompts, which a step now consumes as many budgets of "
         "`--prefill-tokens-per-step` at a time as rows wait per decoding row, in equal chunks, one forward for "
-        "them all (`prefill_budget`, app/engine/scheduler.py); at the budget of one prompt they took one row's "
+        "them all (`PrefillBudget`, app/engine/prefill.py); at the budget of one prompt they took one row's "
         "32-token chunk a step, and the server kept half of the step alone. What the server still loses (the "
         "engine thread's profile, in \"Against issue 42's targets\" below): the batch's states "
         "restacked as rows join and leave (a copy of every row), the prompts' last chunks, each of its own "

@@ -8,7 +8,7 @@ Each step the scheduler
      forward pass without padding (chunked prefill). While other rows decode, the chunks
      of a step hold at most `prefill_tokens_per_step` tokens together for each row
      waiting on its prompt per decoding row (rounded up, up to one segment;
-     `prefill_budget`), shared in equal chunks and taken in turn: a long prompt
+     app/engine/prefill.py), shared in equal chunks and taken in turn: a long prompt
      arriving among streams is consumed over many steps and never stalls them for more
      than that budget, and a burst of prompts arriving together is consumed in chunks
      of one length, one forward for them all (chunking changes no result: boundary
@@ -40,11 +40,11 @@ engine thread.
 from __future__ import annotations
 
 import collections
-import math
 import queue
 
 from .admission import QueueLimits
 from .fairness import NO_FAIRNESS, Fairness, Shares
+from .prefill import PrefillBudget
 from .requests import Request
 from .runner import Plan, Row
 
@@ -67,11 +67,9 @@ class Scheduler:
         prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
         fairness: Fairness = NO_FAIRNESS,
     ):
-        if prefill_tokens_per_step < 1:
-            raise ValueError("prefill_tokens_per_step must be >= 1")
         self.max_batch_size = max_batch_size
         self.segment_len = segment_len
-        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.prefill = PrefillBudget(prefill_tokens_per_step, segment_len)
         self.fairness = fairness
         self.shares = Shares(fairness, max_batch_size)
         self.limits = QueueLimits(max_queued_requests, max_queued_tokens, fairness.queue_share)
@@ -194,45 +192,13 @@ class Scheduler:
         return self.take_done()
 
     def prefill_groups(self) -> list[tuple[int, list[Row]]]:
-        """This step's prompt chunks: (chunk length, the rows that consume one that long).
-        While rows decode, the step's budget (`prefill_budget`) is shared out evenly: each
-        row takes at most its equal share, so that rows consuming their prompts together
-        take chunks of one length, one forward for them all; the rows served go to the back
-        of the line, so that prefilling rows take the budget in turn."""
+        """This step's prompt chunks: (chunk length, the rows that consume one that long), as
+        the budget shares them out (`PrefillBudget`); the rows served go to the back of the
+        line, so that prefilling rows take the budget in turn."""
         rows = [r for r in self._prefilling if not r.req.cancelled]
-        budget = self.prefill_budget(len(rows))
-        share = self.segment_len if math.isinf(budget) else max(1, int(budget) // max(1, len(rows)))
-        groups: dict[int, list[Row]] = collections.defaultdict(list)
-        served = 0
-        for r in rows:
-            if budget <= 0:
-                break
-            size = int(min(self.segment_len, share, len(r.pending), budget))
-            budget -= size
-            groups[size].append(r)
-            served += 1
+        groups, served = self.prefill.chunks(rows, len(self._decoding))
         self._prefilling = rows[served:] + rows[:served]
-        return list(groups.items())
-
-    def prefill_budget(self, prefilling: int) -> float:
-        """The prompt tokens this step may consume: with nothing decoding, every prefilling
-        row's next segment. While rows decode, `prefill_tokens_per_step`, which bounds how
-        long a prompt arriving stalls the streams (each decode step waits for the step's
-        prompt chunks), times how many rows wait on a prompt for each row that decodes,
-        rounded up (TGI's `waiting_served_ratio` weighs the same two counts). A long prompt
-        arriving among streams is consumed at the budget itself; a burst of requests
-        arriving together, of which the first already decode, is not held at the budget of
-        one prompt: its prompts are consumed as many chunks a step as there are rows waiting
-        for their first token per decoding row, so the burst's rows reach their first
-        tokens (and decode together) sooner, and the decoding rows' gaps grow by that ratio
-        only while the waiting rows outnumber them. It grows up to one segment a step (never
-        below the setting): the most one prompt consumes in a step with nothing decoding, so
-        a client's flood of long prompts beside another's streams stretches their gaps to
-        at most a segment's prefill, for a shorter while than the setting alone would."""
-        if not self._decoding:
-            return math.inf
-        ratio = max(1, -(-prefilling // len(self._decoding)))
-        return max(self.prefill_tokens_per_step, min(self.prefill_tokens_per_step * ratio, self.segment_len))
+        return groups
 
     def prefilled(self) -> None:
         """Move the rows whose prompt is now consumed on (to decoding, or done)."""

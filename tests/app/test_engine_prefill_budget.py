@@ -48,7 +48,7 @@ def test_decoding_rows_advance_every_step_while_a_long_prompt_is_prefilled(lm, b
 
     async def go():
         engine = engine_for(lm)
-        engine.scheduler.prefill_tokens_per_step = budget
+        engine.scheduler.prefill.tokens_per_step = budget
         steps = _record(engine)
         engine.start()
         new = await new_session(engine, [])
@@ -84,7 +84,7 @@ def test_with_nothing_decoding_a_prompt_takes_whole_segments(lm):
 
     async def go():
         engine = engine_for(lm)
-        engine.scheduler.prefill_tokens_per_step = 5
+        engine.scheduler.prefill.tokens_per_step = 5
         steps = _record(engine)
         engine.start()
         new = await new_session(engine, [])
