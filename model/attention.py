@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import TimeAxis
-from .rotary import Rope, rope_angles, rotate
+from .rotary import Rope, pair_of, rope_angles, rotate, rotate_twice
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # keys and values
 # appends a layer's new keys and values to its window, returns all of them (B, M+T, kvh*hd)
@@ -59,6 +59,7 @@ class Span:
              n_new rows (those that may be sinks), or None: all
     n_new    how many of the chunk's first rows may be sinks (0 once every row has S)
     sinks    whether the queries attend to sinks at all (S > 0 and some row holds or makes one)
+    both     cs and cs_sink side by side (B, T, 2, 1, hd), for `rotate_twice`, or None
     """
 
     cs: Rope | None
@@ -67,6 +68,7 @@ class Span:
     sink: torch.Tensor | None
     n_new: int
     sinks: bool
+    both: Rope | None = None
 
 
 def bias(ok: torch.Tensor) -> torch.Tensor:
@@ -110,10 +112,13 @@ def attend(
     (B, T, H*hd). The two parts' queries differ (their rotations), and two layouts serve:
     a chunk (T > 1) scores both parts in one product (`_joined`); one query per stream (a
     decode step) scores them apart, reading the cached keys and values where they lie
-    (`_apart`), since joining them would copy the whole window every step."""
+    (`_apart`), since joining them would copy the whole window every step; one stream's
+    step does so on 3-D views, in fewer calls (`_one_query`)."""
     B, T, D = q.shape
     hd = window[0].shape[-1] // kvh
     Ks = sinks[0].shape[1] if span.sinks else 0
+    if B == T == 1:
+        return _one_query(q, q if q_sink is None else q_sink, window, sinks if Ks else None, span, kvh)
     qg = _grouped(q, kvh, hd)  # (B, kvh, g*T, hd)
     if Ks:
         qs, sk = _grouped(q if q_sink is None else q_sink, kvh, hd), (_heads(sinks[0], kvh), _heads(sinks[1], kvh))
@@ -145,8 +150,16 @@ def _in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the streams as its batch axis at any stride, and copies nothing."""
     B, H = b.shape[:2]
     if B == 1 or H == 1 or b.stride(0) == H * b.stride(1):
-        return a @ b
+        return _product(a, b)
     return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(H)], 1)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (B, H, X, Y) @ (B, H, Y, Z); one stream's as one `bmm` over its heads, in half
+    the calls of matmul's broadcasting (a decode step makes three such products a layer)."""
+    if a.shape[0] == 1:
+        return torch.bmm(a[0], b[0]).unsqueeze(0)
+    return a @ b
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -159,7 +172,7 @@ def _sink_scores(qs: torch.Tensor, sk: Pair, masks: Masks, T: int) -> torch.Tens
     """The sinks' scores, each sink met by its own rotation of the query, a batch's padding
     and unfilled sink slots masked -> (B, kvh, g*T, Ks). Both ways of scoring a step
     (`_apart`, `_apart_fused`) take them from here."""
-    return _masked(qs @ sk[0].transpose(-1, -2), masks[0], T)
+    return _masked(_product(qs, sk[0].transpose(-1, -2)), masks[0], T)
 
 
 def _apart(
@@ -183,6 +196,36 @@ def _apart(
     return out.view(p.shape[0], p.shape[1], -1, win[1].shape[-1])
 
 
+def _one_query(
+    q: torch.Tensor, q_sink: torch.Tensor, window: Pair, sinks: Pair | None, span: Span, kvh: int
+) -> torch.Tensor:
+    """`_apart` for one query of one stream (a batch-1 decode step) -> (1, 1, H*hd): each
+    product one `bmm` over the key/value heads, on 3-D views of the keys and values where
+    they lie. The same products and softmax as `_apart`'s, to the bit, in fewer calls: the
+    general layout's views, permutes and broadcasting took more of smollm2's step than its
+    three products (bench/llm_peers.py, docs/BENCHMARKS.md section 11)."""
+    D = q.shape[-1]
+    hd = window[0].shape[-1] // kvh
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # (1, K, kvh*hd) -> (kvh, K, hd)
+        return x[0].view(-1, kvh, hd).transpose(0, 1)
+
+    scores = torch.bmm(q.view(kvh, -1, hd), heads(window[0]).transpose(1, 2))  # (kvh, g, Kw)
+    if span.window is not None:
+        scores.add_(span.window.view(1, 1, -1))
+    Ks = 0
+    if sinks is not None:
+        sk = (heads(sinks[0])[None], heads(sinks[1])[None])
+        Ks = sk[0].shape[2]
+        own = _sink_scores(q_sink.view(1, kvh, -1, hd), sk, (span.sink, None), 1)[0]  # (kvh, g, Ks)
+        scores = torch.cat([own, scores], -1)
+    p = _softmax(scores).to(window[1].dtype)
+    out = torch.bmm(p[..., Ks:], heads(window[1]))
+    if Ks:
+        out = torch.baddbmm(out, p[..., :Ks], sk[1][0])
+    return out.view(1, 1, D)
+
+
 def _fused(qg: torch.Tensor, win: Pair, T: int) -> bool:
     """Whether a decode step's window goes through torch's fused CPU attention kernel: one
     query per row, more than one row, eager, on the CPU, in one floating dtype. A step of
@@ -192,7 +235,7 @@ def _fused(qg: torch.Tensor, win: Pair, T: int) -> bool:
     513 keys, 125 against 166 at 1,024; the whole int4 step 1.17x (`bench/attention.py`,
     docs/BENCHMARKS.md). One row's step is the calls between kernels, and the merge's few
     calls cost more than the kernel saves there (6.3 ms against 4.8), so one row keeps the
-    products; a graph being compiled keeps them too (inductor fuses them itself)."""
+    products (`_one_query`); a graph being compiled keeps them too (inductor fuses them itself)."""
     return (
         T == 1
         and qg.shape[0] > 1
@@ -273,7 +316,9 @@ def span(
     if n_new or n_min < Ms:
         spos = sink_positions(n, Ms, pos, n_new, S)[:, None]  # (B, 1, Ms+n_new)
         sink = bias((spos >= 0) & (spos < S) & (spos <= pos[:, :, None]))
-    return Span(angles(pos), angles(pos.clamp(max=S + W)), mask, sink, n_new, True)
+    cs, cs_sink = angles(pos), angles(pos.clamp(max=S + W))
+    both = None if cs is None or cs_sink is None else pair_of(cs, cs_sink)
+    return Span(cs, cs_sink, mask, sink, n_new, True, both)
 
 
 def next_sinks(old: Pair, fresh: list[Pair], n: torch.Tensor, S: int, T: int) -> Pair:
@@ -321,10 +366,13 @@ def attend_stream(
     # the keys rotated at their absolute positions, appended as the cache keeps them (at the
     # state's precision): the chunk attends to, and its sinks are, the stored rows
     window = kv(rotate(k, span.cs, kvh), v)
-    stored = (window[0][:, -T:], window[1][:, -T:])
-    fresh = (stored[0][:, : span.n_new], stored[1][:, : span.n_new])
-    q_sink = None
-    if span.sinks:
-        q_sink = rotate(q, span.cs_sink, H)
+    fresh = (window[0][:, -T:][:, : span.n_new], window[1][:, -T:][:, : span.n_new])
+    if not span.sinks:
+        return attend(rotate(q, span.cs, H), None, window, sinks, span, kvh), fresh
+    if span.n_new:  # (else every row holds its sinks: nothing to join)
         sinks = (torch.cat([sinks[0], fresh[0]], 1), torch.cat([sinks[1], fresh[1]], 1))
-    return attend(rotate(q, span.cs, H), q_sink, window, sinks, span, kvh), fresh
+    if span.both is not None and span.both[0].shape[-1] * H == q.shape[-1]:  # (every dimension turns)
+        q, q_sink = rotate_twice(q, span.both, H)
+    else:
+        q, q_sink = rotate(q, span.cs, H), rotate(q, span.cs_sink, H)
+    return attend(q, q_sink, window, sinks, span, kvh), fresh

@@ -38,6 +38,7 @@ from . import cpu_gemm
 GROUP = 32  # weights sharing a scale and a zero: GGUF's Q4 block
 PAD_N = 64  # output rows are padded to a multiple of every block the kernel packs in
 DEQUANT_ROWS = 48  # from this many rows, one dequantized GEMM beats the row-at-a-time kernel
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload: no lookup a call
 
 
 @functools.cache
@@ -103,16 +104,16 @@ class Int4Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] < DEQUANT_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros
-            )
+        N = self.out_features
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if rows.shape[0] < DEQUANT_ROWS:  # (a decode step: as few calls around the kernel as can be)
+            y = _int4_mm(rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
         else:  # one GEMM, in bfloat16 where the CPU has its units (model/cpu_gemm.py)
             dtype = torch.bfloat16 if cpu_gemm.BF16_GEMM else torch.float32
             y = rows.to(dtype) @ self.dequantized_t(dtype)
-        return y[:, : self.out_features].reshape(*lead, self.out_features).to(x.dtype)
+        if y.shape[1] != N:
+            y = y[:, :N]
+        return (y if x.dim() == 2 else y.view(*x.shape[:-1], N)).to(x.dtype)
 
     def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W^T (K, N') in `dtype`, from the packed layout (`block_rows`): blocks of B rows,

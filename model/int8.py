@@ -59,6 +59,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 HALF = 128  # q = HALF * hi + lo: hi in [-127, 127], lo in [-64, 64]
 MIN_ROWS = 4
 PACKED_ROWS = 8  # below: the weight-only kernel in bfloat16; from here: the exact int8 product
+_int8_mm = torch.ops.aten._weight_int8pack_mm.default  # the overload: no lookup a call
 
 
 class Int8Linear(nn.Module):
@@ -77,15 +78,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] < PACKED_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.scale_bf16)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if rows.shape[0] < PACKED_ROWS:  # (a decode step: as few calls around the kernel as can be)
+            y = _int8_mm(rows.to(torch.bfloat16), self.q, self.scale_bf16)
         elif cpu_gemm.INT8_GEMM:
             y = self.exact(rows.float())
         else:  # no int8 units: an fp32 GEMM (model/cpu_gemm.py)
             y = rows.float() @ self.dequantized().t()
-        return y.view(*lead, self.out_features).to(x.dtype)
+        return (y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)).to(x.dtype)
 
     def exact(self, rows: torch.Tensor) -> torch.Tensor:
         """The 14-bit-input product of (n, K) fp32 rows, in fp32."""

@@ -36,6 +36,24 @@ def apply_rope(x: torch.Tensor, cs: Rope, n_head: int) -> torch.Tensor:
     return torch.addcmul(xh * cos, swapped, sin).view(B, T, D)
 
 
+def rotate_twice(x: torch.Tensor, pair: Rope, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, T, n_head*hd) rotated two ways at once (`apply_rope`'s product, one swap of its
+    halves for both): `pair` holds the two rotations' cos and signed sin (B, T, 2, 1, hd)
+    (`pair_of`). Each result is what `apply_rope` gives with that rotation alone, to the bit
+    (the same products, each element's own)."""
+    B, T, D = x.shape
+    hd = D // n_head
+    xh = x.view(B, T, 1, n_head, hd)
+    cos, sin = pair if pair[0].dtype == x.dtype else (pair[0].to(x.dtype), pair[1].to(x.dtype))
+    both = torch.addcmul(xh * cos, xh.roll(hd // 2, -1), sin)  # (B, T, 2, n_head, hd)
+    return both[:, :, 0].view(B, T, D), both[:, :, 1].view(B, T, D)
+
+
+def pair_of(a: Rope, b: Rope) -> Rope:
+    """Two rotations (B, T, 1, hd) side by side for `rotate_twice` -> (B, T, 2, 1, hd)."""
+    return torch.stack([a[0], b[0]], 2), torch.stack([a[1], b[1]], 2)
+
+
 def rotate(x: torch.Tensor, cs: Rope | None, n_head: int) -> torch.Tensor:
     """`apply_rope` on the first cs-width dimensions of each head of x (B, T, n_head*hd),
     the others passed through (partial RoPE); x itself where there is no rotation (NoPE)."""

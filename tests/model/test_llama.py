@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import model
+from model import attention
 from model.checkpoint import build
 from model.llama import Llama
-from model.rotary import apply_rope, rope_angles
+from model.rotary import apply_rope, pair_of, rope_angles, rotate_twice
 from model.state import StateError
 
 from .conftest import assert_any_chunking_agrees, run_chunks
@@ -209,6 +210,47 @@ def test_a_decode_step_of_many_rows_runs_the_fused_kernel_as_each_row_alone():
                     mine, alone[row] = lm(x[row : row + 1, t : t + 1], one)
                 assert not any(e.name == FUSED for e in prof.events())
                 assert (logits[row] - mine[0]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("n", [0, 1, S + 1, S + W, 3 * (S + W)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_streams_decode_step_attends_as_the_general_layout_to_the_bit(n, dtype):
+    """A batch-1 decode step's attention (`attention._one_query`: 3-D views of the keys and
+    values where they lie in their arena, one `bmm` a product) gives what the general
+    layout's products (`_apart`, which a chunk without sinks and the compiled step run)
+    give for the same query, keys and values, to the bit: at a stream's first token (its
+    own key its only sink), filling its sinks, at a full window and past it."""
+    H, kvh, hd = 4, 2, 8
+    M, Ms = min(n, W), min(n, S)
+    sp = attention.span(torch.tensor([n]), 1, M, Ms, S, W, (hd, 100.0), torch.float32)
+    g = torch.Generator().manual_seed(n)
+
+    def rows(k: int) -> torch.Tensor:  # (1, k, kvh*hd), every other layer of an arena's rows
+        return torch.randn(1, 2, k + 3, kvh * hd, generator=g)[:, 1, 1 : k + 1].to(dtype)
+
+    q, q_sink = (torch.randn(1, 1, H * hd, generator=g).to(dtype) for _ in range(2))
+    window, sinks = (rows(M + 1), rows(M + 1)), (rows(Ms + sp.n_new), rows(Ms + sp.n_new))
+    one = attention.attend(q, q_sink, window, sinks, sp, kvh)
+    heads = [attention._heads(x, kvh) for x in (*window, *sinks)]
+    grouped = attention._grouped(q, kvh, hd), attention._grouped(q_sink, kvh, hd)
+    general = attention._apart(
+        grouped[0], grouped[1] if sp.sinks else None, (heads[0], heads[1]),
+        (heads[2], heads[3]) if sp.sinks else None, (sp.sink, sp.window), 1,
+    )  # fmt: skip
+    as_attend = general.view(1, kvh, H // kvh, 1, hd).permute(0, 3, 1, 2, 4).reshape(1, 1, H * hd)
+    assert torch.equal(one, as_attend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_turned_two_ways_at_once_is_each_turn_alone_to_the_bit(dtype):
+    """`rotate_twice` (a query as the window and as the sinks see it, one swap of its
+    halves for both) gives what `apply_rope` gives with each rotation alone, to the bit."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 4 * 8, generator=g).to(dtype)
+    pos = torch.randint(0, 10**6, (3, 5), generator=g)
+    a, b = rope_angles(pos, 8, 100.0, torch.float32), rope_angles(pos.clamp(max=9), 8, 100.0, torch.float32)
+    one, two = rotate_twice(x, pair_of(a, b), 4)
+    assert torch.equal(one, apply_rope(x, a, 4)) and torch.equal(two, apply_rope(x, b, 4))
 
 
 # -- the state -------------------------------------------------------------------------------

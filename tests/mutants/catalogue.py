@@ -309,11 +309,22 @@ FAULTS: tuple[Fault, ...] = (
         "llama-decode-step-unmasks-the-sinks",
         "a LLaMA decode step scores every stored sink slot, a batch's padding and unfilled ones too",
         "model/attention.py",
-        "return _masked(qs @ sk[0].transpose(-1, -2), masks[0], T)",
-        "return qs @ sk[0].transpose(-1, -2)",
+        "return _masked(_product(qs, sk[0].transpose(-1, -2)), masks[0], T)",
+        "return _product(qs, sk[0].transpose(-1, -2))",
         (
             "tests/model/test_llama_window_parity.py"
             "::test_the_engines_decode_step_past_the_window_equals_transformers",
+        ),
+    ),
+    Fault(
+        "llama-one-stream-step-drops-the-sinks-values",
+        "a batch-1 decode step weighs the sinks in its softmax but adds none of their values",
+        "model/attention.py",
+        "out = torch.baddbmm(out, p[..., :Ks], sk[1][0])",
+        "out = out",
+        (
+            "tests/model/test_llama.py::test_one_streams_decode_step_attends_as_the_general_layout_to_the_bit",
+            "tests/model/test_llama_window_parity.py::test_forward_past_the_window_equals_transformers",
         ),
     ),
     Fault(
