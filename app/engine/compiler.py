@@ -82,6 +82,7 @@ T = TypeVar("T")
 
 TOLERANCE = 1e-4  # |logit difference| always allowed between the compiled and eager step (`bound`)
 MARGIN = 0.9  # the compiled step is adopted when its fastest step is under 0.9 x eager's
+RECOMPILE_LIMIT = 32  # graphs of one compiled step (dynamo: 8 a function): batch classes x fill regimes
 PROBE_TOKENS = 512  # most tokens the probe state consumes (the state's bound, if smaller)
 PROBE_STEPS = 20  # timed steps per variant, alternating; the fastest of each counts (noise only adds)
 PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest class that holds it
@@ -300,14 +301,20 @@ class DecodeStep:
 
 
 def _compile(lm: LanguageModel) -> Step:
-    # a graph per batch class and fill regime (`_probe_states`): more than dynamo's default 8
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    # shapes change with the batch and the state's fill level: dynamic, so that they do not
-    # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph
+    # Shapes change with the batch and the state's fill level: dynamic, so that they do not
+    # each compile again; on CUDA, reduce-overhead replays the step as a CUDA graph. A graph
+    # per batch class and fill regime (`_probe_states`) is more than dynamo's default limit
+    # of 8 a function, and every model's `forward` is one function to dynamo: this step's
+    # graphs are its own (`isolate_recompiles`), under a limit of their own. Not through
+    # dynamo's config: torch keeps each thread's settings to that thread, and a limit raised
+    # here, on the compile thread, was not the serving thread's, where other graphs of
+    # `forward` past 8 sent the step to eager while it was counted compiled
+    # (tests/app/test_compiler_llama.py::test_other_graphs_of_forward_leave_the_compiled_step_its_own).
+    how: dict[str, Any] = {"dynamic": True, "recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
     if lm.device.type == "cuda":
-        step = torch.compile(lm.forward, dynamic=True, mode="reduce-overhead")
+        step = torch.compile(lm.forward, mode="reduce-overhead", **how)
     else:
-        step = torch.compile(lm.forward, dynamic=True, options=_options(lm))
+        step = torch.compile(lm.forward, options=_options(lm), **how)
 
     def compiled(tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         # a state in arenas (stacked for decoding, or grown in place by an eager forward) has

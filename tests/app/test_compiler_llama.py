@@ -108,20 +108,6 @@ def test_the_probe_adopts_a_step_within_the_bound_and_refuses_one_beyond(monkeyp
 _BUILT: dict[str, tuple] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _own_compile_cache():
-    """dynamo's cache from this worker's earlier modules forgotten first. With the graphs of
-    the LLaMAs compiled before in the process (tests/app/test_compiler.py's probes and
-    tests/model/test_fast_paths.py's compiled steps) still cached, the int8 step here,
-    counted as served compiled, returned states grown in arenas, as an eager forward's are:
-    the slow suite failed so on 7 Dec, and `pytest -m slow -p no:randomly` on those two files
-    and this one fails so every time. Raising dynamo's recompile limit (to 1,024) does not
-    change it; forgetting the cache does. Why a cached graph serves it so is not yet known
-    (issue 42's note): a server compiles one model in its process."""
-    torch._dynamo.reset()
-    yield
-
-
 def _compiled(precision: str) -> tuple:
     """The model and its DecodeStep after the probe, once per precision for this module.
     margin inf: adopted wherever it agrees, however fast, so that it surely serves here."""
@@ -163,6 +149,34 @@ def test_the_compiled_llama_step_is_adopted_within_its_bound(precision):
     # arena; a guard that refused a state would have compiled again, or run eagerly)
     assert not compiled.arenas and eager.arenas
     assert compiled["k"].shape == eager["k"].shape == (1, 2, 40, 32)
+
+
+@pytest.mark.slow
+def test_other_graphs_of_forward_leave_the_compiled_step_its_own():
+    """Every model's `forward` is one function to dynamo, whose default limit is 8 graphs a
+    function, and torch keeps each thread's dynamo settings to that thread. Ten graphs of
+    another model's forward, compiled first on the thread that will serve (this test's),
+    must not send the engine's compiled step to eager there: its graphs are its own
+    (`isolate_recompiles`), under its own limit. Before, the limit was raised on the compile
+    thread only, and the served steps, counted compiled, ran eagerly (the slow suite failed
+    so on 7 Dec when other modules' compiles ran first in the worker)."""
+    other = tiny(seed=5)
+    theirs = torch.compile(other.forward, dynamic=False, backend="eager")
+    with torch.no_grad():
+        for rows in range(1, 11):
+            theirs(torch.zeros(rows, 1, dtype=torch.long), other.new_state(rows))
+    lm = _model("fp32")
+    step = DecodeStep(lm, compile=True, margin=math.inf, max_rows=1)
+    step.start()
+    assert step._thread is not None
+    step._thread.join(timeout=600)
+    assert step.status.state == "ready" and step.serves_compiled(1), step.status.error
+    tok = torch.full((1, 1), 7, dtype=torch.long)
+    with torch.no_grad():
+        _, state = lm.consume(torch.arange(30) % 256, lm.new_state(1))  # in an arena
+        for _ in range(5):
+            _, state = step(tok, state)
+    assert step.compiled_steps == 5 and not state.arenas  # (an eager forward grows in one)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
