@@ -208,7 +208,7 @@ def _one_query(
     hd = window[0].shape[-1] // kvh
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # (1, K, kvh*hd) -> (kvh, K, hd)
-        return x[0].view(-1, kvh, hd).transpose(0, 1)
+        return x.view(-1, kvh, hd).transpose(0, 1)
 
     scores = torch.bmm(q.view(kvh, -1, hd), heads(window[0]).transpose(1, 2))  # (kvh, g, Kw)
     if span.window is not None:
@@ -366,7 +366,8 @@ def attend_stream(
     # the keys rotated at their absolute positions, appended as the cache keeps them (at the
     # state's precision): the chunk attends to, and its sinks are, the stored rows
     window = kv(rotate(k, span.cs, kvh), v)
-    fresh = (window[0][:, -T:][:, : span.n_new], window[1][:, -T:][:, : span.n_new])
+    n = window[0].shape[1] - T  # the chunk's first row
+    fresh = (window[0][:, n : n + span.n_new], window[1][:, n : n + span.n_new])
     if not span.sinks:
         return attend(rotate(q, span.cs, H), None, window, sinks, span, kvh), fresh
     if span.n_new:  # (else every row holds its sinks: nothing to join)

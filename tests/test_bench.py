@@ -67,6 +67,29 @@ def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_one_stream_bench_runs_both_steps() -> None:
+    """bench/one_stream.py runs commit edd0bff's model/ beside today's (from `git archive`).
+    One round, int4 at one thread, a few steps; what it counts (not its times): today's
+    batch-1 step makes fewer aten calls than before (3,010 against 3,698 on smollm2), over
+    the same bytes."""
+    out = subprocess.run(
+        [sys.executable, "one_stream.py", *"--rounds 1 --threads 1 --precisions int4 --steps 8".split()],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    if "git cannot give commit" in out.stdout + out.stderr:
+        pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (row,) = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))["rows"]
+    before, today = row["base"], row["today"]
+    assert today["bytes"] == before["bytes"] > 0
+    assert 1.1 * today["calls"] < before["calls"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_burst_bench_runs_both_schedulers() -> None:
     """bench/burst.py runs commit b1b9133's app/ and model/ beside today's (from `git

@@ -1,0 +1,150 @@
+"""One stream's decode step: the calls around its kernels, today's model/ against an earlier one.
+
+A batch-1 eager decode step of the shipped smollm2 reads every weight once, and on a CPU its
+products take less of it than the PyTorch calls between them (issue 42: batch 1 against
+llama.cpp). This bench measures what the commit after BASE changed there: one stream's
+attention on 3-D views with one `bmm` a product (`model.attention._one_query`), a query
+turned for the window and the sinks in one product (`model.rotary.rotate_twice`), and the
+packed linears' kernels called with fewer reshapes. Every result is the same to the bit
+(tests/model/test_llama.py), so only the time can differ.
+
+Per weight precision (fp32, int8, int4) and thread count: section 11's batch-1 step
+(bench/llm_peers.py's `stepper`: greedy, after its 600-character prompt), each side in a
+process of its own with its model/ first on the path, the sides alternating over rounds,
+each one's best median step; the aten calls of one step (a `TorchDispatchMode` counts
+them); and the machine's limit, measured in the same run: the bytes a step reads (its
+weights and its window, bench/llm.py's `llama_work`) at the read bandwidth of that many
+threads (bench/roofline.py's `read_bandwidth`, best of the run's start and end).
+
+`--write` puts the section "## One stream's decode step" into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+from harness import arguments, model_at, publish, run
+
+SECTION = "## One stream's decode step"
+BASE = "edd0bff"  # the commit before one stream's step went to fewer calls
+PRECISIONS = ("fp32", "int8", "int4")
+
+
+def measure(precision: str, threads: int, steps: int) -> dict:
+    """This process's model/: the step's tokens/s (best of 3 medians), its aten calls and
+    the bytes it reads."""
+    import llm_peers as peers
+    from llm import llama_work
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import model
+
+    torch.set_num_threads(threads)
+    lm = model.load("smollm2", device="cpu", precision=precision)
+    step = peers.stepper(lm)
+    for _ in range(10):
+        step()
+    rate = max(peers.rate(step, steps) for _ in range(3))
+
+    class Calls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as calls:
+        step()
+    assert lm.tokenizer is not None
+    with torch.no_grad():
+        _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
+    return {"tokens_per_s": rate, "calls": calls.n, "bytes": llama_work(lm, state).bytes}
+
+
+def section(r: dict) -> str:
+    lines = [
+        SECTION,
+        "",
+        f"`python bench/one_stream.py` (`--write` rewrites this section): the shipped smollm2's batch-1 eager "
+        "decode step (section 11's, after the same prompt), commit "
+        f"{BASE}'s model/ and today's, each in a process of its own, alternating over {r['rounds']} rounds, each "
+        f"one's best median of {r['steps']} steps; on a {r['cpus']}-core machine (load average "
+        f"{r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end). The limit: the bytes a step reads "
+        "(weights and window) at the read bandwidth measured in the same run: "
+        + ", ".join(
+            f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}"
+            for t, bw in r["bandwidth"].items()
+        )
+        + ".",
+        "",
+        "| weights | threads | aten calls a step, before | today | tokens/s before | today | today ÷ before "
+        "| MB a step | the read limit, tokens/s | today's share of it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in r["rows"]:
+        b, t = d["base"], d["today"]
+        limit = r["bandwidth"][str(d["threads"])] / t["bytes"]
+        lines.append(
+            f"| {d['precision']} | {d['threads']} | {b['calls']:,} | {t['calls']:,} | {b['tokens_per_s']:.1f} | "
+            f"{t['tokens_per_s']:.1f} | {t['tokens_per_s'] / b['tokens_per_s']:.2f}x | {t['bytes'] / 1e6:.1f} | "
+            f"{limit:.1f} | {t['tokens_per_s'] / limit:.0%} |"
+        )
+    ratios = [d["today"]["tokens_per_s"] / d["base"]["tokens_per_s"] for d in r["rows"]]
+    lines += [
+        "",
+        f"Today ÷ before: median {statistics.median(ratios):.2f}x over the {len(ratios)} rows. The same products "
+        "run on both sides and every result is the same to the bit; what a step lost to the calls between its "
+        "kernels is what changed. What is left of them (the step's share of its read limit above) is what a "
+        'compiled step removes (`--compile`, section "Packed weights").',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from roofline import read_bandwidth
+
+    ap = arguments(__doc__)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per median")
+    ap.add_argument("--side", help="PRECISION,THREADS: measure this process's model/ (internal)")
+    args = ap.parse_args()
+    if args.side:
+        precision, threads = args.side.split(",")
+        print("RESULT " + json.dumps(measure(precision, int(threads), args.steps)))
+        return
+    threads = [int(t) for t in args.threads.split(",")]
+    r: dict = {
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "cpus": os.cpu_count(),
+        "load": [os.getloadavg()[0]],
+    }
+    bandwidth = {str(t): read_bandwidth(t) for t in threads}
+    rows = []
+    with model_at(BASE) as tree:
+        if tree is None:
+            raise SystemExit(f"git cannot give commit {BASE}'s tree")
+        for precision in args.precisions.split(","):
+            for t in threads:
+                flags = ["--side", f"{precision},{t}", "--steps", str(args.steps)]
+                sides: dict[str, dict] = {}
+                for _ in range(args.rounds):
+                    for name, env in (("base", {"PYTHONPATH": str(tree)}), ("today", None)):
+                        got = run("one_stream.py", *flags, env=env)
+                        if name not in sides or got["tokens_per_s"] > sides[name]["tokens_per_s"]:
+                            sides[name] = got
+                rows.append({"precision": precision, "threads": t, **sides})
+    r["bandwidth"] = {str(t): max(bandwidth[str(t)], read_bandwidth(t)) for t in threads}
+    r["rows"] = rows
+    r["load"].append(os.getloadavg()[0])
+    publish(SECTION, section(r), r, args.write)
+
+
+if __name__ == "__main__":
+    main()
