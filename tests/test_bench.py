@@ -66,24 +66,27 @@ def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
     assert out.stdout.count("compiled fp32 batch   1, state full") == 4, out.stdout[-3000:]
 
 
+def _beside_its_baseline(command: str, timeout: int) -> dict:
+    """The figures of a bench that runs an earlier commit's tree (from `git archive`) beside
+    today's: `command` run in bench/; skipped where git cannot give that commit."""
+    out = subprocess.run(
+        [sys.executable, *command.split()], cwd=BENCH, capture_output=True, text=True, timeout=timeout
+    )
+    if "git cannot give commit" in out.stdout + out.stderr:
+        pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_one_stream_bench_runs_both_steps() -> None:
     """bench/one_stream.py runs commit edd0bff's model/ beside today's (from `git archive`).
     One round, int4 at one thread, a few steps; what it counts (not its times): today's
-    batch-1 step makes fewer aten calls than before (3,010 against 3,698 on smollm2), over
+    batch-1 step makes fewer aten calls than before (2,830 against 3,698 on smollm2), over
     the same bytes."""
-    out = subprocess.run(
-        [sys.executable, "one_stream.py", *"--rounds 1 --threads 1 --precisions int4 --steps 8".split()],
-        cwd=BENCH,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    if "git cannot give commit" in out.stdout + out.stderr:
-        pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    (row,) = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))["rows"]
+    result = _beside_its_baseline("one_stream.py --rounds 1 --threads 1 --precisions int4 --steps 8", 500)
+    (row,) = result["rows"]
     before, today = row["base"], row["today"]
     assert today["bytes"] == before["bytes"] > 0
     assert 1.1 * today["calls"] < before["calls"]
@@ -98,17 +101,7 @@ def test_the_burst_bench_runs_both_schedulers() -> None:
     under half the forwards and reaching a full batch in under half the steps. One torch
     thread: at two, beside the other worker's tests on two cores, one side ran at 7 tokens/s
     and the run passed 800 s (7 Dec); at one, 2 min 15 s alone."""
-    out = subprocess.run(
-        [sys.executable, "burst.py", "--rounds", "1", "--threads", "1"],
-        cwd=BENCH,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    if "git cannot give commit" in out.stdout + out.stderr:
-        pytest.skip("git cannot give the baseline commit here (a shallow clone?)")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))
+    result = _beside_its_baseline("burst.py --rounds 1 --threads 1", 800)
     before, today = result["base"], result["today"]
     assert today["prompt_tokens"] == before["prompt_tokens"] > 0
     # (measured: 21 forwards against 73, a full batch at step 11 against 59; today's equal
