@@ -203,7 +203,7 @@ def _one_query(
     product one `bmm` over the key/value heads, on 3-D views of the keys and values where
     they lie. The same products and softmax as `_apart`'s, to the bit, in fewer calls: the
     general layout's views, permutes and broadcasting took more of smollm2's step than its
-    three products (bench/llm_peers.py, docs/BENCHMARKS.md section 11)."""
+    three products (bench/one_stream.py, docs/BENCHMARKS.md "One stream's decode step")."""
     D = q.shape[-1]
     hd = window[0].shape[-1] // kvh
 
