@@ -8,8 +8,9 @@ chunk length) and its decode step apart.
 
 Two schedulers side by side, each in a process of its own with its app/ and model/ first on
 the path, alternating over rounds, each side's best round kept: today's, and commit BASE's,
-before a burst's prompts took the prefill budget per waiting row (app/engine/prefill.py): there the 15 prompts waiting beside the first decoding row shared one
-prompt's budget, one row's 32-token chunk a step. The machine's limit for this load is
+before a burst's prompts took the prefill budget per waiting row (app/engine/prefill.py):
+there the 15 prompts waiting beside the first decoding row shared one prompt's budget, one
+row's 32-token chunk a step. The machine's limit for this load is
 measured in the same run: recur's prompt rate (a 512-token prompt) and its 16-row step alone,
 put together as a server that lost nothing between them would run (`serial_bound`, as
 section 11 does).

@@ -531,9 +531,9 @@ def why(r: dict) -> str:
     return (
         "Why. Batch 1: a step reads every weight once, so bytes and per-op overhead decide it. recur's int4 "
         "path (model/int4.py) reads the file's Q4_1 blocks as they are (0.96x the file's bytes a step), as "
-        "llama.cpp does, but its eager step makes some 2,800 PyTorch calls (aten operators, 3,700 before one "
-        "stream's step went to 3-D views: section \"One stream's decode step\"), and the Python and dispatch "
-        "between its kernels, which do not scale with threads, take about half of it; "
+        "llama.cpp does, but its eager step runs some 2,900 PyTorch ops (3,300 before one stream's step went "
+        'to 3-D views: section "One stream\'s decode step"), and the Python and dispatch between its kernels, '
+        "which do not scale with threads, take over half of it; "
         'the compiled step (`--compile`; section "Packed weights", side by side with llama.cpp) removes most of '
         "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
         "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "

@@ -11,8 +11,8 @@ packed linears' kernels called with fewer reshapes. Every result is the same to 
 Per weight precision (fp32, int8, int4) and thread count: section 11's batch-1 step
 (bench/llm_peers.py's `stepper`: greedy, after its 600-character prompt), each side in a
 process of its own with its model/ first on the path, the sides alternating over rounds,
-each one's best median step; the aten calls of one step (a `TorchDispatchMode` counts
-them); and the machine's limit, measured in the same run: the bytes a step reads (its
+each one's best median step; the step's profile (its ops and its kernels' share of its
+time, bench/roofline.py's `breakdown`, as section 9 reads them); and the machine's limit, measured in the same run: the bytes a step reads (its
 weights and its window, bench/llm.py's `llama_work`) at the read bandwidth of that many
 threads (bench/roofline.py's `read_bandwidth`, best of the run's start and end).
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 
 import torch
 from harness import arguments, model_at, publish, run
@@ -34,11 +35,12 @@ PRECISIONS = ("fp32", "int8", "int4")
 
 
 def measure(precision: str, threads: int, steps: int) -> dict:
-    """This process's model/: the step's tokens/s (best of 3 medians), its aten calls and
-    the bytes it reads."""
+    """This process's model/: the step's tokens/s (best of 3 medians), its profile (ops a
+    step and the kernels' share, bench/roofline.py's `breakdown`, as section 9 counts them)
+    and the bytes it reads."""
     import llm_peers as peers
     from llm import llama_work
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from roofline import breakdown, profile
 
     import model
 
@@ -48,20 +50,15 @@ def measure(precision: str, threads: int, steps: int) -> dict:
     for _ in range(10):
         step()
     rate = max(peers.rate(step, steps) for _ in range(3))
-
-    class Calls(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Calls() as calls:
-        step()
+    with profile() as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - t0
     assert lm.tokenizer is not None
     with torch.no_grad():
         _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
-    return {"tokens_per_s": rate, "calls": calls.n, "bytes": llama_work(lm, state).bytes}
+    return {"tokens_per_s": rate, **breakdown(prof, steps, wall), "bytes": llama_work(lm, state).bytes}
 
 
 def section(r: dict) -> str:
@@ -80,15 +77,16 @@ def section(r: dict) -> str:
         )
         + ".",
         "",
-        "| weights | threads | aten calls a step, before | today | tokens/s before | today | today ÷ before "
-        "| MB a step | the read limit, tokens/s | today's share of it |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| weights | threads | ops a step, before | today | kernels' share, before | today | tokens/s before "
+        "| today | today ÷ before | MB a step | the read limit, tokens/s | today's share of it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in r["rows"]:
         b, t = d["base"], d["today"]
         limit = r["bandwidth"][str(d["threads"])] / t["bytes"]
         lines.append(
-            f"| {d['precision']} | {d['threads']} | {b['calls']:,} | {t['calls']:,} | {b['tokens_per_s']:.1f} | "
+            f"| {d['precision']} | {d['threads']} | {b['ops_per_call']:,} | {t['ops_per_call']:,} | "
+            f"{b['kernel_share']:.0%} | {t['kernel_share']:.0%} | {b['tokens_per_s']:.1f} | "
             f"{t['tokens_per_s']:.1f} | {t['tokens_per_s'] / b['tokens_per_s']:.2f}x | {t['bytes'] / 1e6:.1f} | "
             f"{limit:.1f} | {t['tokens_per_s'] / limit:.0%} |"
         )
@@ -97,10 +95,10 @@ def section(r: dict) -> str:
         "",
         f"Today ÷ before: median {statistics.median(ratios):.2f}x over the {len(ratios)} rows. The same products "
         "run on both sides and every result is the same to the bit; what a step lost to the calls between its "
-        "kernels is what changed. What still keeps a step from its read limit: the calls that are left (about "
-        "half of the int4 step's time at 2 threads, py-spy: the Python and dispatch between kernels, which do not "
-        "scale with threads) and kernels below the read rate. A compiled step removes most of the calls "
-        '(`--compile`, section "Packed weights").',
+        "kernels is what changed. What still keeps a step from its read limit: the time outside its kernels "
+        "(the rest of the kernels' share above: the Python and dispatch between them, which do not scale with "
+        "threads; the profiler adds a little to every op, so that share reads a bit low) and kernels below the "
+        'read rate. A compiled step removes most of the calls (`--compile`, section "Packed weights").',
         "",
     ]
     return "\n".join(lines)

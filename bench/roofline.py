@@ -92,6 +92,8 @@ KERNELS = {
     "aten::_efficient_attention_forward",
     "mkldnn::_linear_pointwise",
     "aten::_int_mm",
+    "aten::_weight_int8pack_mm",  # the packed weights' kernels (model/int8.py, model/int4.py)
+    "aten::_weight_int4pack_mm_for_cpu",
 }
 
 

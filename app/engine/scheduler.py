@@ -68,7 +68,6 @@ class Scheduler:
         fairness: Fairness = NO_FAIRNESS,
     ):
         self.max_batch_size = max_batch_size
-        self.segment_len = segment_len
         self.prefill = PrefillBudget(prefill_tokens_per_step, segment_len)
         self.fairness = fairness
         self.shares = Shares(fairness, max_batch_size)

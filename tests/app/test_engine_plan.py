@@ -104,7 +104,7 @@ def test_a_burst_of_prompts_takes_the_budget_for_each_waiting_row_per_decoding_r
 
     async def go():
         engine = engine_for(lm, cpu_threads=1, prefill_tokens_per_step=BUDGET)
-        step, seg = Steps(engine), engine.scheduler.segment_len
+        step, seg = Steps(engine), engine.scheduler.prefill.segment_len
         first = engine.submit(_request(engine, [5, 6], max_tokens=12))
         step()  # alone: its whole prompt, and it decodes from here
         lengths = (20, 23, 26)[:waiting]
