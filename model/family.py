@@ -51,7 +51,12 @@ class Execution:
       arena's bookkeeping is Python over buffers the step mutates); else the state grows
       functionally, a new tensor per step, which autograd and a compiled graph follow;
     - `parts`: compiled versions of the family's `parts()`, by name, to run in place of its
-      own (an RLT per-token step, say).
+      own (an RLT per-token step, say);
+    - `last_logits`: whether the caller reads only the last position's logits (a prefill
+      without log-probs, which wants `next_logits` alone): the head then runs over that
+      position only (`logit_rows`) and the logits come back [B, 1, V]. A head is one
+      vocabulary-wide product per position (SmolLM2's: 49,152 x 576, a fifth of a prompt's
+      FLOPs), which such a prefill would compute for every position and discard.
 
     `FUNCTIONAL` is what training and a graph a compiler traces need; `IN_PLACE` is
     `prefill`'s and `consume`'s, which never track gradients. `forward` called without one
@@ -60,6 +65,11 @@ class Execution:
 
     in_place: bool = False
     parts: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    last_logits: bool = False
+
+    def logit_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The positions of x [B, T, ...] whose logits this forward returns: all, or the last."""
+        return x[:, -1:] if self.last_logits else x
 
 
 FUNCTIONAL = Execution()
@@ -294,7 +304,7 @@ class LanguageModel(nn.Module):
             out = torch.empty(ids.shape, device=ids.device)
             first = F.log_softmax(self.next_logits(state).float(), -1).gather(1, ids[:, :1])[:, 0]
             out[:, 0] = torch.where(state.n_tokens > 0, first, torch.full_like(first, float("nan")))
-        logits, state = self(ids, state, how)
+        logits, state = self(ids, state, how if logprobs else dataclasses.replace(how, last_logits=True))
         if out is not None:
             # logits at position i predict token i+1
             lp = F.log_softmax(logits[:, :-1].float(), -1)

@@ -242,14 +242,14 @@ class Hybrid(LanguageModel):
         with self.autocast():
             x = self.embed(tokens) * cfg.embedding_multiplier  # (B, T, d)
             x, recurrent, fresh = self._layers(x, state, sp, grown)
-            logits = self.head(rms_norm(x, self.norm_out)) / cfg.logits_scaling  # (B, T, V)
+            logits = self.head(rms_norm(how.logit_rows(x), self.norm_out)) / cfg.logits_scaling  # (B, T or 1, V)
         tensors, arenas = unzip({name: g.result(min(W, M + T)) for name, g in grown.items()})
         tensors.update(recurrent)
         tensors["sink_k"], tensors["sink_v"] = next_sinks((state["sink_k"], state["sink_v"]), fresh, n, S, T)
         tensors["last_hidden"] = x[:, -1].to(state["last_hidden"].dtype)
         tensors["n_tokens"] = n + T
         logits = logits.float()
-        tensors["next_logits"] = logits[:, -1].clone() if T > 1 else logits[:, 0]
+        tensors["next_logits"] = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, 0]
         return logits, self._state(tensors, arenas)
 
     def _layers(

@@ -293,7 +293,7 @@ class Llama(LanguageModel):
                 kv = kv_appender(grown["k"], grown["v"], i)
                 x, new = blk(x, span, kv, (state["sink_k"][:, i], state["sink_v"][:, i]))
                 fresh.append(new)
-            logits = self.head(rms_norm(x, self.norm_out))  # (B, T, V)
+            logits = self.head(rms_norm(how.logit_rows(x), self.norm_out))  # (B, T or 1, V)
         dtype = state["k"].dtype
         tensors, arenas = unzip({name: g.result(min(cfg.window, M + T)) for name, g in grown.items()})
         old = (state["sink_k"], state["sink_v"])
@@ -301,7 +301,7 @@ class Llama(LanguageModel):
         tensors["last_hidden"] = x[:, -1].to(dtype)
         tensors["n_tokens"] = n + T
         logits = logits.float()
-        tensors["next_logits"] = logits[:, -1].clone() if T > 1 else logits[:, 0]
+        tensors["next_logits"] = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, 0]
         return logits, self._state(tensors, arenas)
 
     def next_logits(self, state: State) -> torch.Tensor:

@@ -260,7 +260,7 @@ class Mamba(LanguageModel):
 
     # -- forward ----------------------------------------------------------------------------
     def advance(self, tokens: torch.Tensor, state: State, how: Execution) -> tuple[torch.Tensor, State]:
-        # `how` changes nothing here: no state tensor grows (every step rewrites all of it)
+        # no state tensor grows (every step rewrites all of it): `how` picks only the logits' rows
         conv, ssm = state["conv"], state["ssm"]  # (b, L, K-1, C), (b, L, ...)
         windows, hs = [], []
         with self.autocast():
@@ -269,7 +269,7 @@ class Mamba(LanguageModel):
                 u, window, h = block(u, conv[:, i], ssm[:, i])
                 windows.append(window.to(conv.dtype))
                 hs.append(h.to(ssm.dtype))
-            logits = self.lm_head(rms_norm(u, self.norm_f))  # (b, T, V)
+            logits = self.lm_head(rms_norm(how.logit_rows(u), self.norm_f))  # (b, T or 1, V)
         tensors = {
             "conv": torch.stack(windows, 1),
             "ssm": torch.stack(hs, 1),

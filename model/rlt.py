@@ -455,7 +455,7 @@ class RLT(LanguageModel):
             mem = self._remember(e, cs, grown["mem_k"], grown["mem_v"])
             reach = self._reach(cs, grown["swa_k"], grown["swa_v"], mem, n, ctx_valid, n_min)
             s_all = self._recur(e, state["s"], reach, how.parts.get("decode_token"))  # (B, T, d)
-            logits = F.linear(rms_norm(s_all, self.norm_out), self.head.weight)  # (B, T, V)
+            logits = F.linear(rms_norm(how.logit_rows(s_all), self.norm_out), self.head.weight)  # (B, T or 1, V)
         tensors, arenas = unzip({name: g.result(min(axes[name].bound, g.M + T)) for name, g in grown.items()})
         tensors["s"] = s_all[:, -1].to(state["s"].dtype)
         tensors["n_tokens"] = n + T

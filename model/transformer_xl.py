@@ -578,7 +578,7 @@ class TransformerXL(LanguageModel):
         with self.autocast():
             h = self.drop(self.word_emb(tokens) * self.emb_scale)  # (B, T, d)
             h = self._layers(h, mem, grown, mask)
-            logits = self.head(h)  # (B, T, V)
+            logits = self.head(how.logit_rows(h))  # (B, T or 1, V)
 
         tensors, arenas = unzip({name: g.result(keep) for name, g in grown.items()})
         tensors["last_hidden"] = h[:, -1].detach().to(mem.dtype)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -303,3 +305,54 @@ def test_the_default_forward_grows_in_place_where_nothing_tracks_a_gradient(tmp_
     assert not untracked(lm, start)
     logits, _ = lm(ids[:, 8:], start)
     assert logits.requires_grad
+
+
+# -- a prefill without log-probs (issue 42: the head over the last position only) ---------------
+def _tiny(family: str) -> model.LanguageModel:
+    from .conftest import tiny_ssm
+    from .test_hybrid import tiny as tiny_hybrid
+    from .test_llama import tiny as tiny_llama
+
+    if family in ("mamba", "mamba2"):
+        return tiny_ssm(family)
+    if family.endswith("-hybrid"):
+        return tiny_hybrid(family, "bounded")
+    return {"transformer-xl": tiny_txl, "rlt": tiny_rlt, "llama": tiny_llama}[family]()
+
+
+@pytest.mark.parametrize(
+    "family", ["transformer-xl", "rlt", "mamba", "mamba2", "llama", "gdn-hybrid", "mamba2-hybrid"]
+)
+def test_a_prefill_without_logprobs_runs_the_head_over_its_last_position_alone(family):
+    """`prefill` without log-probs asks its forward for the last position's logits only
+    (`Execution.last_logits`), and every family's forward then returns [B, 1, V]: the last
+    position's logits of the full forward, the same state to the bit, and the same
+    `next_logits`. A prefill with log-probs still gets every position's."""
+    lm = _tiny(family)
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    asked: list[bool] = []
+    advance = lm.advance
+
+    def spying(tokens, state, how):
+        asked.append(how.last_logits)
+        return advance(tokens, state, how)
+
+    with torch.no_grad():
+        start = lm.prefill(ids[:, :3], lm.new_state(2), True)[1]
+        lm.advance = spying
+        try:
+            _, quiet = lm.prefill(ids[:, 3:], start)
+            lps, loud = lm.prefill(ids[:, 3:], start, True)
+        finally:
+            del lm.advance
+        full, st_full = lm(ids[:, 3:], start, model.IN_PLACE)
+        last, st_last = lm(ids[:, 3:], start, dataclasses.replace(model.IN_PLACE, last_logits=True))
+    assert asked == [True, False]
+    assert lps is not None and lps.shape == (2, 4)
+    assert full.shape[1] == 4 and last.shape == (2, 1, full.shape[2])
+    _close(last[:, 0], full[:, -1])
+    for name in lm.persistent:
+        assert torch.equal(st_last[name], st_full[name]), name
+        assert torch.equal(quiet[name], loud[name]), name
+    _close(lm.next_logits(quiet), lm.next_logits(loud))
+    _close(lm.next_logits(st_last), full[:, -1])
