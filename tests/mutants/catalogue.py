@@ -328,6 +328,17 @@ FAULTS: tuple[Fault, ...] = (
         ),
     ),
     Fault(
+        "prefill-keeps-the-first-positions-logits",
+        "a prefill without log-probs runs the head over the chunk's first position, not its last",
+        "model/family.py",
+        "return x[:, -1:] if self.last_logits else x",
+        "return x[:, :1] if self.last_logits else x",
+        (
+            "tests/model/test_fast_paths.py::"
+            "test_a_prefill_without_logprobs_runs_the_head_over_its_last_position_alone",
+        ),
+    ),
+    Fault(
         "llama-fused-step-counts-an-empty-window",
         "a batch's fused decode step gives a row whose keys are all sinks its masked window's "
         "log-sum-exp of 0: the sinks share the softmax with a window that is not there",
