@@ -114,6 +114,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/ssm.py --write
 	$(PY) bench/llm.py --write
 	$(PY) bench/one_stream.py --write
+	$(PY) bench/prompt_head.py --write
 	$(PY) bench/llm_quality.py --write
 	$(PY) bench/state_precision.py --write
 	$(PY) bench/state_economy.py --turns 20 --long --also shakespeare --write

@@ -283,7 +283,11 @@ def recur_prompt(precision: str, threads: int, ids: list[int]):
     """recur prefilling the prompt into a new state, `segment_len` tokens a step, without
     log-probs (a completion's prompt), as the engine runs it: one call, timed."""
     torch.set_num_threads(threads)
-    lm = model.load("smollm2", device="cpu", precision=precision)
+    return prompt_run(model.load("smollm2", device="cpu", precision=precision), ids)
+
+
+def prompt_run(lm: model.LanguageModel, ids: list[int]):
+    """`lm` prefilling `ids` into a new state, as `recur_prompt` runs it: one call."""
     x = torch.tensor([ids])
 
     def run() -> None:

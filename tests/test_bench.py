@@ -92,6 +92,21 @@ def test_the_one_stream_bench_runs_both_steps() -> None:
     assert 1.1 * today["ops_per_call"] < before["ops_per_call"]
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_prompt_head_bench_runs_both_prefills() -> None:
+    """bench/prompt_head.py runs commit 4eae226's model/ beside today's (from `git
+    archive`). One round, int4 at one thread; what it counts (not its times): today's
+    512-token prompt runs its head over one position a chunk (2 rows) where the commit
+    before ran it over every token, and the FLOPs it counts drop by the head's 511 rows."""
+    result = _beside_its_baseline("prompt_head.py --rounds 1 --threads 1 --precisions int4", 500)
+    (row,) = result["rows"]
+    before, today = row["base"], row["today"]
+    assert before["head_rows"] == today["tokens"] == 512
+    assert today["head_rows"] == 2  # (two chunks of smollm2's 256-token segment)
+    assert today["flops"] < 0.85 * before["flops"]
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_burst_bench_runs_both_schedulers() -> None:
