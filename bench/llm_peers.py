@@ -542,7 +542,9 @@ def why(r: dict) -> str:
         "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
         "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "
         "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); the packed paths "
-        "dequantize each layer to bf16 for the same GEMM, a little slower. 16 streams: each server consumes the "
+        "dequantize each layer to bf16 for the same GEMM; int8 multiplies in int8. A prefill without log-probs "
+        "runs the head over each chunk's last position alone (section \"A prompt's head\"). 16 streams: each "
+        "server consumes the "
         "16 prompts and decodes 16 rows, and its aggregate counts both; recur's serial bound (the note under the "
         "table) is what its own prefill and step allow, "
         + bound
