@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from harness import arguments, model_at, publish, run
+from harness import arguments, beside, model_at, publish
 
 SECTION = "## A burst of prompts"
 BASE = "b1b9133"  # the commit before the budget per waiting row (c32e1d9)
@@ -200,10 +200,6 @@ def section(r: dict) -> str:
     return "\n".join(lines)
 
 
-def better(a: dict, b: dict) -> dict:
-    return a if a["tokens_per_s"] >= b["tokens_per_s"] else b
-
-
 def main() -> None:
     import llm_peers as peers
 
@@ -222,11 +218,7 @@ def main() -> None:
     with model_at(BASE, ("app", "model")) as tree:
         if tree is None:
             raise SystemExit(f"git cannot give commit {BASE}'s tree")
-        for _ in range(args.rounds):
-            before = run("burst.py", *flags, env={"PYTHONPATH": str(tree)})
-            r["base"] = better(before, r.get("base", before))
-            now = run("burst.py", *flags)
-            r["today"] = better(now, r.get("today", now))
+        r.update(beside("burst.py", tree, flags, args.rounds))
     r["limits"] = limits(args.precision, args.threads, r["today"]["prompt_tokens"])
     r["load"].append(os.getloadavg()[0])
     publish(SECTION, section(r), r, args.write)

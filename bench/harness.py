@@ -348,6 +348,46 @@ def run(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+def beside_arguments(doc: str, precisions: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The command line of a bench that runs an earlier commit's model/ beside today's per
+    weight precision and thread count (`beside`): `--threads`, `--precisions`, `--rounds`
+    and the internal `--side PRECISION,THREADS` (one side's measure, in its own process)."""
+    ap = arguments(doc)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
+    ap.add_argument("--precisions", default=",".join(precisions))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--side", help="PRECISION,THREADS: measure this process's model/ (internal)")
+    return ap
+
+
+def beside(script: str, tree: Path, flags: list[str], rounds: int) -> dict[str, dict]:
+    """`script` run with `flags` over `rounds` rounds, an earlier commit's tree (`tree`, from
+    `model_at`, first on the path) and today's alternating, so that a shared machine's load
+    falls on both alike -> {"base": ..., "today": ...}, each side's run of most tokens/s."""
+    sides: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, env in (("base", {"PYTHONPATH": str(tree)}), ("today", None)):
+            got = run(script, *flags, env=env)
+            if name not in sides or got["tokens_per_s"] > sides[name]["tokens_per_s"]:
+                sides[name] = got
+    return sides
+
+
+def beside_rows(script: str, base: str, args: argparse.Namespace, flags: tuple[str, ...] = ()) -> list[dict]:
+    """Per weight precision and thread count of `args` (`beside_arguments`): `script`'s side
+    run at commit `base`'s model/ and at today's (`beside`) -> rows of {precision, threads,
+    base, today}."""
+    rows = []
+    with model_at(base) as tree:
+        if tree is None:
+            raise SystemExit(f"git cannot give commit {base}'s tree")
+        for precision in args.precisions.split(","):
+            for t in [int(t) for t in args.threads.split(",")]:
+                sides = beside(script, tree, ["--side", f"{precision},{t}", *flags], args.rounds)
+                rows.append({"precision": precision, "threads": t, **sides})
+    return rows
+
+
 @contextlib.contextmanager
 def model_at(commit: str, parts: tuple[str, ...] = ("model",)) -> Iterator[Path | None]:
     """A folder holding `commit`'s model/ (and any other top-level `parts`, such as app/: a

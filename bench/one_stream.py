@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from harness import arguments, model_at, publish, run
+from harness import beside_arguments, beside_rows, publish
 
 SECTION = "## One stream's decode step"
 BASE = "edd0bff"  # the commit before one stream's step went to fewer calls
@@ -107,12 +107,8 @@ def section(r: dict) -> str:
 def main() -> None:
     from roofline import read_bandwidth
 
-    ap = arguments(__doc__)
-    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS))
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = beside_arguments(__doc__, PRECISIONS)
     ap.add_argument("--steps", type=int, default=40, help="timed steps per median")
-    ap.add_argument("--side", help="PRECISION,THREADS: measure this process's model/ (internal)")
     args = ap.parse_args()
     if args.side:
         precision, threads = args.side.split(",")
@@ -126,20 +122,7 @@ def main() -> None:
         "load": [os.getloadavg()[0]],
     }
     bandwidth = {str(t): read_bandwidth(t) for t in threads}
-    rows = []
-    with model_at(BASE) as tree:
-        if tree is None:
-            raise SystemExit(f"git cannot give commit {BASE}'s tree")
-        for precision in args.precisions.split(","):
-            for t in threads:
-                flags = ["--side", f"{precision},{t}", "--steps", str(args.steps)]
-                sides: dict[str, dict] = {}
-                for _ in range(args.rounds):
-                    for name, env in (("base", {"PYTHONPATH": str(tree)}), ("today", None)):
-                        got = run("one_stream.py", *flags, env=env)
-                        if name not in sides or got["tokens_per_s"] > sides[name]["tokens_per_s"]:
-                            sides[name] = got
-                rows.append({"precision": precision, "threads": t, **sides})
+    rows = beside_rows("one_stream.py", BASE, args, ("--steps", str(args.steps)))
     r["bandwidth"] = {str(t): max(bandwidth[str(t)], read_bandwidth(t)) for t in threads}
     r["rows"] = rows
     r["load"].append(os.getloadavg()[0])

@@ -27,7 +27,7 @@ import os
 import statistics
 
 import torch
-from harness import arguments, model_at, publish, run
+from harness import beside_arguments, beside_rows, publish
 
 SECTION = "## A prompt's head"
 BASE = "4eae226"  # the commit before a prefill without log-probs ran its head on one position
@@ -104,11 +104,7 @@ def section(r: dict) -> str:
 def main() -> None:
     from roofline import gemm_rate
 
-    ap = arguments(__doc__)
-    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS))
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--side", help="PRECISION,THREADS: measure this process's model/ (internal)")
+    ap = beside_arguments(__doc__, PRECISIONS)
     args = ap.parse_args()
     if args.side:
         precision, threads = args.side.split(",")
@@ -117,19 +113,7 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     r: dict = {"rounds": args.rounds, "cpus": os.cpu_count(), "load": [os.getloadavg()[0]]}
     gemm = {str(t): gemm_rate(t) for t in threads}
-    rows = []
-    with model_at(BASE) as tree:
-        if tree is None:
-            raise SystemExit(f"git cannot give commit {BASE}'s tree")
-        for precision in args.precisions.split(","):
-            for t in threads:
-                sides: dict[str, dict] = {}
-                for _ in range(args.rounds):
-                    for name, env in (("base", {"PYTHONPATH": str(tree)}), ("today", None)):
-                        got = run("prompt_head.py", "--side", f"{precision},{t}", env=env)
-                        if name not in sides or got["tokens_per_s"] > sides[name]["tokens_per_s"]:
-                            sides[name] = got
-                rows.append({"precision": precision, "threads": t, **sides})
+    rows = beside_rows("prompt_head.py", BASE, args)
     r["gemm"] = {str(t): max(gemm[str(t)], gemm_rate(t)) for t in threads}
     r["rows"], r["tokens"] = rows, rows[0]["today"]["tokens"]
     r["load"].append(os.getloadavg()[0])
