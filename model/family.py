@@ -6,7 +6,8 @@ so adding a family never touches `app/`.
 
 The contract a family must keep (it implements `advance`; `forward` gives it a fresh state
 when there is none):
-  * `forward(tokens [B,T], state) -> (logits [B,T,V], state')` consumes every token once;
+  * `forward(tokens [B,T], state) -> (logits [B,T,V], state')` consumes every token once
+    (the logits [B,1,V], the last position's, where `how.last_logits`);
   * `state'` carries everything needed for the next token's distribution, which
     `next_logits(state')` returns without recomputing anything;
   * feeding a stream in any chunking gives the same logits (the family documents any
