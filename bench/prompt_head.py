@@ -12,10 +12,10 @@ Per weight precision (fp32, int8, int4) and thread count: section 11's prompt (b
 llm_peers.py's `recur_prompt`: 512 tokens of held-out text into a new state, a chunk of
 `segment_len` a step, no log-probs), each side in a process of its own with its model/
 first on the path, the sides alternating over rounds, each one's best of three medians;
-the rows its head ran over and the FLOPs of its linear layers and head (counted by hooks
-on the modules, so each side counts its own); and the machine's limit, measured in the
-same run: those FLOPs at the fp32 GEMM rate of that many threads (bench/roofline.py's
-`gemm_rate`).
+the rows its head ran over (a hook on the head, so each side counts its own calls) and the
+FLOPs of its weight matrices (bench/llm.py's `llama_work` a token for the layers, the
+head's per row it ran over); and the machine's limit, measured in the same run: those
+FLOPs at the fp32 GEMM rate of that many threads (bench/roofline.py's `gemm_rate`).
 
 `--write` puts the section "## A prompt's head" into docs/BENCHMARKS.md.
 """
@@ -38,6 +38,7 @@ def measure(precision: str, threads: int) -> dict:
     """This process's model/: the prompt's tokens/s (best of 3 medians of 3 runs), the rows
     its head ran over and the FLOPs of its products (linear layers and head) per prompt."""
     import llm_peers as peers
+    from llm import llama_work
 
     import model
 
@@ -45,15 +46,15 @@ def measure(precision: str, threads: int) -> dict:
     ids = peers.prompt_ids()
     lm = model.load("smollm2", device="cpu", precision=precision)
     run_prompt = peers.prompt_run(lm, ids)
-    cfg = lm.config  # the linear layers' weights, per token: qkv, the output, gate-up and down
-    per_layer = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
-    per_layer += cfg.n_head * cfg.head_dim * cfg.d_model + 3 * cfg.d_model * cfg.d_ff
-    head_rows, flops = [0], [2 * cfg.n_layer * per_layer * len(ids)]
+    cfg = lm.config
+    head = 2 * cfg.d_model * cfg.vocab_size  # FLOPs a row through the head
+    work = llama_work(lm, lm.new_state(1))  # a token's weight matrices, the head's among them
+    head_rows, flops = [0], [(work.flops - work.attention_flops - head) * len(ids)]
 
     def counted(_module, args, _out) -> None:
         rows = args[0].shape[:-1].numel()
         head_rows[0] += rows
-        flops[0] += 2 * rows * cfg.d_model * cfg.vocab_size
+        flops[0] += rows * head
 
     handle = lm.head.register_forward_hook(counted)
     run_prompt()

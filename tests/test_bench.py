@@ -92,7 +92,6 @@ def test_the_one_stream_bench_runs_both_steps() -> None:
     assert 1.1 * today["ops_per_call"] < before["ops_per_call"]
 
 
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_prompt_head_bench_runs_both_prefills() -> None:
@@ -106,6 +105,7 @@ def test_the_prompt_head_bench_runs_both_prefills() -> None:
     assert before["head_rows"] == today["tokens"] == 512
     assert today["head_rows"] == 2  # (two chunks of smollm2's 256-token segment)
     assert today["flops"] < 0.85 * before["flops"]
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
