@@ -35,6 +35,11 @@ Serving never depends on the compile:
 - Processes on one host share inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one
   compiles at a time (`_host_lock`), so replicas started together never build the same
   kernel at once; the next finds the cache warm.
+- Dynamo checks a graph's guards before every call; those on the model's own modules (each
+  parameter, buffer and config value) are dropped (`guards_kept`): the engine never changes a
+  model it serves, and a step's graphs are its own (`isolate_recompiles`), never looked up
+  for another model's forward. The guards on the step's inputs (the tokens, the state's
+  tensors and layout) all stay.
 - A compiled step or part that raises at serve time is dropped, and the step runs eagerly
   from the same input (neither grows its input state in place): no request fails for it.
 
@@ -90,6 +95,7 @@ PROBE_ROWS = (1, 4, 16, 64)  # the batch classes: a batch runs as the smallest c
 # calls between its kernels (shipped `shakespeare-rlt`: 0.5 ms a step against 0.65), at the
 # price of a compile several times as long, in the background
 CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+CUDA_STEP_OPTIONS: dict[str, Any] = {"triton.cudagraphs": True}  # mode reduce-overhead's options
 NICE = 10  # the compile thread's niceness: below the serving threads' share of the CPU
 
 # held by the engine thread for each step, and by every torch.fx trace (`serialise_tracing`)
@@ -136,9 +142,26 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
-def _options(lm: LanguageModel) -> dict[str, Any] | None:
-    """Inductor's options for this model's device (the step's and the parts' alike)."""
-    return CPU_OPTIONS if lm.device.type == "cpu" else None
+def guards_kept(entries: list[Any]) -> list[bool]:
+    """Which of a compiled graph's guards dynamo checks before every call: those on its
+    inputs (the tokens, the state's tensors, their shapes and strides, which time axes are
+    full), not those on the model's modules (each parameter's and buffer's identity, shape
+    and stride, each attribute and config value read). The engine never changes a model it
+    serves: it is built once, and `DecodeStep` compiles that one. The model's guards were
+    most of them: smollm2's int4 step checked them in 1.1 ms of its 9 ms (2 threads), and
+    without them ran 1.11x faster (docs/BENCHMARKS.md, section "A compiled step's guards")."""
+    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+
+
+def _options(lm: LanguageModel, step: bool = False) -> dict[str, Any]:
+    """torch.compile's options for this model's device: inductor's (on CUDA, the step
+    replayed as a CUDA graph: mode reduce-overhead's option) and the guards kept
+    (`guards_kept`); the step's and the parts' alike."""
+    if lm.device.type == "cpu":
+        own = CPU_OPTIONS
+    else:
+        own = CUDA_STEP_OPTIONS if step else {}
+    return {**own, "guard_filter_fn": guards_kept}
 
 
 def batch_class(rows: int, classes: tuple[int, ...] = PROBE_ROWS) -> int:
@@ -311,10 +334,7 @@ def _compile(lm: LanguageModel) -> Step:
     # `forward` past 8 sent the step to eager while it was counted compiled
     # (tests/app/test_compiler_llama.py::test_other_graphs_of_forward_leave_the_compiled_step_its_own).
     how: dict[str, Any] = {"dynamic": True, "recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
-    if lm.device.type == "cuda":
-        step = torch.compile(lm.forward, mode="reduce-overhead", **how)
-    else:
-        step = torch.compile(lm.forward, options=_options(lm), **how)
+    step = torch.compile(lm.forward, options=_options(lm, step=True), **how)
 
     def compiled(tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         # a state in arenas (stacked for decoding, or grown in place by an eager forward) has

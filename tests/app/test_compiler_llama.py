@@ -106,18 +106,32 @@ def test_the_probe_adopts_a_step_within_the_bound_and_refuses_one_beyond(monkeyp
 
 # -- the real compile -------------------------------------------------------------------------
 _BUILT: dict[str, tuple] = {}
+_GUARDS: dict[str, list[tuple[str, bool]]] = {}  # each guard dynamo made, by name, and whether kept
 
 
 def _compiled(precision: str) -> tuple:
     """The model and its DecodeStep after the probe, once per precision for this module.
-    margin inf: adopted wherever it agrees, however fast, so that it surely serves here."""
+    margin inf: adopted wherever it agrees, however fast, so that it surely serves here.
+    The compile's guards, and which it kept, are recorded in `_GUARDS`."""
     if precision not in _BUILT:
         lm = _model(precision)
         step = DecodeStep(lm, compile=True, margin=math.inf, max_rows=1)
         breaks = sum(counters["graph_break"].values())
-        step.start()
-        assert step._thread is not None
-        step._thread.join(timeout=600)
+        seen = _GUARDS.setdefault(precision, [])
+        kept = compiler.guards_kept
+
+        def recorded(entries: list) -> list[bool]:
+            keep = kept(entries)
+            seen.extend((entry.name, k) for entry, k in zip(entries, keep, strict=True))
+            return keep
+
+        compiler.guards_kept = recorded
+        try:
+            step.start()
+            assert step._thread is not None
+            step._thread.join(timeout=600)
+        finally:
+            compiler.guards_kept = kept
         assert step.status.state == "ready", step.status.error
         # one graph: no break on the kernels or the cache
         assert sum(counters["graph_break"].values()) == breaks
@@ -149,6 +163,19 @@ def test_the_compiled_llama_step_is_adopted_within_its_bound(precision):
     # arena; a guard that refused a state would have compiled again, or run eagerly)
     assert not compiled.arenas and eager.arenas
     assert compiled["k"].shape == eager["k"].shape == (1, 2, 40, 32)
+
+
+def test_the_compiled_step_checks_its_inputs_not_the_model():
+    """Before every call dynamo checks a graph's guards; those on the model (each parameter,
+    buffer and config value: the engine never changes a model it serves) are dropped, and
+    every one on the step's inputs (the tokens, the state's tensors and layout) is kept."""
+    _compiled("fp32")
+    guards = _GUARDS["fp32"]
+    dropped = [name for name, kept in guards if not kept]
+    inputs = [kept for name, kept in guards if name.startswith(("state", "tokens"))]
+    # (the model's attributes, and its class's: `family`, `persistent`)
+    assert dropped and all(name.startswith("self") or "type(self)" in name for name in dropped)
+    assert inputs and all(inputs)
 
 
 @pytest.mark.slow
