@@ -93,6 +93,27 @@ def test_the_one_stream_bench_runs_both_steps() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_compiled_guards_bench_runs_both_compiled_steps() -> None:
+    """bench/compiled_guards.py compiles the shipped smollm2's int4 step twice (the second
+    from inductor's cache) and runs it beside the eager step. One round, one thread, a few
+    steps; what it counts (not its times): the engine's compiled step checks under a tenth
+    of the guards that checking every one does, and the same bytes are read."""
+    out = subprocess.run(
+        [sys.executable, "compiled_guards.py", "--threads", "1", "--rounds", "1", "--steps", "4"],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))
+    (row,) = result["rows"]
+    assert 10 * row["guards"]["the inputs' guards"] < row["guards"]["every guard"]
+    assert row["bytes"] > 0 and set(row["tokens_per_s"]) == {"eager", "every guard", "the inputs' guards"}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_prompt_head_bench_runs_both_prefills() -> None:
     """bench/prompt_head.py runs commit 4eae226's model/ beside today's (from `git
