@@ -205,6 +205,14 @@ FAULTS: tuple[Fault, ...] = (
         "            if (ok := all(s[3] for s in sampled)) and r.ids:\n",
         ("tests/faults/test_batch_faults.py::test_a_row_with_non_finite_logits_fails_alone[1]",),
     ),
+    Fault(
+        "compiled-step-drops-its-inputs-guards",
+        "the compiled step checks no guard at all, its inputs' (the state's shapes, its full axes) included",
+        "app/engine/compiler.py",
+        "    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)",
+        "    return torch.compiler.skip_all_guards_unsafe(entries)",
+        ("tests/app/test_compiler_llama.py::test_the_compiled_step_checks_its_inputs_not_the_model",),
+    ),
     # -- prefix reuse ------------------------------------------------------------------------
     Fault(
         "prefix-indexed-one-token-short",
