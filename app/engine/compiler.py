@@ -35,11 +35,11 @@ Serving never depends on the compile:
 - Processes on one host share inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one
   compiles at a time (`_host_lock`), so replicas started together never build the same
   kernel at once; the next finds the cache warm.
-- Dynamo checks a graph's guards before every call; those on the model's own modules (each
-  parameter, buffer and config value) are dropped (`guards_kept`): the engine never changes a
-  model it serves, and a step's graphs are its own (`isolate_recompiles`), never looked up
-  for another model's forward. The guards on the step's inputs (the tokens, the state's
-  tensors and layout) all stay.
+- Dynamo checks a graph's guards before every call; the step's on the model's own modules
+  (each parameter, buffer and config value) are dropped (`guards_kept`): the engine never
+  changes a model it serves, and the step's graphs are its own (`isolate_recompiles`), never
+  looked up for another model's forward. The guards on the step's inputs (the tokens, the
+  state's tensors and layout) all stay, and the parts keep every guard.
 - A compiled step or part that raises at serve time is dropped, and the step runs eagerly
   from the same input (neither grows its input state in place): no request fails for it.
 
@@ -148,20 +148,19 @@ def guards_kept(entries: list[Any]) -> list[bool]:
     full), not those on the model's modules (each parameter's and buffer's identity, shape
     and stride, each attribute and config value read). The engine never changes a model it
     serves: it is built once, and `DecodeStep` compiles that one. The model's guards were
-    most of them: smollm2's int4 step checked them in 1.1 ms of its 9 ms (2 threads), and
-    without them ran 1.11x faster (docs/BENCHMARKS.md, section "A compiled step's guards")."""
+    most of them: smollm2's int4 step checked 3,991 guards, 1.0-1.2 ms a step, and 208 without
+    them, 1.07-1.10x faster (docs/BENCHMARKS.md, section "A compiled step's guards")."""
     return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
 
 
 def _options(lm: LanguageModel, step: bool = False) -> dict[str, Any]:
-    """torch.compile's options for this model's device: inductor's (on CUDA, the step
-    replayed as a CUDA graph: mode reduce-overhead's option) and the guards kept
-    (`guards_kept`); the step's and the parts' alike."""
-    if lm.device.type == "cpu":
-        own = CPU_OPTIONS
-    else:
-        own = CUDA_STEP_OPTIONS if step else {}
-    return {**own, "guard_filter_fn": guards_kept}
+    """torch.compile's options for this model's device: inductor's, and for the step (whose
+    graphs are its own, `isolate_recompiles`) on CUDA the step replayed as a CUDA graph (mode
+    reduce-overhead's option) and only its inputs' guards (`guards_kept`). The parts keep
+    every guard: their graphs are looked up by their function's code, which another model
+    of the family shares."""
+    own = CPU_OPTIONS if lm.device.type == "cpu" else CUDA_STEP_OPTIONS if step else {}
+    return {**own, "guard_filter_fn": guards_kept} if step else dict(own)
 
 
 def batch_class(rows: int, classes: tuple[int, ...] = PROBE_ROWS) -> int:
