@@ -103,8 +103,8 @@ test-image: $(STAMP)
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
 # each from its own run: prefix reuse, many streams (issue 30's figures) and a burst of
 # prompts, the SSMs (issue 29), the assistant's speed (and one stream's step against the code
-# before, and its compiled step's guards), its quality and the cost of its state dtypes (long: two hours), and what a session
-# costs in Redis, turn by turn on each route (issue 41)
+# before, and its compiled step's guards), its quality and the cost of its state dtypes (long:
+# two hours), and what a session costs in Redis, turn by turn on each route (issue 41)
 bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
 	$(PY) bench/chat_reuse.py --write

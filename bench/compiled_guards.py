@@ -24,10 +24,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 
 import torch
-from harness import beside_arguments, publish, run
+from harness import beside_arguments, publish, run, started
 
 SECTION = "## A compiled step's guards"
 VARIANTS = ("eager", "every guard", "the inputs' guards")
@@ -185,12 +184,7 @@ def main() -> None:
         )
         return
     threads = [int(t) for t in args.threads.split(",")]
-    r: dict = {
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "cpus": os.cpu_count(),
-        "load": [os.getloadavg()[0]],
-    }
+    r = started(steps=args.steps, rounds=args.rounds)
     bandwidth = {t: read_bandwidth(t) for t in threads}
     flags = ["--steps", str(args.steps), "--rounds", str(args.rounds)] + (
         ["--llama-cpp"] if args.llama_cpp else []
@@ -206,4 +200,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -422,6 +422,12 @@ def write_section(heading: str, section: str) -> None:
     print(f"wrote the section {heading!r} of {BENCHMARKS}")
 
 
+def started(**figures: object) -> dict:
+    """A benchmark's record at its start: the machine's cores and its load average (1 minute;
+    the caller appends the one at the end), with `figures`."""
+    return {**figures, "cpus": os.cpu_count(), "load": [os.getloadavg()[0]]}
+
+
 def emit(result: dict) -> None:
     """The last line of every benchmark's output: its figures as JSON (for bench/report.py)."""
     print("RESULT " + json.dumps(result))

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from harness import Redis, Server, arguments, publish
+from harness import Redis, Server, arguments, publish, started
 
 import model
 from app.embedded_redis import free_port
@@ -572,7 +572,7 @@ def main() -> None:
     gguf = model.checkpoint.resolve("smollm2")
     parts = args.parts.split(",")
     T = args.threads
-    r: dict = {"threads": T, "cpus": os.cpu_count(), "load": [os.getloadavg()[0]]}
+    r = started(threads=T)
     if "batch-1" in parts:
         r["batch_1"] = batch_1(gguf, T, args.steps)
         print(f"batch-1 decode tokens/s: {json.dumps(r['batch_1'])}", flush=True)

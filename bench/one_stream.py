@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from harness import beside_arguments, beside_rows, publish
+from harness import beside_arguments, beside_rows, publish, started
 
 SECTION = "## One stream's decode step"
 BASE = "edd0bff"  # the commit before one stream's step went to fewer calls
@@ -115,12 +115,7 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(precision, int(threads), args.steps)))
         return
     threads = [int(t) for t in args.threads.split(",")]
-    r: dict = {
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "cpus": os.cpu_count(),
-        "load": [os.getloadavg()[0]],
-    }
+    r = started(rounds=args.rounds, steps=args.steps)
     bandwidth = {str(t): read_bandwidth(t) for t in threads}
     rows = beside_rows("one_stream.py", BASE, args, ("--steps", str(args.steps)))
     r["bandwidth"] = {str(t): max(bandwidth[str(t)], read_bandwidth(t)) for t in threads}

@@ -27,7 +27,7 @@ import os
 import statistics
 
 import torch
-from harness import beside_arguments, beside_rows, publish
+from harness import beside_arguments, beside_rows, publish, started
 
 SECTION = "## A prompt's head"
 BASE = "4eae226"  # the commit before a prefill without log-probs ran its head on one position
@@ -112,7 +112,7 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(precision, int(threads))))
         return
     threads = [int(t) for t in args.threads.split(",")]
-    r: dict = {"rounds": args.rounds, "cpus": os.cpu_count(), "load": [os.getloadavg()[0]]}
+    r = started(rounds=args.rounds)
     gemm = {str(t): gemm_rate(t) for t in threads}
     rows = beside_rows("prompt_head.py", BASE, args)
     r["gemm"] = {str(t): max(gemm[str(t)], gemm_rate(t)) for t in threads}

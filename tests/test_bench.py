@@ -66,9 +66,9 @@ def test_the_gpu_smoke_runs_every_path_as_a_dry_run() -> None:
     assert out.stdout.count("compiled fp32 batch   1, state full") == 4, out.stdout[-3000:]
 
 
-def _beside_its_baseline(command: str, timeout: int) -> dict:
-    """The figures of a bench that runs an earlier commit's tree (from `git archive`) beside
-    today's: `command` run in bench/; skipped where git cannot give that commit."""
+def _bench_figures(command: str, timeout: int) -> dict:
+    """The figures (its RESULT line) of a bench: `command` run in bench/; skipped where the
+    bench runs an earlier commit's tree beside today's and git cannot give that commit."""
     out = subprocess.run(
         [sys.executable, *command.split()], cwd=BENCH, capture_output=True, text=True, timeout=timeout
     )
@@ -85,7 +85,7 @@ def test_the_one_stream_bench_runs_both_steps() -> None:
     One round, int4 at one thread, a few steps; what it counts (not its times): today's
     batch-1 step runs fewer ops than before (the profiler's, as section 9 counts them), over
     the same bytes."""
-    result = _beside_its_baseline("one_stream.py --rounds 1 --threads 1 --precisions int4 --steps 8", 500)
+    result = _bench_figures("one_stream.py --rounds 1 --threads 1 --precisions int4 --steps 8", 500)
     (row,) = result["rows"]
     before, today = row["base"], row["today"]
     assert today["bytes"] == before["bytes"] > 0
@@ -99,15 +99,7 @@ def test_the_compiled_guards_bench_runs_both_compiled_steps() -> None:
     from inductor's cache) and runs it beside the eager step. One round, one thread, a few
     steps; what it counts (not its times): the engine's compiled step checks under a tenth
     of the guards that checking every one does, and the same bytes are read."""
-    out = subprocess.run(
-        [sys.executable, "compiled_guards.py", "--threads", "1", "--rounds", "1", "--steps", "4"],
-        cwd=BENCH,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads(out.stdout.splitlines()[-1].removeprefix("RESULT "))
+    result = _bench_figures("compiled_guards.py --threads 1 --rounds 1 --steps 4", 1100)
     (row,) = result["rows"]
     assert 10 * row["guards"]["the inputs' guards"] < row["guards"]["every guard"]
     assert row["bytes"] > 0 and set(row["tokens_per_s"]) == {"eager", "every guard", "the inputs' guards"}
@@ -120,7 +112,7 @@ def test_the_prompt_head_bench_runs_both_prefills() -> None:
     archive`). One round, int4 at one thread; what it counts (not its times): today's
     512-token prompt runs its head over one position a chunk (2 rows) where the commit
     before ran it over every token, and the FLOPs it counts drop by the head's 511 rows."""
-    result = _beside_its_baseline("prompt_head.py --rounds 1 --threads 1 --precisions int4", 500)
+    result = _bench_figures("prompt_head.py --rounds 1 --threads 1 --precisions int4", 500)
     (row,) = result["rows"]
     before, today = row["base"], row["today"]
     assert before["head_rows"] == today["tokens"] == 512
@@ -137,7 +129,7 @@ def test_the_burst_bench_runs_both_schedulers() -> None:
     under half the forwards and reaching a full batch in under half the steps. One torch
     thread: at two, beside the other worker's tests on two cores, one side ran at 7 tokens/s
     and the run passed 800 s (7 Dec); at one, 2 min 15 s alone."""
-    result = _beside_its_baseline("burst.py --rounds 1 --threads 1", 800)
+    result = _bench_figures("burst.py --rounds 1 --threads 1", 800)
     before, today = result["base"], result["today"]
     assert today["prompt_tokens"] == before["prompt_tokens"] > 0
     # (measured: 21 forwards against 73, a full batch at step 11 against 59; today's equal

@@ -48,6 +48,13 @@ def _attr(driver, element_id: str, name: str) -> str | None:
     return driver.find_element("id", element_id).get_attribute(name)
 
 
+def _versions(driver, selector: str) -> list[int]:
+    """The `data-version` of every element `selector` matches, read in one script: the page
+    may re-render a list between a lookup and a read of its elements (a stale element)."""
+    script = "return [...document.querySelectorAll(arguments[0])].map(e => Number(e.dataset.version))"
+    return driver.execute_script(script, selector)
+
+
 def _status(driver) -> str:
     return driver.find_element("id", "status").text
 
@@ -280,8 +287,7 @@ def test_fork_here_copies_the_history_up_to_that_version(browser, server, http):
 
     d = browser
     _open(d, server, sid)
-    rows = d.find_elements("css selector", "#versions li")
-    assert [int(r.get_attribute("data-version")) for r in rows] == [0, 1, 2]
+    assert _versions(d, "#versions li") == [0, 1, 2]
     d.find_element("css selector", '#versions li[data-version="1"] button.fork-here').click()
     _wait(d, lambda _: _attr(d, "info", "data-id") not in (None, sid))
     fork = _attr(d, "info", "data-id")
@@ -293,8 +299,7 @@ def test_fork_here_copies_the_history_up_to_that_version(browser, server, http):
     assert _ids(t["segments"]) == _ids(upto) and t["complete"]
     assert t["n_tokens"] == kept[1]["n_tokens"] == int(_attr(d, "info", "data-n-tokens") or -1)
     # the page shows the inherited history as the parent's
-    inherited = d.find_elements("css selector", f'#transcript .seg[data-session="{sid}"]')
-    assert [int(s.get_attribute("data-version")) for s in inherited] == [0, 1]
+    assert _versions(d, f'#transcript .seg[data-session="{sid}"]') == [0, 1]
     assert http.get(f"/v1/sessions/{sid}").json()["version"] == 2  # the parent is untouched
 
 
