@@ -33,9 +33,26 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 
 
 def _wait(driver, predicate, timeout: float = 60):
+    """Wait until `predicate` holds; an element the page re-rendered meanwhile (stale) is
+    looked up again at the next poll."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: predicate(d))
+    wait = WebDriverWait(
+        driver, timeout, poll_frequency=0.05, ignored_exceptions=[StaleElementReferenceException]
+    )
+    return wait.until(lambda d: predicate(d))
+
+
+def _click(driver, selector: str) -> None:
+    """Click the element `selector` matches, looking it up again if the page re-rendered it
+    between the lookup and the click (the session list is redrawn by each list load)."""
+
+    def clicked(d) -> bool:
+        d.find_element("css selector", selector).click()
+        return True
+
+    _wait(driver, clicked)
 
 
 def _set(driver, element_id: str, value: str) -> None:
@@ -48,11 +65,20 @@ def _attr(driver, element_id: str, name: str) -> str | None:
     return driver.find_element("id", element_id).get_attribute(name)
 
 
-def _versions(driver, selector: str) -> list[int]:
-    """The `data-version` of every element `selector` matches, read in one script: the page
+def _attrs(driver, selector: str, name: str) -> list[str | None]:
+    """Attribute `name` of every element `selector` matches, read in one script: the page
     may re-render a list between a lookup and a read of its elements (a stale element)."""
-    script = "return [...document.querySelectorAll(arguments[0])].map(e => Number(e.dataset.version))"
-    return driver.execute_script(script, selector)
+    script = "return [...document.querySelectorAll(arguments[0])].map(e => e.getAttribute(arguments[1]))"
+    return driver.execute_script(script, selector, name)
+
+
+def _text(driver, selector: str) -> str:
+    """The rendered text of the element `selector` matches, looked up and read in one script."""
+    return driver.execute_script("return document.querySelector(arguments[0]).innerText", selector)
+
+
+def _versions(driver, selector: str) -> list[int]:
+    return [int(v or -1) for v in _attrs(driver, selector, "data-version")]
 
 
 def _status(driver) -> str:
@@ -69,8 +95,7 @@ def _open(driver, server: ServerProcess, sid: str | None = None, key: str = KEY)
     driver.find_element("id", "api-key").send_keys(key, Keys.TAB)  # the change event
     _wait(driver, lambda d: _attr(d, "sessions", "data-state") == "loaded" and "error" not in _status(d))
     if sid is not None:
-        _wait(driver, lambda d: d.find_elements("css selector", f'#sessions button[data-id="{sid}"]'))
-        driver.find_element("css selector", f'#sessions button[data-id="{sid}"]').click()
+        _click(driver, f'#sessions button[data-id="{sid}"]')
         _shown(driver, sid)
 
 
@@ -170,17 +195,17 @@ def test_session_list_shows_the_keys_sessions_and_opens_one(browser, server, htt
         theirs = other.post("/v1/sessions", json={"prompt": "x"}).json()["id"]
     d = browser
     _open(d, server)
-    _wait(d, lambda _: d.find_elements("css selector", f'#sessions button[data-id="{mine}"]'))
-    listed = {b.get_attribute("data-id") for b in d.find_elements("css selector", "#sessions button")}
+    entry = f'#sessions button[data-id="{mine}"]'
+    _wait(d, lambda _: d.find_elements("css selector", entry))
+    listed = set(_attrs(d, "#sessions button", "data-id"))
     api = {s["id"] for s in http.get("/v1/sessions", params={"limit": 1000}).json()["sessions"]}
     assert listed == api and theirs not in listed  # the key's sessions, and only those
-    entry = d.find_element("css selector", f'#sessions button[data-id="{mine}"]')
     s = http.get(f"/v1/sessions/{mine}").json()
-    assert f"v{s['version']} · {s['n_tokens']} tokens" in entry.text
-    entry.click()
+    assert f"v{s['version']} · {s['n_tokens']} tokens" in _text(d, entry)
+    _click(d, entry)
     _shown(d, mine)
     assert _attr(d, "info", "data-version") == "1" and _attr(d, "info", "data-n-tokens") == str(s["n_tokens"])
-    assert entry.get_attribute("aria-current") == "true"
+    assert _attrs(d, entry, "aria-current") == ["true"]
 
 
 def test_create_generate_fork_delete(browser, server, http):
@@ -223,7 +248,7 @@ def test_create_generate_fork_delete(browser, server, http):
     _wait(d, lambda _: "deleted" in _status(d))
     assert http.get(f"/v1/sessions/{fork}").status_code == 404
     assert http.get(f"/v1/sessions/{sid}").status_code == 200
-    ids = [b.get_attribute("data-id") for b in d.find_elements("css selector", "#sessions button")]
+    ids = _attrs(d, "#sessions button", "data-id")
     assert sid in ids and fork not in ids
 
 
@@ -288,7 +313,7 @@ def test_fork_here_copies_the_history_up_to_that_version(browser, server, http):
     d = browser
     _open(d, server, sid)
     assert _versions(d, "#versions li") == [0, 1, 2]
-    d.find_element("css selector", '#versions li[data-version="1"] button.fork-here').click()
+    _click(d, '#versions li[data-version="1"] button.fork-here')
     _wait(d, lambda _: _attr(d, "info", "data-id") not in (None, sid))
     fork = _attr(d, "info", "data-id")
     assert fork is not None
@@ -311,9 +336,9 @@ def test_roll_back_to_here(browser, server, http):
 
     d = browser
     _open(d, server, sid)
-    current = d.find_element("css selector", '#versions li[data-version="2"] button.rollback-here')
-    assert not current.is_enabled()  # rolling back to the current version would change nothing
-    d.find_element("css selector", '#versions li[data-version="1"] button.rollback-here').click()
+    # rolling back to the current version would change nothing
+    assert _attrs(d, '#versions li[data-version="2"] button.rollback-here', "disabled") == [""]  # (present)
+    _click(d, '#versions li[data-version="1"] button.rollback-here')
     _wait(d, lambda _: _attr(d, "info", "data-version") == "3")
     _shown(d, sid)
     s = http.get(f"/v1/sessions/{sid}").json()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import model
-from tests.app.test_playground import KEY, OTHER, _attr, _open, _set, _shown, _wait
+from tests.app.test_playground import KEY, OTHER, _attr, _attrs, _click, _open, _set, _shown, _text, _wait
 from tests.conftest import ServerProcess
 
 SERVER_SETTINGS = {"max_tokens": 1000, "api_keys": f"{KEY}, {OTHER}", "cpu_threads": 1}
@@ -103,9 +103,11 @@ def _chat_shown(d, sid: str, messages: list[tuple[str, str]]) -> None:
     box = "#bubbles"
     _wait(
         d,
-        lambda _: _attr(d, "view-chat", "aria-pressed") == "true"
-        and d.find_element("css selector", box).get_attribute("data-session") == sid
-        and d.find_element("css selector", box).get_attribute("data-state") == "loaded",
+        lambda _: (
+            _attr(d, "view-chat", "aria-pressed") == "true"
+            and d.find_element("css selector", box).get_attribute("data-session") == sid
+            and d.find_element("css selector", box).get_attribute("data-state") == "loaded"
+        ),
     )
     assert [(r, t) for r, _, t in _bubbles(d)] == messages
     assert _attr(d, "info", "data-id") == sid
@@ -183,16 +185,15 @@ def test_the_list_shows_each_sessions_model_and_a_chats_first_user_message(
 
     _wait(d, lambda _: button(chat))
     assert not button(theirs)
-    b = button(chat)[0]
-    assert b.get_attribute("data-model") == served
-    assert b.text.startswith("What is the capital of France?") and f" · {served} · " in b.text
+    mine, their = (f'#sessions button[data-id="{sid}"]' for sid in (chat, theirs))
+    assert _attrs(d, mine, "data-model") == [served]
+    assert _text(d, mine).startswith("What is the capital of France?") and f" · {served} · " in _text(d, mine)
     d.find_element("id", "all-models").click()
     _wait(d, lambda _: button(theirs))
-    t = button(theirs)[0]
-    assert t.get_attribute("data-model") == other and f"(a {other} session)" in t.text
+    assert _attrs(d, their, "data-model") == [other] and f"(a {other} session)" in _text(d, their)
     assert button(chat) and button(raw)
     # opened, it says whose it is, and offers no Generate the server would refuse
-    t.click()
+    _click(d, their)
     _shown(d, theirs)
     assert "not the served model" in d.find_element("id", "info").text
     assert d.find_element("id", "generate").get_attribute("disabled")
