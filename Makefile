@@ -103,7 +103,7 @@ test-image: $(STAMP)
 # report.py rewrites docs/BENCHMARKS.md; the scripts after it put their own sections back,
 # each from its own run: prefix reuse, many streams (issue 30's figures) and a burst of
 # prompts, the SSMs (issue 29), the assistant's speed (and one stream's step against the code
-# before, and its compiled step's guards), its quality and the cost of its state dtypes (long:
+# before, and its compiled step's guards and window), its quality and the cost of its state dtypes (long:
 # two hours), and what a session costs in Redis, turn by turn on each route (issue 41)
 bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/report.py
@@ -116,6 +116,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(PY) bench/one_stream.py --write
 	$(PY) bench/prompt_head.py --write
 	$(PY) bench/compiled_guards.py --write
+	$(PY) bench/compiled_window.py --write
 	$(PY) bench/llm_quality.py --write
 	$(PY) bench/state_precision.py --write
 	$(PY) bench/state_economy.py --turns 20 --long --also shakespeare --write

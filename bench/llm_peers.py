@@ -208,14 +208,15 @@ def recur_stepper(precision: str, threads: int):
     return stepper(model.load("smollm2", device="cpu", precision=precision))
 
 
-def stepper(lm: model.LanguageModel, forward=None):
-    """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`); `forward`
-    (tokens, state) -> (logits, state) is the forward it runs: `lm`'s eager one, or the
-    engine's `DecodeStep` (compiled where its probe adopted it)."""
+def stepper(lm: model.LanguageModel, forward=None, state: model.State | None = None):
+    """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`) or from `state`;
+    `forward` (tokens, state) -> (logits, state) is the forward it runs: `lm`'s eager one,
+    or the engine's `DecodeStep` (compiled where its probe adopted it)."""
     assert lm.tokenizer is not None
     forward = forward or lm
-    with torch.no_grad():
-        _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
+    if state is None:
+        with torch.no_grad():
+            _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
     box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
 
     @torch.no_grad()

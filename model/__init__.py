@@ -10,7 +10,7 @@ This package knows nothing of HTTP, Redis or asyncio.
 """
 
 from .checkpoint import init, load, shipped
-from .family import FUNCTIONAL, IN_PLACE, ContextFull, Execution, LanguageModel
+from .family import FUNCTIONAL, IN_PLACE, ContextFull, Execution, LanguageModel, compiled_in_place
 from .native import build, fingerprint, save
 from .state import State, StateError
 from .tokenizer import ByteTokenizer
@@ -25,6 +25,7 @@ __all__ = [
     "State",
     "StateError",
     "build",
+    "compiled_in_place",
     "fingerprint",
     "init",
     "load",

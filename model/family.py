@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .generation_config import GenerationConfig
-from .state import Arena, Declared, State, merge
+from .state import Arena, Declared, Readied, State, merge
 from .state import precision as grid
 from .state.blob import precision_of
 from .state.layout import StateLayout, TimeAxis
@@ -53,6 +53,9 @@ class Execution:
       functionally, a new tensor per step, which autograd and a compiled graph follow;
     - `parts`: compiled versions of the family's `parts()`, by name, to run in place of its
       own (an RLT per-token step, say);
+    - `readied`: time axes a caller readied for this forward outside a compiled graph
+      (`model.state.Readied`, by name: `compiled_in_place` does it), which it appends to in
+      place inside the graph;
     - `last_logits`: whether the caller reads only the last position's logits (a prefill
       without log-probs, which wants `next_logits` alone): the head then runs over that
       position only (`logit_rows`) and the logits come back [B, 1, V]. A head is one
@@ -66,6 +69,7 @@ class Execution:
 
     in_place: bool = False
     parts: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    readied: Mapping[str, Readied] = dataclasses.field(default_factory=dict)
     last_logits: bool = False
 
     def logit_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +79,8 @@ class Execution:
 
 FUNCTIONAL = Execution()
 IN_PLACE = Execution(in_place=True)
+# a one-token forward: tokens [B, T] and a state -> logits and the next state
+Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
 
 class LanguageModel(nn.Module):
@@ -285,6 +291,12 @@ class LanguageModel(nn.Module):
         time-major (`model.state.Arena`): a stacked batch starts in such arenas (`State.stack`)."""
         return {}
 
+    def readied_layouts(self) -> dict[str, bool]:
+        """The time axes whose growth takes a readied arena (`Execution.readied`), with their
+        layouts: those a compiled step appends to in place (`compiled_in_place`). None by
+        default: a compiled step grows its state functionally."""
+        return {}
+
     def split_state(self, state: State) -> list[State]:
         return state.split(self.state_lengths(state))
 
@@ -341,6 +353,41 @@ def untracked(lm: nn.Module, state: State) -> bool:
     return not any(p.requires_grad for p in lm.parameters()) and not any(
         t.requires_grad for t in state.tensors.values()
     )
+
+
+def compiled_in_place(lm: LanguageModel, forward: Callable[..., tuple[torch.Tensor, State]]) -> Step:
+    """`forward` (`lm.forward` compiled) as a step that appends to one stream's arenas in
+    place, for the axes the family names (`readied_layouts`): before each call, each axis's
+    arena is readied outside the graph (room made, the step's rows claimed,
+    `model.state.Window.readied`), the graph appends its rows to the arena's layers, and the
+    state it returns is given its arenas back, so that the next step appends after it (an
+    eager step, or the graph again). The other axes grow functionally inside the graph.
+
+    Several rows, or a family that names no axis, get `forward` as it is, given a plain state
+    (one memory layout, whatever grew it: a state in arenas would make the graph compile
+    again). Not several rows in place: torch 2.13's AOTAutograd gives the base of a view
+    input (the arena behind the layers) symbols of its own, which dynamo's guards cannot name
+    once the batch is symbolic (`sources must not be empty for symbol`, on every compile
+    that misses inductor's cache; one row's batch is a constant and names none)."""
+    layouts = lm.readied_layouts()
+    bounds = {name: axis.bound for name, axis in lm.time_axes().items()}
+
+    def step(tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        T = tokens.shape[1]
+        if not layouts or tokens.shape[0] != 1:
+            return forward(tokens, state.plain() if state.arenas else state)
+        readied: dict[str, Readied] = {}
+        arenas: dict[str, Arena] = {}
+        with torch.no_grad():  # (a state grows in place only without autograd)
+            for name, time_major in layouts.items():
+                window = state.window(name)
+                keep = min(bounds[name], window.rows.shape[2] + T)
+                readied[name], arenas[name] = window.readied(T, keep, time_major)
+            # (the state goes in without its arenas: the graph sees tensors, not their bookkeeping)
+            logits, new = forward(tokens, state.with_arenas({}), Execution(readied=readied))
+        return logits, new.with_arenas(arenas)
+
+    return step
 
 
 def _given_memory(lm: LanguageModel) -> LanguageModel:

@@ -262,6 +262,9 @@ class Llama(LanguageModel):
     def batch_layouts(self) -> dict[str, bool]:
         return {"k": False, "v": False}  # `advance` grows the window in place; the sinks fill apart
 
+    def readied_layouts(self) -> dict[str, bool]:
+        return self.batch_layouts()  # a compiled step appends to the window in place too
+
     def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().check_state_tensors(tensors)
         for k, v in (("k", "v"), ("sink_k", "sink_v")):
@@ -285,7 +288,10 @@ class Llama(LanguageModel):
         n = state.n_tokens
         M, Ms = state["k"].shape[2], state["sink_k"].shape[2]
         span = self.span(n, T, M, Ms)
-        grown = {name: state.window(name).grow(T, how.in_place) for name in ("k", "v")}
+        grown = {
+            name: state.window(name).grow(T, how.in_place, readied=how.readied.get(name))
+            for name in ("k", "v")
+        }
         fresh: list[Pair] = []
         with self.autocast():
             x = self.tok_emb(tokens)  # (B, T, d)

@@ -106,6 +106,20 @@ def test_the_compiled_guards_bench_runs_both_compiled_steps() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_compiled_window_bench_runs_both_compiled_steps() -> None:
+    """bench/compiled_window.py compiles the shipped smollm2's int4 step with its window grown
+    functionally and appended in place, and runs them beside the eager step. One round, one
+    thread, a few steps; what it counts (not its times): the engine's compiled step appends
+    to one arena step after step, the functional one to none, and the long state reads more."""
+    result = _bench_figures("compiled_window.py --threads 1 --rounds 1 --steps 4", 1400)
+    (row,) = result["rows"]
+    assert row["appends_in_place"] == {"compiled, grown functionally": False, "compiled, in place": True}
+    assert 0 < row["bytes"] < row["long_bytes"]
+    assert set(row["long_tokens_per_s"]) == {"eager", "compiled, grown functionally", "compiled, in place"}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_prompt_head_bench_runs_both_prefills() -> None:
     """bench/prompt_head.py runs commit 4eae226's model/ beside today's (from `git

@@ -18,8 +18,10 @@ shape the compiled code has not met compiles again on the spot. So nobody waits 
 - Under the stance `eager_on_recompile`, an input the compiled code's guards refuse (rows of
   unequal length, say) runs eagerly for that step instead of compiling on the engine thread.
 
-A compiled step grows the state functionally (it traces `forward` with its default
-`FUNCTIONAL` execution); the eager one grows it in place (`IN_PLACE`, `model.Execution`).
+The eager step grows the state in place (`IN_PLACE`, `model.Execution`). A compiled step
+appends to the time axes its family names in place too (`model.compiled_in_place`: each
+arena readied outside the graph, its layers handed in as tensors of their own, which
+inductor writes a slice of in place), and grows the others functionally.
 
 Serving never depends on the compile:
 - torch.fx's tracer (AOTAutograd's make_fx, inductor's symbolic_trace) patches
@@ -78,7 +80,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from model import IN_PLACE, Execution, LanguageModel, State
+from model import IN_PLACE, Execution, LanguageModel, State, compiled_in_place
 
 log = logging.getLogger("recur.engine")
 
@@ -334,14 +336,7 @@ def _compile(lm: LanguageModel) -> Step:
     # (tests/app/test_compiler_llama.py::test_other_graphs_of_forward_leave_the_compiled_step_its_own).
     how: dict[str, Any] = {"dynamic": True, "recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
     step = torch.compile(lm.forward, options=_options(lm, step=True), **how)
-
-    def compiled(tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        # a state in arenas (stacked for decoding, or grown in place by an eager forward) has
-        # another layout than the plain tensors the graphs are traced on and return: given
-        # as is, it would compile again (or, past a guard, run eagerly)
-        return step(tokens, state.plain() if state.arenas else state)
-
-    return compiled
+    return compiled_in_place(lm, step)
 
 
 def _probe_states(lm: LanguageModel) -> list[State]:

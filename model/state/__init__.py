@@ -4,7 +4,7 @@ format (blob.py), appending without copying (arena.py), and how a commit stores 
 Redis.
 """
 
-from .arena import ARENA_SLACK, Arena, Growth, Window, kv_appender, unzip
+from .arena import ARENA_SLACK, Arena, Growth, Readied, Window, kv_appender, unzip
 from .blob import (
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
@@ -34,6 +34,7 @@ __all__ = [
     "Encoded",
     "Growth",
     "Persist",
+    "Readied",
     "State",
     "StateError",
     "Window",

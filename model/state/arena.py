@@ -71,10 +71,11 @@ class Arena:
     equally spaced rows (a decode step's attention, `model.transformer_xl`). The tensor is
     the same."""
 
-    __slots__ = ("data", "end", "time_major")
+    __slots__ = ("data", "end", "layers", "time_major")
 
     def __init__(self, data: torch.Tensor, end: int, time_major: bool = False):
         self.data, self.end, self.time_major = data, end, time_major
+        self.layers = data.unbind(1)  # [B, capacity, D] per layer: made once, not every step
 
     @staticmethod
     def empty(like: torch.Tensor, capacity: int, time_major: bool, batch: int | None = None) -> torch.Tensor:
@@ -126,12 +127,61 @@ class Window:
     arena: Arena | None = None
     precision: str = "float32"
 
-    def grow(self, T: int, in_place: bool, time_major: bool = False) -> Growth:
-        """Make space for T new rows per layer, in place (`model.family.Execution`) or
-        functionally; `time_major` picks the layout of a new arena (see `Arena`)."""
-        if in_place and torch.is_grad_enabled():
+    def grow(
+        self, T: int, in_place: bool, time_major: bool = False, readied: Readied | None = None
+    ) -> Growth:
+        """Make space for T new rows per layer, in place (`model.family.Execution`), into the
+        arena `readied` says (`readied`, a compiled step's), or functionally; `time_major`
+        picks the layout of a new arena (see `Arena`)."""
+        if (in_place or readied is not None) and torch.is_grad_enabled():
             raise RuntimeError("a state grows in place only without autograd: run this forward functionally")
-        return Growth(self, T, in_place, time_major)
+        return Growth(self, T, in_place, time_major, readied)
+
+    def readied(self, T: int, keep: int, time_major: bool = False) -> tuple[Readied, Arena]:
+        """This window readied for a compiled step that appends T rows per layer and keeps the
+        last `keep` rows (see `Readied`), and the arena it will then be a view of. Runs
+        outside the graph: the arena's rows are claimed now."""
+        arena, start = ready(self, T, time_major)
+        end = start + self.rows.shape[2] + T
+        after = arena.data[:, :, end - keep : end]
+        return Readied(arena.layers, start, after), arena
+
+
+def ready(window: Window, T: int, time_major: bool) -> tuple[Arena, int]:
+    """The arena `window` appends T rows per layer to in place, and the row the window starts
+    at in it: its own, where it is the arena's newest window with T spare rows after it; else
+    a new one with the window copied in. The T rows are claimed: no other view of the arena
+    can append to them."""
+    old, arena = window.rows, window.arena
+    M = old.shape[2]
+    if (
+        arena is None
+        or arena.time_major != time_major
+        or not arena.holds(old)
+        or arena.end + T > arena.data.shape[2]
+    ):
+        data = Arena.empty(old, M + T + max(T, ARENA_SLACK), time_major)
+        data[:, :, :M] = old
+        arena = Arena(data, M, time_major)
+    start = arena.end - M
+    arena.end += T
+    return arena, start
+
+
+@dataclass(frozen=True)
+class Readied:
+    """A window made ready, outside a compiled graph, for the graph to append to in place:
+    the arena's layers as tensors of their own ([B, capacity, D] views, one per layer), the
+    row the window starts at in them, and the window the step leaves ([B, L, keep, D], a
+    view of the arena over rows the step writes). Inductor writes a slice of a graph input
+    in place when the input is that layer's own tensor, but copies the whole arena every
+    call when the layer is a view taken inside the graph of one [B, L, capacity, D] input
+    (`bench/compiled_window.py` measures what it saves); the rest of the bookkeeping (whether the
+    arena has room, which rows are claimed) is Python that a graph cannot hold."""
+
+    layers: tuple[torch.Tensor, ...]
+    start: int
+    after: torch.Tensor
 
 
 class Growth:
@@ -139,28 +189,22 @@ class Growth:
     rows at once, or a few at a time), then `result(keep)` for the window the next state
     carries."""
 
-    def __init__(self, window: Window, T: int, in_place: bool, time_major: bool = False):
+    def __init__(
+        self, window: Window, T: int, in_place: bool, time_major: bool = False, readied: Readied | None = None
+    ):
         old = window.rows
         M = old.shape[2]
         self.old, self.M, self.T, self.precision = old, M, T, window.precision
         self.arena: Arena | None = None
+        self.readied = readied
+        self.layers: tuple[torch.Tensor, ...] | None = None
         self.joined: list[torch.Tensor | None] = [None] * old.shape[1]
         self.filled = [0] * old.shape[1]  # new rows appended so far, per layer
-        if not in_place:
-            return
-        arena = window.arena
-        if (
-            arena is None
-            or arena.time_major != time_major
-            or not arena.holds(old)
-            or arena.end + T > arena.data.shape[2]
-        ):
-            data = Arena.empty(old, M + T + max(T, ARENA_SLACK), time_major)
-            data[:, :, :M] = old
-            arena = Arena(data, M, time_major)
-        self.arena, self.start = arena, arena.end - M
-        self.layers = arena.data.unbind(1)  # [B, capacity, D] per layer
-        arena.end += T  # claimed now: no other view of this arena can append to these rows
+        if readied is not None:  # (inside a compiled graph: the arena was readied outside it)
+            self.layers, self.start = readied.layers, readied.start
+        elif in_place:
+            self.arena, self.start = ready(window, T, time_major)
+            self.layers = self.arena.layers
 
     def append(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Add n of layer i's new rows [B, n, D], rounded to the window's precision; returns its
@@ -171,7 +215,7 @@ class Growth:
         filled = self.filled[i] = self.filled[i] + n
         if filled > self.T:
             raise RuntimeError(f"Growth of {self.T} rows: layer {i} got {filled}")
-        if self.arena is None:
+        if self.layers is None:
             before = self.joined[i]
             joined = torch.cat([self.old[:, i] if before is None else before, rows.to(self.old.dtype)], 1)
             self.joined[i] = joined
@@ -185,6 +229,11 @@ class Growth:
         """The last `keep` rows of every layer, once all layers have appended."""
         if any(f != self.T for f in self.filled):
             raise RuntimeError("Growth.result() before every layer appended")
+        if self.readied is not None:
+            after = self.readied.after
+            if keep != after.shape[2]:
+                raise RuntimeError(f"a window readied to keep {after.shape[2]} rows, asked for {keep}")
+            return Window(after, precision=self.precision)
         if self.arena is not None:
             end = self.start + self.M + self.T
             return Window(self.arena.data[:, :, end - keep : end], self.arena)

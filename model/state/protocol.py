@@ -77,6 +77,10 @@ class State:
     def replace(self, **tensors: torch.Tensor) -> State:
         return self._holding({**self.tensors, **tensors}, self.arenas)
 
+    def with_arenas(self, arenas: dict[str, Arena]) -> State:
+        """The same tensors, with `arenas` the arenas behind them (none: `{}`)."""
+        return self._holding(self.tensors, arenas)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> State:
         return self._holding({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()})
 

@@ -358,6 +358,42 @@ def test_a_stacked_batch_is_laid_out_as_its_decode_steps_grow_it(family):
     _same(got, want)
 
 
+def test_a_readied_step_grows_as_the_in_place_step_does():
+    """`model.compiled_in_place`, the engine's wrapper of its compiled LLaMA step, readies
+    one stream's window arenas outside the forward and hands the forward the arena's layers
+    to append to (`Execution.readied`). On the eager forward (the compiled one is
+    tests/app/test_compiler_llama.py's), past several arena reallocations as the window
+    slides: every logit and state tensor is the in-place step's, the window stays in one
+    arena between reallocations, and two steps from one state never write the same rows."""
+    lm = tiny_llama(window=16)
+    step = model.compiled_in_place(lm, lm.forward)
+    prompt = torch.randint(0, 258, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, ref = _decode(lm, lm(prompt)[1], 2 * ARENA_SLACK + 7, model.IN_PLACE)
+        state = lm(prompt)[1]
+        out, state = step(torch.randint(0, 258, (1, 4), generator=torch.Generator().manual_seed(1)), state)
+        logits, arenas = [out], []
+        for _ in range(2 * ARENA_SLACK + 7):
+            out, state = step(lm.next_logits(state).argmax(-1, keepdim=True), state)
+            logits.append(out)
+            arenas.append(state.arenas["k"].data)  # (kept alive: no address reused)
+        base = state.clone()
+        a, sa = step(torch.tensor([[7]]), state)
+        b, sb = step(torch.tensor([[8]]), state)  # a second child: its own rows
+        ra, rsa = lm(torch.tensor([[7]]), base)
+        rb, rsb = lm(torch.tensor([[8]]), base)
+    _same(torch.cat(logits, 1), want)
+    for name in ref.tensors:
+        _same(state[name], ref[name])
+    # in place between reallocations, one every ARENA_SLACK steps
+    assert 2 <= len({id(t) for t in arenas}) <= 4
+    for name in base.tensors:
+        assert torch.equal(state[name], base[name]), name  # untouched by its two children
+    for got, expected, child, ref_child in [(a, ra, sa, rsa), (b, rb, sb, rsb)]:
+        _same(got, expected)
+        _same_state(child, ref_child)
+
+
 def test_under_autograd_states_are_built_functionally():
     """Training back-propagates through the state: no in-place writes, no arenas."""
     lm = tiny_rlt()

@@ -213,6 +213,17 @@ FAULTS: tuple[Fault, ...] = (
         "    return torch.compiler.skip_all_guards_unsafe(entries)",
         ("tests/app/test_compiler_llama.py::test_the_compiled_step_checks_its_inputs_not_the_model",),
     ),
+    Fault(
+        "readied-window-one-row-behind",
+        "a compiled step's window readied one row behind: the state it leaves lacks its newest key",
+        "model/state/arena.py",
+        "        after = arena.data[:, :, end - keep : end]",
+        "        after = arena.data[:, :, end - keep - 1 : end - 1]",
+        (
+            "tests/model/test_state.py::test_a_readied_step_grows_as_the_in_place_step_does",
+            "tests/app/test_compiler_llama.py::test_the_compiled_llama_step_is_adopted_within_its_bound[fp32]",
+        ),
+    ),
     # -- prefix reuse ------------------------------------------------------------------------
     Fault(
         "prefix-indexed-one-token-short",
