@@ -22,30 +22,28 @@ take minutes each on 2 cores (inductor's cache makes the second variant's short)
 from __future__ import annotations
 
 import json
-import os
 import statistics
 
 import torch
-from harness import beside_arguments, publish, run, started
+from harness import by_thread_count, publish, read_limits, step_arguments
 
 SECTION = "## A compiled step's guards"
 VARIANTS = ("eager", "every guard", "the inputs' guards")
-# what the run cannot show: the compiled step's own profile, and what growing its window in place needs
+# what the run cannot show: the compiled step's own profile, and how its window came to grow in place
 LEFT = (
     "What the compiled step still spends beyond the bytes it reads (a profile of its generated kernels, "
-    "int4, 2 threads, 7 Dec, `torch._inductor.config.cpp.enable_kernel_profile`; the profiler inflates every "
-    "kernel): the int4 kernel about a third of the step; the window grown functionally, a quarter (each "
-    "layer's keys and values copied into a new tensor beside the rotary embedding, and the 30 layers' stacked "
-    'into the state at the end: section "Packed weights", `bench/llm_window.py`, has its cost a row); '
-    "the masked softmax, the attention's products and the int8 head the rest. Growing the window in place "
-    "inside the graph is what would take that quarter: inductor (torch 2.13) writes a slice of a graph input "
-    "in place when the input is that layer's own tensor, but copies the whole arena when the layer is a view "
-    "of one [B, L, capacity, D] buffer (measured in scratch runs; one output tensor written by every layer "
-    "copied it once a layer, 3x slower), so the arena would have to reach the graph as one tensor a layer. "
-    "Tried so (each arena holding its layers' views, readied for the step outside the graph): the tiny LLaMA's "
-    "compiled step grew its window in place, within 1.2e-7 of the eager step, in one arena over 20 steps, but "
-    "dynamo's guard building failed in some runs of the probe's recompiles (`sources must not be empty for "
-    "symbol s45`, in `produce_guards`), so it is not landed."
+    "int4, 2 threads, 7 Dec, `torch._inductor.config.cpp.enable_kernel_profile`; the profiler inflates "
+    "every kernel): the int4 kernel about a third of the step; the window grown functionally, a quarter "
+    "(each layer's keys and values copied into a new tensor beside the rotary embedding, and the 30 "
+    "layers' stacked into the state at the end); the masked softmax, the attention's products and the "
+    "int8 head the rest. Since then one stream's compiled step appends its window in place (section \"The "
+    "compiled step's window\", `bench/compiled_window.py`): inductor (torch 2.13) writes a slice of a "
+    "graph input in place when the input is that layer's own tensor, and copies the whole arena when the "
+    "layer is a view of one [B, L, capacity, D] input taken inside the graph, so each arena is readied "
+    "outside the graph and its layers handed in one by one (`model.compiled_in_place`). Not for several "
+    "rows: AOTAutograd gives the views' base symbols that dynamo's guards cannot name once the batch is "
+    "symbolic (`sources must not be empty for symbol`, on every compile that misses inductor's cache), "
+    'which is what failed "in some runs" before: the runs whose cache was cold.'
 )
 
 
@@ -94,13 +92,7 @@ def measure(precision: str, threads: int, steps: int, rounds: int, llama_cpp: bo
     steppers["the inputs' guards"] = peers.stepper(lm, inputs)
     if llama_cpp:
         steppers["llama.cpp"] = peers.llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
-    for step in steppers.values():  # (the compiles, on the first calls)
-        for _ in range(5):
-            step()
-    best = dict.fromkeys(steppers, 0.0)
-    for _ in range(rounds):
-        for name, step in steppers.items():
-            best[name] = max(best[name], peers.rate(step, steps))
+    best = peers.best_rates(steppers, steps, rounds)  # (the compiles, on the first calls)
     assert lm.tokenizer is not None
     with torch.no_grad():
         _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
@@ -122,12 +114,7 @@ def section(r: dict) -> str:
         f"per thread count, each stepper's best median of {r['steps']} steps over {r['rounds']} rounds; on a "
         f"{r['cpus']}-core machine (load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the "
         "end). The limit: the bytes a step reads (weights and window) at the read bandwidth measured in the "
-        "same run: "
-        + ", ".join(
-            f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}"
-            for t, bw in r["bandwidth"].items()
-        )
-        + ".",
+        "same run: " + read_limits(r["bandwidth"]) + ".",
         "",
         "| weights | threads | eager, tokens/s | compiled, every guard | compiled, the inputs' guards "
         "| ÷ every guard | guards checked, every / inputs' | ms a step checking them, every / inputs' "
@@ -170,12 +157,7 @@ def section(r: dict) -> str:
 
 
 def main() -> None:
-    from roofline import read_bandwidth
-
-    ap = beside_arguments(__doc__, ("int4",))  # (--threads, --precisions, --rounds, --side)
-    ap.set_defaults(rounds=3)
-    ap.add_argument("--steps", type=int, default=64, help="timed steps per median")
-    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside them (built if missing)")
+    ap = step_arguments(__doc__)  # (--threads, --precisions, --rounds, --side, --steps, --llama-cpp)
     args = ap.parse_args()
     if args.side:
         precision, threads = args.side.split(",")
@@ -183,19 +165,10 @@ def main() -> None:
             "RESULT " + json.dumps(measure(precision, int(threads), args.steps, args.rounds, args.llama_cpp))
         )
         return
-    threads = [int(t) for t in args.threads.split(",")]
-    r = started(steps=args.steps, rounds=args.rounds)
-    bandwidth = {t: read_bandwidth(t) for t in threads}
     flags = ["--steps", str(args.steps), "--rounds", str(args.rounds)] + (
         ["--llama-cpp"] if args.llama_cpp else []
     )
-    r["rows"] = [
-        {"precision": p, "threads": t, **run("compiled_guards.py", "--side", f"{p},{t}", *flags)}
-        for p in args.precisions.split(",")
-        for t in threads
-    ]
-    r["bandwidth"] = {str(t): max(bandwidth[t], read_bandwidth(t)) for t in threads}
-    r["load"].append(os.getloadavg()[0])
+    r = by_thread_count("compiled_guards.py", args, flags)
     publish(SECTION, section(r), r, args.write)
 
 

@@ -26,11 +26,10 @@ compile takes minutes on 2 cores (inductor's cache shortens the second thread co
 from __future__ import annotations
 
 import json
-import os
 import statistics
 
 import torch
-from harness import beside_arguments, publish, run, started
+from harness import by_thread_count, publish, read_limits, step_arguments
 
 SECTION = "## The compiled step's window"
 FUNCTIONAL, IN_PLACE = "compiled, grown functionally", "compiled, in place"
@@ -82,13 +81,7 @@ def measure(precision: str, threads: int, steps: int, rounds: int, long: int, ll
     steppers |= {(name, "long"): peers.stepper(lm, f, state_of(lm, long)) for name, f in forwards.items()}
     if llama_cpp:
         steppers["llama.cpp"] = peers.llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
-    for step in steppers.values():  # (the compiles, on the first calls)
-        for _ in range(5):
-            step()
-    best = dict.fromkeys(steppers, 0.0)
-    for _ in range(rounds):
-        for name, step in steppers.items():
-            best[name] = max(best[name], peers.rate(step, steps))
+    best = peers.best_rates(steppers, steps, rounds)  # (the compiles, on the first calls)
     assert lm.tokenizer is not None
     with torch.no_grad():
         _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
@@ -114,10 +107,7 @@ def section(r: dict) -> str:
         f"best median of {r['steps']} steps over {r['rounds']} rounds; on a {r['cpus']}-core machine (load "
         f"average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end). The limit: the bytes a "
         "step reads (weights and window) at the read bandwidth measured in the same run: "
-        + ", ".join(
-            f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}"
-            for t, bw in r["bandwidth"].items()
-        )
+        + read_limits(r["bandwidth"])
         + ".",
         "",
         "| weights | threads | state | eager, tokens/s | compiled, grown functionally | compiled, in place "
@@ -145,7 +135,8 @@ def section(r: dict) -> str:
     lines += [
         "",
         f"In place ÷ grown functionally: median {statistics.median(ratios):.2f}x over the {len(ratios)} rows. "
-        "Both compiled steps trace the same forward with the same options and guards; what differs is where "
+        "Both compiled steps trace the same forward with the same options (the in-place one also checks guards on "
+        "the arena's layers it is handed); what differs is where "
         "the window's new rows go: into a new tensor a layer and then a stack of all 30 (functionally), or "
         "into the arena's spare rows (in place: each arena readied outside the graph, `model.compiled_in_place`, "
         "its layers handed in as tensors of their own, which inductor writes a slice of without copying the "
@@ -157,31 +148,17 @@ def section(r: dict) -> str:
 
 
 def main() -> None:
-    from roofline import read_bandwidth
-
-    ap = beside_arguments(__doc__, ("int4",))  # (--threads, --precisions, --rounds, --side)
-    ap.set_defaults(rounds=3)
-    ap.add_argument("--steps", type=int, default=64, help="timed steps per median")
+    ap = step_arguments(__doc__)  # (--threads, --precisions, --rounds, --side, --steps, --llama-cpp)
     ap.add_argument("--long", type=int, default=640, help="tokens in the long state (the window: 1,024)")
-    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside them (built if missing)")
     args = ap.parse_args()
     if args.side:
         precision, threads = args.side.split(",")
         figures = measure(precision, int(threads), args.steps, args.rounds, args.long, args.llama_cpp)
         print("RESULT " + json.dumps(figures))
         return
-    threads = [int(t) for t in args.threads.split(",")]
-    r = started(steps=args.steps, rounds=args.rounds, long=args.long)
-    bandwidth = {t: read_bandwidth(t) for t in threads}
     flags = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--long", str(args.long)]
     flags += ["--llama-cpp"] if args.llama_cpp else []
-    r["rows"] = [
-        {"precision": p, "threads": t, **run("compiled_window.py", "--side", f"{p},{t}", *flags)}
-        for p in args.precisions.split(",")
-        for t in threads
-    ]
-    r["bandwidth"] = {str(t): max(bandwidth[t], read_bandwidth(t)) for t in threads}
-    r["load"].append(os.getloadavg()[0])
+    r = by_thread_count("compiled_window.py", args, flags, long=args.long)
     publish(SECTION, section(r), r, args.write)
 
 

@@ -360,6 +360,16 @@ def beside_arguments(doc: str, precisions: tuple[str, ...]) -> argparse.Argument
     return ap
 
 
+def step_arguments(doc: str) -> argparse.ArgumentParser:
+    """`beside_arguments` for a bench of steppers side by side in one process per thread count
+    (int4 by default, 3 rounds): `--steps` a median, and `--llama-cpp` beside them."""
+    ap = beside_arguments(doc, ("int4",))
+    ap.set_defaults(rounds=3)
+    ap.add_argument("--steps", type=int, default=64, help="timed steps per median")
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside them (built if missing)")
+    return ap
+
+
 def beside(script: str, tree: Path, flags: list[str], rounds: int) -> dict[str, dict]:
     """`script` run with `flags` over `rounds` rounds, an earlier commit's tree (`tree`, from
     `model_at`, first on the path) and today's alternating, so that a shared machine's load
@@ -426,6 +436,33 @@ def started(**figures: object) -> dict:
     """A benchmark's record at its start: the machine's cores and its load average (1 minute;
     the caller appends the one at the end), with `figures`."""
     return {**figures, "cpus": os.cpu_count(), "load": [os.getloadavg()[0]]}
+
+
+def by_thread_count(script: str, args: argparse.Namespace, flags: list[str], **figures: object) -> dict:
+    """The record of a bench whose figures come per weight precision and thread count, each
+    from `script --side PRECISION,THREADS` in a process of its own (`beside_arguments`): its
+    rows, and the read bandwidth of each thread count, the best of the run's start and end
+    (bench/roofline.py's `read_bandwidth`), with `figures`."""
+    from roofline import read_bandwidth
+
+    threads = [int(t) for t in args.threads.split(",")]
+    r = started(steps=args.steps, rounds=args.rounds, **figures)
+    bandwidth = {t: read_bandwidth(t) for t in threads}
+    r["rows"] = [
+        {"precision": p, "threads": t, **run(script, "--side", f"{p},{t}", *flags)}
+        for p in args.precisions.split(",")
+        for t in threads
+    ]
+    r["bandwidth"] = {str(t): max(bandwidth[t], read_bandwidth(t)) for t in threads}
+    r["load"].append(os.getloadavg()[0])
+    return r
+
+
+def read_limits(bandwidth: dict[str, float]) -> str:
+    """The read bandwidth of each thread count, in words: "12.0 GB/s at 1 thread, ..."."""
+    return ", ".join(
+        f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}" for t, bw in bandwidth.items()
+    )
 
 
 def emit(result: dict) -> None:

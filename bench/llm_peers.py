@@ -237,6 +237,19 @@ def rate(step, steps: int) -> float:
     return 1 / sorted(times)[len(times) // 2]
 
 
+def best_rates(steppers: dict, steps: int, rounds: int) -> dict:
+    """Each stepper warmed up (5 steps: a compiled one compiles there), then all alternating
+    over `rounds` rounds -> each one's best `rate`."""
+    for step in steppers.values():
+        for _ in range(5):
+            step()
+    best = dict.fromkeys(steppers, 0.0)
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            best[name] = max(best[name], rate(step, steps))
+    return best
+
+
 def batch_1(gguf: Path, threads: int, steps: int, rounds: int = 3) -> dict[str, float]:
     """Each side's best of `rounds` rounds, the sides alternating (a shared machine's load
     then falls on both alike)."""

@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from harness import beside_arguments, beside_rows, publish, started
+from harness import beside_arguments, beside_rows, publish, read_limits, started
 
 SECTION = "## One stream's decode step"
 BASE = "edd0bff"  # the commit before one stream's step went to fewer calls
@@ -71,10 +71,7 @@ def section(r: dict) -> str:
         f"one's best median of {r['steps']} steps; on a {r['cpus']}-core machine (load average "
         f"{r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end). The limit: the bytes a step reads "
         "(weights and window) at the read bandwidth measured in the same run: "
-        + ", ".join(
-            f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}"
-            for t, bw in r["bandwidth"].items()
-        )
+        + read_limits(r["bandwidth"])
         + ".",
         "",
         "| weights | threads | ops a step, before | today | kernels' share, before | today | tokens/s before "
