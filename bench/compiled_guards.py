@@ -25,7 +25,7 @@ import json
 import statistics
 
 import torch
-from harness import by_thread_count, publish, read_limits, step_arguments
+from harness import by_thread_count, publish, read_limit, step_arguments, step_table
 
 SECTION = "## A compiled step's guards"
 VARIANTS = ("eager", "every guard", "the inputs' guards")
@@ -90,12 +90,9 @@ def measure(precision: str, threads: int, steps: int, rounds: int, llama_cpp: bo
     inputs, input_guards = compiled_step(lm, every_guard=False)
     steppers = {"eager": peers.stepper(lm), "every guard": peers.stepper(lm, every)}
     steppers["the inputs' guards"] = peers.stepper(lm, inputs)
-    if llama_cpp:
-        steppers["llama.cpp"] = peers.llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
-    best = peers.best_rates(steppers, steps, rounds)  # (the compiles, on the first calls)
-    assert lm.tokenizer is not None
-    with torch.no_grad():
-        _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
+    # (the compiles, on the first calls)
+    best = peers.best_rates(steppers, steps, rounds, threads if llama_cpp else None)
+    state = peers.prompt_state(lm)
     return {
         "tokens_per_s": best,
         "guards": {"every guard": len(every_guards), "the inputs' guards": len(input_guards)},
@@ -111,17 +108,23 @@ def section(r: dict) -> str:
         "",
         f"`python bench/compiled_guards.py{' --llama-cpp' if peer else ''}` (`--write` rewrites this section): "
         "the shipped smollm2's batch-1 decode step after section 11's prompt, side by side in one process "
-        f"per thread count, each stepper's best median of {r['steps']} steps over {r['rounds']} rounds; on a "
-        f"{r['cpus']}-core machine (load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the "
-        "end). The limit: the bytes a step reads (weights and window) at the read bandwidth measured in the "
-        "same run: " + read_limits(r["bandwidth"]) + ".",
+        f"per thread count, each stepper's best median of {r['steps']} steps over {r['rounds']} rounds; "
+        + read_limit(r),
         "",
-        "| weights | threads | eager, tokens/s | compiled, every guard | compiled, the inputs' guards "
-        "| ÷ every guard | guards checked, every / inputs' | ms a step checking them, every / inputs' "
-        + ("| llama.cpp | compiled ÷ llama.cpp " if peer else "")
-        + "| the read limit, tokens/s | compiled's share of it |",
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else "") + "---|---|",
     ]
+    columns = [
+        "weights",
+        "threads",
+        "eager, tokens/s",
+        "compiled, every guard",
+        "compiled, the inputs' guards",
+    ]
+    columns += [
+        "÷ every guard",
+        "guards checked, every / inputs'",
+        "ms a step checking them, every / inputs'",
+    ]
+    lines += step_table(columns, peer, "compiled")
     for d in r["rows"]:
         rate, guards, ms = d["tokens_per_s"], d["guards"], d["lookup_ms"]
         ours = rate["the inputs' guards"]

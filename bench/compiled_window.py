@@ -29,7 +29,7 @@ import json
 import statistics
 
 import torch
-from harness import by_thread_count, publish, read_limits, step_arguments
+from harness import by_thread_count, publish, read_limit, step_arguments, step_table
 
 SECTION = "## The compiled step's window"
 FUNCTIONAL, IN_PLACE = "compiled, grown functionally", "compiled, in place"
@@ -79,12 +79,9 @@ def measure(precision: str, threads: int, steps: int, rounds: int, long: int, ll
     forwards[FUNCTIONAL], forwards[IN_PLACE] = compiled(lm, False), compiled(lm, True)
     steppers = {name: peers.stepper(lm, f) for name, f in forwards.items()}
     steppers |= {(name, "long"): peers.stepper(lm, f, state_of(lm, long)) for name, f in forwards.items()}
-    if llama_cpp:
-        steppers["llama.cpp"] = peers.llama_cpp_stepper(model.checkpoint.resolve("smollm2"), threads)
-    best = peers.best_rates(steppers, steps, rounds)  # (the compiles, on the first calls)
-    assert lm.tokenizer is not None
-    with torch.no_grad():
-        _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
+    # (the compiles, on the first calls)
+    best = peers.best_rates(steppers, steps, rounds, threads if llama_cpp else None)
+    state = peers.prompt_state(lm)
     far = state_of(lm, long)
     return {
         "appends_in_place": {name: in_place(forwards[name], far) for name in VARIANTS[1:]},
@@ -104,18 +101,19 @@ def section(r: dict) -> str:
         f"`python bench/compiled_window.py{' --llama-cpp' if peer else ''}` (`--write` rewrites this section): "
         f"the shipped smollm2's batch-1 decode step after section 11's prompt ({r['rows'][0]['tokens']} tokens) "
         f"and from a state of {r['long']} tokens, side by side in one process per thread count, each stepper's "
-        f"best median of {r['steps']} steps over {r['rounds']} rounds; on a {r['cpus']}-core machine (load "
-        f"average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end). The limit: the bytes a "
-        "step reads (weights and window) at the read bandwidth measured in the same run: "
-        + read_limits(r["bandwidth"])
-        + ".",
+        f"best median of {r['steps']} steps over {r['rounds']} rounds; " + read_limit(r),
         "",
-        "| weights | threads | state | eager, tokens/s | compiled, grown functionally | compiled, in place "
-        "| in place ÷ functionally "
-        + ("| llama.cpp | in place ÷ llama.cpp " if peer else "")
-        + "| the read limit, tokens/s | in place's share of it |",
-        "|---|---|---|---|---|---|---|" + ("---|---|" if peer else "") + "---|---|",
     ]
+    columns = [
+        "weights",
+        "threads",
+        "state",
+        "eager, tokens/s",
+        FUNCTIONAL,
+        IN_PLACE,
+        "in place ÷ functionally",
+    ]
+    lines += step_table(columns, peer, "in place")
     for d in r["rows"]:
         for state, rate, nbytes in (
             (f"{d['tokens']} tokens", d["tokens_per_s"], d["bytes"]),

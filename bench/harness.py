@@ -458,11 +458,27 @@ def by_thread_count(script: str, args: argparse.Namespace, flags: list[str], **f
     return r
 
 
-def read_limits(bandwidth: dict[str, float]) -> str:
-    """The read bandwidth of each thread count, in words: "12.0 GB/s at 1 thread, ..."."""
-    return ", ".join(
-        f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}" for t, bw in bandwidth.items()
+def read_limit(r: dict) -> str:
+    """The run's conditions and the limit a decode step is set against, in words: "on a
+    2-core machine (load average ...). The limit: the bytes a step reads ... 12.0 GB/s at 1
+    thread, 23.1 GB/s at 2 threads." (from `started`'s record and `by_thread_count`'s
+    bandwidths)."""
+    limits = ", ".join(
+        f"{bw / 1e9:.1f} GB/s at {t} thread{'s' if int(t) > 1 else ''}" for t, bw in r["bandwidth"].items()
     )
+    return (
+        f"on a {r['cpus']}-core machine (load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at "
+        "the end). The limit: the bytes a step reads (weights and window) at the read bandwidth measured in "
+        f"the same run: {limits}."
+    )
+
+
+def step_table(columns: list[str], peer: bool, ours: str) -> list[str]:
+    """The head of a table of decode steps: `columns`, then llama.cpp's and `ours` against it
+    where the run had the peer (`peer`), then the read limit and `ours`'s share of it."""
+    columns = [*columns, *(["llama.cpp", f"{ours} ÷ llama.cpp"] if peer else [])]
+    columns += ["the read limit, tokens/s", f"{ours}'s share of it"]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def emit(result: dict) -> None:

@@ -208,15 +208,19 @@ def recur_stepper(precision: str, threads: int):
     return stepper(model.load("smollm2", device="cpu", precision=precision))
 
 
+def prompt_state(lm: model.LanguageModel) -> model.State:
+    """One stream's state after the prompt (`prompt_text`), as the steppers decode from it."""
+    assert lm.tokenizer is not None
+    with torch.no_grad():
+        return lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))[1]
+
+
 def stepper(lm: model.LanguageModel, forward=None, state: model.State | None = None):
     """`lm`'s decode step, batch 1, greedy, after the prompt (`prompt_text`) or from `state`;
     `forward` (tokens, state) -> (logits, state) is the forward it runs: `lm`'s eager one,
     or the engine's `DecodeStep` (compiled where its probe adopted it)."""
-    assert lm.tokenizer is not None
     forward = forward or lm
-    if state is None:
-        with torch.no_grad():
-            _, state = lm.consume(lm.tokenizer.encode(prompt_text()), lm.new_state(1))
+    state = prompt_state(lm) if state is None else state
     box = {"state": state, "tok": torch.zeros(1, 1, dtype=torch.long)}
 
     @torch.no_grad()
@@ -237,9 +241,15 @@ def rate(step, steps: int) -> float:
     return 1 / sorted(times)[len(times) // 2]
 
 
-def best_rates(steppers: dict, steps: int, rounds: int) -> dict:
-    """Each stepper warmed up (5 steps: a compiled one compiles there), then all alternating
-    over `rounds` rounds -> each one's best `rate`."""
+def best_rates(steppers: dict, steps: int, rounds: int, llama_cpp: int | None = None) -> dict:
+    """Each stepper warmed up (5 steps: a compiled one compiles there), with llama.cpp's on
+    the shipped smollm2's file beside them at `llama_cpp` threads where given, then all
+    alternating over `rounds` rounds -> each one's best `rate`."""
+    if llama_cpp is not None:
+        steppers = {
+            **steppers,
+            "llama.cpp": llama_cpp_stepper(model.checkpoint.resolve("smollm2"), llama_cpp),
+        }
     for step in steppers.values():
         for _ in range(5):
             step()

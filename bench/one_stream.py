@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from harness import beside_arguments, beside_rows, publish, read_limits, started
+from harness import beside_arguments, beside_rows, publish, read_limit, started
 
 SECTION = "## One stream's decode step"
 BASE = "edd0bff"  # the commit before one stream's step went to fewer calls
@@ -55,10 +55,8 @@ def measure(precision: str, threads: int, steps: int) -> dict:
         for _ in range(steps):
             step()
         wall = time.perf_counter() - t0
-    assert lm.tokenizer is not None
-    with torch.no_grad():
-        _, state = lm.consume(lm.tokenizer.encode(peers.prompt_text()), lm.new_state(1))
-    return {"tokens_per_s": rate, **breakdown(prof, steps, wall), "bytes": llama_work(lm, state).bytes}
+    bytes_read = llama_work(lm, peers.prompt_state(lm)).bytes
+    return {"tokens_per_s": rate, **breakdown(prof, steps, wall), "bytes": bytes_read}
 
 
 def section(r: dict) -> str:
@@ -68,11 +66,7 @@ def section(r: dict) -> str:
         f"`python bench/one_stream.py` (`--write` rewrites this section): the shipped smollm2's batch-1 eager "
         "decode step (section 11's, after the same prompt), commit "
         f"{BASE}'s model/ and today's, each in a process of its own, alternating over {r['rounds']} rounds, each "
-        f"one's best median of {r['steps']} steps; on a {r['cpus']}-core machine (load average "
-        f"{r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end). The limit: the bytes a step reads "
-        "(weights and window) at the read bandwidth measured in the same run: "
-        + read_limits(r["bandwidth"])
-        + ".",
+        f"one's best median of {r['steps']} steps; " + read_limit(r),
         "",
         "| weights | threads | ops a step, before | today | kernels' share, before | today | tokens/s before "
         "| today | today ÷ before | MB a step | the read limit, tokens/s | today's share of it |",

@@ -10,7 +10,7 @@ This package knows nothing of HTTP, Redis or asyncio.
 """
 
 from .checkpoint import init, load, shipped
-from .family import FUNCTIONAL, IN_PLACE, ContextFull, Execution, LanguageModel, compiled_in_place
+from .family import FUNCTIONAL, IN_PLACE, ContextFull, Execution, LanguageModel, Step, compiled_in_place
 from .native import build, fingerprint, save
 from .state import State, StateError
 from .tokenizer import ByteTokenizer
@@ -24,6 +24,7 @@ __all__ = [
     "LanguageModel",
     "State",
     "StateError",
+    "Step",
     "build",
     "compiled_in_place",
     "fingerprint",

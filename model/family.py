@@ -79,7 +79,7 @@ class Execution:
 
 FUNCTIONAL = Execution()
 IN_PLACE = Execution(in_place=True)
-# a one-token forward: tokens [B, T] and a state -> logits and the next state
+# a forward as a step: tokens [B, T] and a state -> logits and the next state
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
 

@@ -80,11 +80,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from model import IN_PLACE, Execution, LanguageModel, State, compiled_in_place
+from model import IN_PLACE, Execution, LanguageModel, State, Step, compiled_in_place
 
 log = logging.getLogger("recur.engine")
 
-Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 T = TypeVar("T")
 
 TOLERANCE = 1e-4  # |logit difference| always allowed between the compiled and eager step (`bound`)

@@ -176,8 +176,8 @@ class Readied:
     view of the arena over rows the step writes). Inductor writes a slice of a graph input
     in place when the input is that layer's own tensor, but copies the whole arena every
     call when the layer is a view taken inside the graph of one [B, L, capacity, D] input
-    (`bench/compiled_window.py` measures what it saves); the rest of the bookkeeping (whether the
-    arena has room, which rows are claimed) is Python that a graph cannot hold."""
+    (`bench/compiled_window.py` measures what it saves); the rest of the bookkeeping
+    (whether the arena has room, which rows are claimed) is Python a graph cannot hold."""
 
     layers: tuple[torch.Tensor, ...]
     start: int

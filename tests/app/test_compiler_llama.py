@@ -165,19 +165,19 @@ def test_the_compiled_llama_step_is_adopted_within_its_bound(precision):
     with torch.no_grad():
         _, state = lm.consume(ids, lm.new_state(1))  # an eager prefill: its window in an arena
         eager = compiled = state
-        arenas = set()
+        arenas = []
         for _ in range(20):
             le, eager = lm.forward(tok, eager, model.IN_PLACE)
             (lc, compiled), calls = _compiled_calls(step, tok, compiled)
             assert calls == 1  # the compiled code served (not a recompile, nor an eager run)
             assert agrees(lm, le, lc)[2]
             assert torch.equal(compiled.n_tokens, eager.n_tokens)
-            arenas.add(compiled.arenas["k"].data.data_ptr())
+            arenas.append(compiled.arenas["k"].data)  # (kept alive: no address reused)
             tok = le.argmax(-1)
     assert step.compiled_steps == served + 20
     # the compiled step appended to its window in place: one arena for the 20 steps (the
     # first step's own, made for it beside the eager one's; ARENA_SLACK rows outlast 20)
-    assert len(arenas) == 1 and eager.arenas
+    assert len({id(t) for t in arenas}) == 1 and eager.arenas
     assert compiled["k"].shape == eager["k"].shape == (1, 2, 40, 32)
 
 
