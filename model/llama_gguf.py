@@ -5,10 +5,13 @@ package into the `llama` family (`model/llama.py`).
     template = chat_template(path)                          # the metadata's, with its stops
 
 What is read:
-  * the weights, dequantized to fp32 (F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors). llama.cpp
-    stores the q and k projections with their rows permuted (its RoPE rotates adjacent pairs,
-    HF's and ours rotate halves: convert_hf_to_gguf.py's `permute`); `unpermute` undoes it,
-    which the parity tests against HF transformers prove;
+  * the weights, dequantized to fp32 by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K, which llama.cpp's Q4_K_S/M, Q5_K_S/M
+    and Q6_K files mix), or packed (`read_packed`: Q4_0, Q4_1 and Q4_K blocks as they are,
+    any other type quantized per group or per row). llama.cpp stores the q and k projections
+    with their rows permuted (its RoPE rotates adjacent pairs, HF's and ours rotate halves:
+    convert_hf_to_gguf.py's `permute`); `unpermute` undoes it, which the parity tests against
+    HF transformers prove;
   * the config from the `{arch}.*` keys (a file with RoPE scaling is refused: this family
     implements plain RoPE);
   * the tokenizer from the `tokenizer.ggml.*` keys, built with the `tokenizers` library the
@@ -54,8 +57,13 @@ HYBRIDS = {
     "granitehybrid": ("Granite-4.0-H", "mamba2-hybrid"),
     "nemotron_h": ("Nemotron-H", "mamba2-hybrid"),
 }
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# the tensor types read (the `gguf` package dequantizes them): the float ones, llama.cpp's
+# legacy blocks of 32, and the K-quants in super-blocks of 256 that its Q*_K_S/M/L files mix
+SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+SUPPORTED_TYPES += ("Q4_K", "Q5_K", "Q6_K")
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # per 32 weights: d (f16)[, m (f16)], 16 bytes of nibbles
+QK_K = 256  # weights in a K-quant super-block
+Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 PACKED = ("int8", "int4")  # the weight precisions `read` packs from the file itself
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
@@ -103,6 +111,11 @@ class GGUF:
             raise ValueError(
                 f"{path}: architecture {self.arch!r} is not a LLaMA one ({', '.join(ARCHITECTURES)})"
             )
+        other = next((t for t in self.reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES), None)
+        if other is not None:  # (refused whole, before any tensor is read, whatever the precision)
+            raise ValueError(
+                f"{path}: tensor {other.name} is {other.tensor_type.name}; supported: {', '.join(SUPPORTED_TYPES)}"
+            )
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -116,22 +129,22 @@ class GGUF:
         from gguf import quants
 
         t = self.tensors[name]
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise ValueError(f"{self.path}: tensor {name} is {kind}; supported: {', '.join(SUPPORTED_TYPES)}")
         data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         shape = [int(d) for d in reversed(t.shape)]  # ggml lists dimensions fastest first
         return torch.from_numpy(data.reshape(shape).copy())
 
     def int4_groups(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A Q4_0 or Q4_1 matrix's blocks as they are: q (N, K) uint8 in [0, 15], and the
+        """A Q4_0, Q4_1 or Q4_K matrix's blocks as they are: q (N, K) uint8 in [0, 15], and the
         scale and zero (N, K/32) of `model.int4`'s w = (q - 8) scale + zero (Q4_1's
-        w = q d + m: scale d, zero m + 8d; Q4_0's w = (q - 8) d: zero 0). None for any other type."""
+        w = q d + m: scale d, zero m + 8d; Q4_0's w = (q - 8) d: zero 0; Q4_K's, `q4_k_groups`).
+        None for any other type."""
         t = self.tensors[name]
         kind = t.tensor_type.name
+        K, N = (int(d) for d in t.shape)
+        if kind == "Q4_K":
+            return q4_k_groups(np.asarray(t.data).reshape(N, K // QK_K, Q4_K_BYTES))
         if kind not in Q4_BLOCK_BYTES:
             return None
-        K, N = (int(d) for d in t.shape)
         b = np.asarray(t.data).reshape(N, K // 32, Q4_BLOCK_BYTES[kind])
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
         if kind == "Q4_1":
@@ -177,6 +190,29 @@ class GGUF:
             qs.append(q)
             scales.append(s)
         return Int8Blocks(torch.cat(qs), torch.cat(scales))
+
+
+def q4_k_groups(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (N, K/256, 144 bytes) -> q (N, K) in [0, 15] and the scale and zero
+    (N, K/32) of `model.int4`'s groups. A super-block holds 8 groups of 32 weights, group j's
+    w = d sc_j q - dmin m_j (ggml's dequantize_row_q4_K: sc_j and m_j 6-bit, d and dmin f16),
+    so scale = d sc_j and zero = 8 d sc_j - dmin m_j; its nibbles come 32 bytes to two groups,
+    the low ones group 2p's and the high ones group 2p + 1's. The 6-bit scales are unpacked
+    by the `gguf` package's own `Q4_K.get_scale_min`."""
+    from gguf.quants import Q4_K
+
+    N, S, _ = b.shape
+    d, dmin = (
+        np.ascontiguousarray(b[..., i : i + 2]).view(np.float16)[..., 0].astype(np.float32) for i in (0, 2)
+    )
+    sc, m = (
+        x.reshape(N, S, 8).astype(np.float32) for x in Q4_K.get_scale_min(b[..., 4:16].reshape(N * S, 12))
+    )
+    scale = d[..., None] * sc
+    zero = 8 * scale - dmin[..., None] * m
+    halves = b[..., 16:].reshape(N, S, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    q = (halves & 15).reshape(N, S * QK_K)  # (N, S, 4 pairs, 2 groups, 32) in the weights' order
+    return torch.from_numpy(q), torch.from_numpy(scale.reshape(N, -1)), torch.from_numpy(zero.reshape(N, -1))
 
 
 GGUF_PARTS = {
@@ -244,7 +280,8 @@ def packed_layer(
     f: GGUF, cfg: dict[str, Any], layer: int, parts: tuple[str, ...], precision: str
 ) -> nn.Module:
     """One of model.llama.LAYER's linears of a layer (its parts joined), packed: int4 from
-    the file's Q4 blocks as they are (any other type quantized per group), or int8 rows."""
+    the file's Q4_0, Q4_1 and Q4_K blocks as they are (any other type quantized per group
+    from its dequantized weights), or int8 rows."""
     heads = {"q": cfg["n_head"], "k": cfg["n_kv_head"]}
     pieces = []  # each part's (q, scale) or (q, scale, zero), q and k rows un-permuted
     for part in parts:
@@ -260,9 +297,9 @@ def packed_layer(
 
 def read_packed(path: Path, precision: str) -> Llama:
     """The model in the GGUF file `path` with its block weights packed (`precision` int4 or
-    int8, CPU, eval mode): no layer is ever held in fp32 (int4 from Q4 blocks: never
-    dequantized). Its norms are fp32; its head and token lookup int8 in blocks of 32, a Q8_0
-    table as it is (`Llama.set_packed_ends`).
+    int8, CPU, eval mode): no layer is ever held in fp32 (int4 from Q4_0, Q4_1 and Q4_K
+    blocks: never dequantized). Its norms are fp32; its head and token lookup int8 in blocks
+    of 32, a Q8_0 table as it is (`Llama.set_packed_ends`).
     Its fingerprint hashes the file's tensors as stored."""
     f = GGUF(path)
     cfg = native_config(f)

@@ -25,6 +25,8 @@ CHATML = (
 CONFIG = dict(
     vocab_size=384, n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, d_ff=96, rope_base=10000.0
 )
+# a shape whose matrices K-quants hold: every row a multiple of their super-block of 256
+K_CONFIG = dict(CONFIG, d_model=256, d_ff=512, head_dim=64)
 TRAINED_CONTEXT = 512
 
 
@@ -79,12 +81,15 @@ def vocabulary() -> tuple[list[str], list[str]]:
 
 
 def random_weights(seed: int, cfg: dict = CONFIG, tied: bool = True) -> dict[str, torch.Tensor]:
-    """HF-named LLaMA weights (model.layers.i.self_attn.q_proj.weight, ...), random."""
+    """HF-named LLaMA weights (model.layers.i.self_attn.q_proj.weight, ...), random; the
+    layers' matrices scaled by 64 / d_model, so that a wider shape's logits (`K_CONFIG`)
+    stay the size of `CONFIG`'s."""
     g = torch.Generator().manual_seed(seed)
     d, H, kvh, hd, ff = (cfg[k] for k in ("d_model", "n_head", "n_kv_head", "head_dim", "d_ff"))
 
     def rnd(*shape: int, std: float = 0.15) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+        wide = 64 / d if len(shape) == 2 and shape[0] != cfg["vocab_size"] else 1.0
+        return torch.randn(*shape, generator=g) * std * wide
 
     out = {
         "model.embed_tokens.weight": rnd(cfg["vocab_size"], d, std=1.0),
@@ -158,11 +163,14 @@ def write_gguf(
     cfg: dict = CONFIG,
     sampling: dict[str, float] | None = None,
     vocab: tuple[list[str], list[str]] | None = None,
+    types: dict[str, str] | None = None,
 ) -> Path:
     """A LLaMA GGUF file with its matrices in `qtype` (norms stay F32, as llama.cpp keeps them),
     the BPE tokenizer and ChatML template in its metadata, and `sampling` as llama.cpp's
     `general.sampling.*` keys ({"temp": 0.3, "top_k": 20}: top_k an int, the rest floats);
-    `vocab`, (tokens, merges) other than the trained tokenizer's (`byte_vocabulary`)."""
+    `vocab`, (tokens, merges) other than the trained tokenizer's (`byte_vocabulary`); `types`,
+    another type for the matrices whose GGUF name holds a key ({"attn_v": "Q6_K"}: llama.cpp's
+    Q4_K_M mixes types so)."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -190,12 +198,14 @@ def write_gguf(
     for key, value in (sampling or {}).items():
         add = w.add_int32 if key == "top_k" else w.add_float32
         add(f"general.sampling.{key}", value)
-    kind = GGMLQuantizationType[qtype]
     for name, a in gguf_tensors(weights, cfg).items():
+        kind = GGMLQuantizationType[next((t for k, t in (types or {}).items() if k in name), qtype)]
         if a.ndim == 1 or kind == GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         elif kind == GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
+        elif kind.name in K_QUANTS:
+            w.add_tensor(name, K_QUANTS[kind.name](a), raw_dtype=kind)
         else:
             w.add_tensor(name, quants.quantize(a, kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -203,6 +213,84 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def q4_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q4_K super-blocks (N, K/256 x 144 bytes), as ggml-quants.h's block_q4_K
+    lays them out: d and dmin (f16), the 8 groups' 6-bit scales and mins packed in 12 bytes,
+    then 128 bytes of nibbles (bytes 32p..32p+31: group 2p's low, 2p+1's high). Each group
+    of 32 fit by its own min and max (w = d sc q - dmin m), not llama.cpp's search: a valid
+    block near the weights is what a reader's test needs. (The `gguf` package reads K-quants
+    but does not write them.)"""
+    head, q = _min_fit(a, 15)
+    return np.concatenate([head, _nibbles(q)], -1).reshape(a.shape[0], -1)
+
+
+def q5_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q5_K super-blocks (N, K/256 x 176 bytes), block_q5_K: Q4_K's head, then
+    32 bytes of fifth bits (bit j of byte l: group j's element l), then the low nibbles as
+    Q4_K lays them out."""
+    head, q = _min_fit(a, 31)
+    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)  # (N, S, 32)
+    return np.concatenate([head, fifth, _nibbles(q & 15)], -1).reshape(a.shape[0], -1)
+
+
+def _min_fit(a: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's common part: each super-block's head (d, dmin, the 12 bytes of 6-bit
+    scales and mins) (N, S, 16) and its codes (N, S, 8 groups, 32) in [0, top]."""
+    N, K = a.shape
+    g = a.reshape(N, K // 256, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    d, dmin = ((x.max(-1) / 63).astype(np.float16) for x in ((hi - lo) / top, -lo))
+    sc, m = (_levels(x, y.astype(np.float32)[..., None], 63) for x, y in (((hi - lo) / top, d), (-lo, dmin)))
+    step, low = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
+    q = _levels(g + low[..., None], step[..., None], top)
+    scales = np.concatenate(
+        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6, (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4],
+        -1,
+    )  # fmt: skip
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales], -1), q
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes (N, S, 8 groups, 32) in [0, 15] -> 128 bytes a super-block: 32 bytes to each
+    pair of groups, the first's in the low nibbles."""
+    pairs = q.reshape(*q.shape[:2], 4, 2, 32)
+    return (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(*q.shape[:2], 128)
+
+
+def q6_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q6_K super-blocks (N, K/256 x 210 bytes), as block_q6_K lays them out:
+    the 6-bit codes' low nibbles (128 bytes) and high pairs (64), 16 int8 scales (one per 16
+    weights), d (f16); w = d sc (q - 32). Each half of 128 weights: element l of its four
+    quarters shares ql[l] (quarters 1, 3), ql[l + 32] (2, 4) and qh[l] (all four)."""
+    N, K = a.shape
+    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
+    amax = np.abs(g).max(-1) / 31
+    d = (amax.max(-1) / 127).astype(np.float16)
+    sc = _levels(amax, d.astype(np.float32)[..., None], 127)
+    step = d.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.round(g / np.where(step > 0, step, 1)[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(N, K // 256, 2, 4, 32)  # (half, quarter, element)
+    ql = np.concatenate(
+        [q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4, q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], -1
+    )
+    qh = q[..., 0, :] >> 4 | (q[..., 1, :] >> 4) << 2 | (q[..., 2, :] >> 4) << 4 | (q[..., 3, :] >> 4) << 6
+    parts = [
+        ql.reshape(N, -1, 128),
+        qh.reshape(N, -1, 64),
+        sc.astype(np.int8).view(np.uint8),
+        d[..., None].view(np.uint8),
+    ]
+    return np.concatenate(parts, -1).reshape(N, -1)
+
+
+def _levels(x: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
+    """round(x / step) in [0, top] as uint8 (0 where the step is 0)."""
+    return np.clip(np.round(x / np.where(step > 0, step, 1)), 0, top).astype(np.uint8)
+
+
+K_QUANTS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}  # the K-quants written here
 
 
 def write_hf_tokenizer(directory: Path, bos_in_text: bool = False) -> None:

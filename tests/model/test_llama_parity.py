@@ -1,6 +1,7 @@
 """Parity with HF transformers (a current release, `.venv-ref-current/`) on tiny LLaMA
 checkpoints in every layout the family reads: GGUF files in each tensor type (written with
-ggml's `gguf` writer, q and k rows permuted as llama.cpp permutes them), a HF LLaMA
+ggml's `gguf` writer, q and k rows permuted as llama.cpp permutes them; the K-quants' blocks
+packed by tests/model/llama_files.py, which `gguf` reads but does not write), a HF LLaMA
 directory with a separate head and a BOS, and a HF Mistral directory whose sliding window
 the text overruns. One reference subprocess (tests/model/llama_reference.py) makes every
 reference; recur loads the same files and must agree on every log-prob over a few hundred
@@ -20,13 +21,20 @@ from app.cli import main as recur_cli
 from model import llama_gguf
 from model.corpus import load_split
 
-from .llama_files import CONFIG, TRAINED_CONTEXT, random_weights, write_gguf, write_hf_tokenizer
+from .llama_files import CONFIG, K_CONFIG, TRAINED_CONTEXT, random_weights, write_gguf, write_hf_tokenizer
 from .reference_env import CURRENT
 
 REF_SCRIPT = Path(__file__).with_name("llama_reference.py")
 TOL = 1e-3
 N_TOKENS = 300
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# K-quant files (K_CONFIG's shape: rows of whole super-blocks): Q4_K and Q5_K alone, and Q4_K_M's
+# mix as llama.cpp makes it (attn_v, ffn_down and the embedding in Q6_K): name -> (type, others)
+K_FILES = {
+    "Q4_K": ("Q4_K", {}),
+    "Q5_K": ("Q5_K", {}),
+    "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
+}
 TEXTS = [
     load_split("shakespeare", "test")[0][1][5000:6500],
     "Ça va? Größe, 東京タワー, Москва — naïve café; ≠ ∞. 🙂 Ελληνικά, עברית, العربية, हिन्दी, 한국어.",
@@ -62,6 +70,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths: dict[str, Path] = {}
     for i, qtype in enumerate(TYPES):
         paths[qtype] = write_gguf(root / f"tiny-{qtype}.gguf", random_weights(seed=i), qtype)
+    for i, (name, (qtype, types)) in enumerate(K_FILES.items()):
+        weights = random_weights(seed=30 + i, cfg=K_CONFIG)
+        paths[name] = write_gguf(root / f"tiny-{name}.gguf", weights, qtype, cfg=K_CONFIG, types=types)
     paths["pre-llama-bpe"] = write_gguf(
         root / "tiny-llama-bpe.gguf", random_weights(seed=9), "F32", pre="llama-bpe"
     )
@@ -101,7 +112,7 @@ def recur_logprobs(lm: model.LanguageModel, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(torch.cat(parts), -1)
 
 
-@pytest.mark.parametrize("name", [*TYPES, "pre-llama-bpe", *HF_CASES])
+@pytest.mark.parametrize("name", [*TYPES, *K_FILES, "pre-llama-bpe", *HF_CASES])
 def test_logprobs_and_tokens_equal_transformers(cases, name):
     lm = model.load(cases[name], device="cpu", precision="fp32")
     ref, ref_tokens = reference(cases, name)

@@ -23,7 +23,7 @@ from model.int8 import Int8Embedding, Int8Head, Int8Linear, quantize_rows
 from model.llama import Llama
 
 from .conftest import run_chunks
-from .llama_files import CONFIG, random_weights, write_gguf
+from .llama_files import CONFIG, K_CONFIG, random_weights, write_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,26 +173,63 @@ def test_without_low_precision_units_many_rows_are_an_fp32_product(precision, mo
     assert (layer(x).double() - ref).abs().max().item() > 1e-5 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q4_K"])
 def test_gguf_q4_blocks_are_packed_as_they_are(tmp_path, qtype):
     """A Q4 file read packed: each layer is the file's own blocks (against the fp32 read's
-    dequantized weights: bfloat16's rounding of the scales, nothing more). The logits stay near the fp32 read's: this random model's peaked logits
+    dequantized weights: bfloat16's rounding of the scales, nothing more; Q4_K's super-blocks
+    in K_CONFIG's shape, whose rows hold whole ones). The logits stay near the fp32 read's: this random model's peaked logits
     (std 0.15 weights) magnify the activations' rounding far more than a trained one's, so
     the bound is loose here; test_packed_path_matches_its_dequantized_reference is the tight one."""
-    path = write_gguf(tmp_path / f"tiny.{qtype}.gguf", random_weights(seed=2), qtype)
+    cfg = K_CONFIG if qtype.endswith("_K") else CONFIG
+    path = write_gguf(tmp_path / f"tiny.{qtype}.gguf", random_weights(seed=2, cfg=cfg), qtype, cfg=cfg)
     fp32 = model.load(path, device="cpu", precision="fp32")
     int4 = model.load(path, device="cpu", precision="int4")
     assert int4.precision == "int4"
-    for i in range(CONFIG["n_layer"]):
+    for i in range(cfg["n_layer"]):
         for name in ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down"):
             packed = int4.get_submodule(f"layers.{i}.{name}")
             assert isinstance(packed, Int4Linear)
             w = fp32.get_submodule(f"layers.{i}.{name}").weight
             assert (packed.dequantized() - w).abs().max().item() <= 0.01 * w.abs().max().item()
-    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
     ours, theirs = int4(tokens)[0], fp32(tokens)[0]
     assert close(ours, theirs, 0.1)
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.85
+
+
+def test_gguf_q4_k_m_mix_is_read_packed_and_in_fp32(tmp_path):
+    """llama.cpp's Q4_K_M mixes types: Q4_K, with attn_v, ffn_down and the embedding in Q6_K.
+    Read packed in int4, each layer joins its parts in one `Int4Linear` (the Q4_K parts' blocks
+    as they are, the Q6_K ones quantized per group of 32 from their 6 bits: within a 4-bit
+    step of the file's weights); in int8 rows; and in fp32. All three agree on the greedy
+    token at most positions."""
+    mix = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+    path = write_gguf(
+        tmp_path / "tiny.Q4_K_M.gguf", random_weights(seed=3, cfg=K_CONFIG), "Q4_K", cfg=K_CONFIG, types=mix
+    )
+    fp32, int8, int4 = (model.load(path, device="cpu", precision=p) for p in ("fp32", "int8", "int4"))
+    for i in range(K_CONFIG["n_layer"]):
+        for name in ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down"):
+            packed = int4.get_submodule(f"layers.{i}.{name}")
+            assert isinstance(packed, Int4Linear)
+            w = fp32.get_submodule(f"layers.{i}.{name}").weight
+            step = 0.01 if name in ("attn.proj", "mlp.gate_up") else 1 / 15  # Q4_K's own, or requantized
+            assert (packed.dequantized() - w).abs().max().item() <= step * w.abs().max().item()
+    tokens = torch.randint(0, K_CONFIG["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(3))
+    theirs = fp32(tokens)[0].argmax(-1)
+    for packed in (int8, int4):
+        assert (packed(tokens)[0].argmax(-1) == theirs).float().mean().item() >= 0.85
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+def test_a_gguf_tensor_type_not_read_is_refused_whole(tmp_path, precision):
+    """A file holding a type this reader does not read (TQ1_0, ternary) is refused by name,
+    before any tensor is read, on every path."""
+    path = write_gguf(
+        tmp_path / "tiny.TQ1_0.gguf", random_weights(seed=5, cfg=K_CONFIG), "TQ1_0", cfg=K_CONFIG
+    )
+    with pytest.raises(ValueError, match=r"tensor token_embd\.weight is TQ1_0; supported: F32, .*Q4_K"):
+        model.load(path, device="cpu", precision=precision)
 
 
 def test_gguf_float_file_is_quantized_to_int4_on_request(tmp_path):

@@ -374,6 +374,14 @@ FAULTS: tuple[Fault, ...] = (
         'tensors[name] = rows if name == "n_tokens" else base',
         ("tests/faults/test_crash.py::test_sigkill_during_streaming_generations_llm_and_ssm[llama]",),
     ),
+    Fault(
+        "q4-k-groups-lose-their-mins",
+        "a Q4_K file read packed keeps each group's scale but not its min: w = (q - 8) d sc_j + 8 d sc_j",
+        "model/llama_gguf.py",
+        "zero = 8 * scale - dmin[..., None] * m",
+        "zero = 8 * scale",
+        ("tests/model/test_packed.py::test_gguf_q4_blocks_are_packed_as_they_are[Q4_K]",),
+    ),
     # -- issue 39's smaller faults -------------------------------------------------------------
     Fault(
         "n-choices-admitted-one-by-one",
