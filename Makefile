@@ -127,6 +127,7 @@ bench: $(STAMP) $(REF_STAMP)
 # (minutes), so it is not part of `make bench`
 bench-peers: $(STAMP)
 	$(PY) bench/llm_peers.py --write
+	$(PY) bench/kquants.py --write
 
 # does the background compile pay for itself? (about an hour: not part of make bench)
 bench-compile: $(STAMP)

@@ -62,8 +62,9 @@ PRECISIONS = ("fp32", "int8", "int4")
 # -- the builds ----------------------------------------------------------------------------
 def build_llama_cpp() -> Path:
     """llama.cpp from the sources the sdist vendors, compiled once with CMake into
-    .bench-peers/server: `llama-server`, `llama-bench`, and the shared libraries they link
-    (libllama, libggml), which the Python bindings load too."""
+    .bench-peers/server: `llama-server`, `llama-bench`, `llama-quantize` (bench/kquants.py's
+    K-quant file), and the shared libraries they link (libllama, libggml), which the Python
+    bindings load too."""
     build = PEERS / "server"
     bin_dir, stamp = build / "bin", build / "recur-cmake-options"
     flags = [
@@ -74,7 +75,9 @@ def build_llama_cpp() -> Path:
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         *isa_options(),
     ]
-    built = all((bin_dir / f).is_file() for f in ("llama-server", "llama-bench", "libllama.so"))
+    built = all(
+        (bin_dir / f).is_file() for f in ("llama-server", "llama-bench", "llama-quantize", "libllama.so")
+    )
     if built and stamp.is_file() and stamp.read_text() == " ".join(flags):
         return bin_dir
     vendored = next(sdist().parent.glob("llama_cpp_python-*/vendor/llama.cpp"))
@@ -87,10 +90,11 @@ def build_llama_cpp() -> Path:
             "--target",
             "llama-server",
             "llama-bench",
+            "llama-quantize",
             "-j",
             str(os.cpu_count() or 1),
         ],
-        "llama-server, llama-bench and libllama",
+        "llama-server, llama-bench, llama-quantize and libllama",
     )
     stamp.write_text(" ".join(flags))  # built with these options (another CPU: built again)
     return bin_dir
