@@ -159,7 +159,7 @@ def test_chat_template_and_stops_come_from_the_checkpoint(cases):
         assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "hf-mistral"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K_M", "hf-mistral"])
 def test_convert_writes_a_native_checkpoint_that_loads_the_same(cases, tmp_path, capsys, name):
     dst = tmp_path / name
     assert recur_cli(["convert", str(cases[name]), str(dst)]) == 0
