@@ -6,12 +6,12 @@ package into the `llama` family (`model/llama.py`).
 
 What is read:
   * the weights, dequantized to fp32 by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K, which llama.cpp's Q4_K_S/M, Q5_K_S/M
-    and Q6_K files mix), or packed (`read_packed`: Q4_0, Q4_1 and Q4_K blocks as they are,
-    any other type quantized per group or per row). llama.cpp stores the q and k projections
-    with their rows permuted (its RoPE rotates adjacent pairs, HF's and ours rotate halves:
-    convert_hf_to_gguf.py's `permute`); `unpermute` undoes it, which the parity tests against
-    HF transformers prove;
+    Q5_0, Q5_1 and the K-quants Q2_K to Q6_K, which llama.cpp's Q2_K, Q3_K_S/M/L, Q4_K_S/M,
+    Q5_K_S/M and Q6_K files mix), or packed (`read_packed`: Q4_0, Q4_1 and Q4_K blocks as
+    they are, any other type quantized per group or per row). llama.cpp stores the q and k
+    projections with their rows permuted (its RoPE rotates adjacent pairs, HF's and ours
+    rotate halves: convert_hf_to_gguf.py's `permute`); `unpermute` undoes it, which the
+    parity tests against HF transformers prove;
   * the config from the `{arch}.*` keys (a file with RoPE scaling is refused: this family
     implements plain RoPE);
   * the tokenizer from the `tokenizer.ggml.*` keys, built with the `tokenizers` library the
@@ -60,7 +60,7 @@ HYBRIDS = {
 # the tensor types read (the `gguf` package dequantizes them): the float ones, llama.cpp's
 # legacy blocks of 32, and the K-quants in super-blocks of 256 that its Q*_K_S/M/L files mix
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-SUPPORTED_TYPES += ("Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # per 32 weights: d (f16)[, m (f16)], 16 bytes of nibbles
 QK_K = 256  # weights in a K-quant super-block
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles

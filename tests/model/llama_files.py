@@ -285,12 +285,57 @@ def q6_k(a: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, -1).reshape(N, -1)
 
 
+def q2_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q2_K super-blocks (N, K/256 x 84 bytes), block_q2_K: 16 bytes of 4-bit
+    scales (low nibble) and mins (high) for the 16 groups of 16, 64 bytes of 2-bit codes, d
+    and dmin (f16); w = d sc q - dmin m. Each half of 128 weights takes 32 bytes: element l
+    of its j-th quarter is bits 2j of byte l."""
+    N, K = a.shape
+    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    d, dmin = ((x.max(-1) / 15).astype(np.float16) for x in ((hi - lo) / 3, -lo))
+    sc, m = (_levels(x, y.astype(np.float32)[..., None], 15) for x, y in (((hi - lo) / 3, d), (-lo, dmin)))
+    step, low = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
+    q = _levels(g + low[..., None], step[..., None], 3).reshape(N, K // 256, 2, 4, 32)
+    codes = (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2, dtype=np.uint8).reshape(N, -1, 64)
+    parts = [sc | m << 4, codes, d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)]
+    return np.concatenate(parts, -1).reshape(N, -1)
+
+
+def q3_k(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q3_K super-blocks (N, K/256 x 110 bytes), block_q3_K: 32 bytes of the
+    codes' high bits (bit i of byte l: element 32 i + l; set for a code >= 0), 64 bytes of
+    their low 2 bits (as Q2_K lays its codes out), the 16 groups' signed 6-bit scales (stored
+    + 32: low nibbles in bytes 0-7, scale b and b + 8 sharing byte b; high pairs in bytes
+    8-11, scale i's in byte i % 4 at bits 2 (i // 4)), d (f16); w = d s q, q in [-4, 3].
+    Each group's scale takes its largest |w| to q = -4."""
+    N, K = a.shape
+    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
+    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+    d = (np.abs(extreme).max(-1) / 4 / 31).astype(np.float16)
+    s = np.clip(np.round(-extreme / 4 / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -32, 31)
+    step = d.astype(np.float32)[..., None] * s
+    q = np.clip(np.round(g / np.where(step != 0, step, 1)[..., None]), -4, 3).astype(np.int8)
+    flat = q.reshape(N, K // 256, 256)
+    high = ((flat >= 0).astype(np.uint8).reshape(N, -1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(
+        -2, dtype=np.uint8
+    )
+    low = (flat & 3).astype(np.uint8).reshape(N, -1, 2, 4, 32)
+    codes = (low << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2, dtype=np.uint8).reshape(N, -1, 64)
+    stored = (s + 32).astype(np.uint8)  # (N, S, 16)
+    nibbles = stored[..., :8] & 15 | (stored[..., 8:] & 15) << 4
+    pairs = ((stored >> 4).reshape(N, -1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(
+        -2, dtype=np.uint8
+    )
+    return np.concatenate([high, codes, nibbles, pairs, d[..., None].view(np.uint8)], -1).reshape(N, -1)
+
+
 def _levels(x: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
     """round(x / step) in [0, top] as uint8 (0 where the step is 0)."""
     return np.clip(np.round(x / np.where(step > 0, step, 1)), 0, top).astype(np.uint8)
 
 
-K_QUANTS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}  # the K-quants written here
+K_QUANTS = {"Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}  # the K-quants written here
 
 
 def write_hf_tokenizer(directory: Path, bos_in_text: bool = False) -> None:
