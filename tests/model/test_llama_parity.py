@@ -27,16 +27,18 @@ from .reference_env import CURRENT
 REF_SCRIPT = Path(__file__).with_name("llama_reference.py")
 TOL = 1e-3
 N_TOKENS = 300
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 # K-quant files (K_CONFIG's shape: rows of whole super-blocks): Q4_K and Q5_K alone, and mixes as
 # llama.cpp's recipes make them (Q4_K_M: attn_v, ffn_down and the embedding in Q6_K; Q3_K_M:
-# attn_v Q5_K, ffn_down Q4_K; Q2_K: attn_v and ffn_down Q3_K): name -> (type, others)
+# attn_v Q5_K, ffn_down Q4_K; Q2_K: attn_v and ffn_down Q3_K; IQ4_XS with some IQ4_NL):
+# name -> (type, others)
 K_FILES = {
     "Q4_K": ("Q4_K", {}),
     "Q5_K": ("Q5_K", {}),
     "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
     "Q3_K_M": ("Q3_K", {"attn_v": "Q5_K", "ffn_down": "Q4_K", "token_embd": "Q6_K"}),
     "Q2_K": ("Q2_K", {"attn_v": "Q3_K", "ffn_down": "Q3_K", "token_embd": "Q6_K"}),
+    "IQ4_XS": ("IQ4_XS", {"attn_v": "IQ4_NL", "token_embd": "Q6_K"}),
 }
 TEXTS = [
     load_split("shakespeare", "test")[0][1][5000:6500],
