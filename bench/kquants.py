@@ -24,13 +24,12 @@ on such files. In one run, for each kind (`--kinds`):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import subprocess
 
 import torch
-from harness import publish, read_limit, started
+from harness import arguments, publish, read_limit, started
 
 SECTION = "## Quantized files from llama.cpp"
 KINDS = "Q4_K_M,Q5_K_M,Q3_K_M,IQ4_XS"
@@ -62,29 +61,25 @@ def types(path) -> dict[str, int]:
     return dict(kinds.most_common())
 
 
-def perplexities(paths: dict, tokens: int) -> dict:
-    """Perplexity of one session over the held-out text's first `tokens`: the shipped file in
-    fp32, and each of `paths` (kind -> file) in each read."""
+def held_out_ids(tokens: int) -> tuple[list[int], float]:
+    """The held-out text's first `tokens` ids, and the shipped file's perplexity over them in
+    fp32 (one session)."""
     from llm_quality import held_out, ppl, stream
 
     import model
 
     shipped = model.load("smollm2", device="cpu", precision="fp32")
     ids = held_out(shipped)[:tokens]
-    skip = torch.zeros(len(ids), dtype=torch.bool)
-    skip[0] = True
-    out: dict = {"shipped": ppl(stream(shipped, ids), skip)}
-    del shipped
-    for kind, path in paths.items():
-        out[kind] = {p: ppl(stream(model.load(path, device="cpu", precision=p), ids), skip) for p in READS}
-    return out
+    return ids, ppl(stream(shipped, ids), _first(ids))
 
 
-def rates(path, threads: int, steps: int, rounds: int) -> dict:
-    """Batch-1 decode tokens/s of recur's reads of the file and llama.cpp's, alternating,
-    and the bytes each of recur's steps reads."""
+def measure(path, ids: list[int], threads: int, steps: int, rounds: int) -> dict:
+    """One file, each read loaded once: its matrices' types, each read's perplexity over
+    `ids` (one session), batch-1 decode tokens/s of each read and of llama.cpp on the same
+    file, alternating, and the bytes each of recur's steps reads."""
     import llm_peers as peers
     from llm import llama_work
+    from llm_quality import ppl, stream
 
     import model
 
@@ -92,13 +87,23 @@ def rates(path, threads: int, steps: int, rounds: int) -> dict:
     models = {p: model.load(path, device="cpu", precision=p) for p in READS}
     steppers = {p: peers.stepper(lm) for p, lm in models.items()}
     steppers["llama.cpp"] = peers.llama_cpp_stepper(path, threads)
-    best = peers.best_rates(steppers, steps, rounds)
-    work = {p: llama_work(lm, peers.prompt_state(lm)).bytes for p, lm in models.items()}
-    return {"tokens_per_s": best, "bytes": work}
+    return {
+        "types": types(path),
+        "perplexity": {p: ppl(stream(lm, ids), _first(ids)) for p, lm in models.items()},
+        "tokens_per_s": peers.best_rates(steppers, steps, rounds),
+        "bytes": {p: llama_work(lm, peers.prompt_state(lm)).bytes for p, lm in models.items()},
+    }
+
+
+def _first(ids: list[int]) -> torch.Tensor:
+    """The positions a perplexity leaves out: the first (no context)."""
+    skip = torch.zeros(len(ids), dtype=torch.bool)
+    skip[0] = True
+    return skip
 
 
 def section(r: dict) -> str:
-    limit, shipped = r["bandwidth"][str(r["threads"])], r["perplexity"]["shipped"]
+    limit, shipped = r["bandwidth"][str(r["threads"])], r["shipped_perplexity"]
     lines = [
         SECTION,
         "",
@@ -117,7 +122,7 @@ def section(r: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, f in r["files"].items():
-        p, t = r["perplexity"][kind], f["tokens_per_s"]
+        p, t = f["perplexity"], f["tokens_per_s"]
         types = ", ".join(f"{k} {n}" for k, n in f["types"].items())
         for i, precision in enumerate(READS):
             mb = f["bytes"][precision]
@@ -148,25 +153,21 @@ def section(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arguments(__doc__)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per stepper and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4_000, help="held-out tokens the perplexities read")
     ap.add_argument("--kinds", default=KINDS, help="llama-quantize's kinds of file, a comma list")
-    ap.add_argument(
-        "--write", action="store_true", help=f"put the section into docs/BENCHMARKS.md ({SECTION})"
-    )
     args = ap.parse_args()
     from roofline import read_bandwidth
 
     paths = {kind: k_file(kind) for kind in args.kinds.split(",")}
     r = started(threads=args.threads, tokens=args.tokens)
     bandwidth = read_bandwidth(args.threads)
-    r["perplexity"] = perplexities(paths, args.tokens)
+    ids, r["shipped_perplexity"] = held_out_ids(args.tokens)
     r["files"] = {
-        kind: {"types": types(path), **rates(path, args.threads, args.steps, args.rounds)}
-        for kind, path in paths.items()
+        kind: measure(path, ids, args.threads, args.steps, args.rounds) for kind, path in paths.items()
     }
     r["bandwidth"] = {str(args.threads): max(bandwidth, read_bandwidth(args.threads))}
     r["load"].append(os.getloadavg()[0])

@@ -308,14 +308,15 @@ def read_packed(path: Path, precision: str) -> Llama:
     Its fingerprint hashes the file's tensors as stored."""
     f = GGUF(path)
     cfg = native_config(f)
-    uneven = [t.name for t in f.reader.tensors if t.tensor_type.name in UNEVEN and t.name.startswith("blk.")]
-    if precision == "int4" and uneven:
+    blocks = [t for t in f.reader.tensors if t.name.startswith("blk.")]  # (the int4 layers' own)
+    uneven = sum(t.tensor_type.name in UNEVEN for t in blocks) if precision == "int4" else 0
+    if uneven:
         log.warning(
             "%s: %d matrices are i-quants (IQ4_NL, IQ4_XS), whose 16 uneven levels an int4 read rounds "
-            "again to an even grid (on the shipped model's IQ4_XS file: perplexity 1.43x the file's own); "
-            "--precision int8 keeps them (1.0001x; docs/PRETRAINED.md, K-quants)",
+            "again to an even grid; precision int8 keeps them (docs/BENCHMARKS.md, 'Quantized files "
+            "from llama.cpp', measures both)",
             path,
-            len(uneven),
+            uneven,
         )
     with torch.device("meta"):
         lm = Llama(LlamaConfig(**cfg))

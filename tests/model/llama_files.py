@@ -222,7 +222,7 @@ def q4_k(a: np.ndarray) -> np.ndarray:
     of 32 fit by its own min and max (w = d sc q - dmin m), not llama.cpp's search: a valid
     block near the weights is what a reader's test needs. (The `gguf` package reads K-quants
     but does not write them.)"""
-    head, q = _min_fit(a, 15)
+    head, q = _six_bit_head(*_min_fit(_groups(a, 32), 15, 63))
     return np.concatenate([head, _nibbles(q)], -1).reshape(a.shape[0], -1)
 
 
@@ -230,33 +230,8 @@ def q5_k(a: np.ndarray) -> np.ndarray:
     """(N, K) fp32 -> Q5_K super-blocks (N, K/256 x 176 bytes), block_q5_K: Q4_K's head, then
     32 bytes of fifth bits (bit j of byte l: group j's element l), then the low nibbles as
     Q4_K lays them out."""
-    head, q = _min_fit(a, 31)
-    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)  # (N, S, 32)
-    return np.concatenate([head, fifth, _nibbles(q & 15)], -1).reshape(a.shape[0], -1)
-
-
-def _min_fit(a: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's and Q5_K's common part: each super-block's head (d, dmin, the 12 bytes of 6-bit
-    scales and mins) (N, S, 16) and its codes (N, S, 8 groups, 32) in [0, top]."""
-    N, K = a.shape
-    g = a.reshape(N, K // 256, 8, 32).astype(np.float32)
-    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
-    d, dmin = ((x.max(-1) / 63).astype(np.float16) for x in ((hi - lo) / top, -lo))
-    sc, m = (_levels(x, y.astype(np.float32)[..., None], 63) for x, y in (((hi - lo) / top, d), (-lo, dmin)))
-    step, low = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
-    q = _levels(g + low[..., None], step[..., None], top)
-    scales = np.concatenate(
-        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6, (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4],
-        -1,
-    )  # fmt: skip
-    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales], -1), q
-
-
-def _nibbles(q: np.ndarray) -> np.ndarray:
-    """Codes (N, S, 8 groups, 32) in [0, 15] -> 128 bytes a super-block: 32 bytes to each
-    pair of groups, the first's in the low nibbles."""
-    pairs = q.reshape(*q.shape[:2], 4, 2, 32)
-    return (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(*q.shape[:2], 128)
+    head, q = _six_bit_head(*_min_fit(_groups(a, 32), 31, 63))
+    return np.concatenate([head, _bits(q >> 4, 1), _nibbles(q & 15)], -1).reshape(a.shape[0], -1)
 
 
 def q6_k(a: np.ndarray) -> np.ndarray:
@@ -265,7 +240,7 @@ def q6_k(a: np.ndarray) -> np.ndarray:
     weights), d (f16); w = d sc (q - 32). Each half of 128 weights: element l of its four
     quarters shares ql[l] (quarters 1, 3), ql[l + 32] (2, 4) and qh[l] (all four)."""
     N, K = a.shape
-    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
+    g = _groups(a, 16)
     amax = np.abs(g).max(-1) / 31
     d = (amax.max(-1) / 127).astype(np.float16)
     sc = _levels(amax, d.astype(np.float32)[..., None], 127)
@@ -275,62 +250,127 @@ def q6_k(a: np.ndarray) -> np.ndarray:
     ql = np.concatenate(
         [q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4, q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], -1
     )
-    qh = q[..., 0, :] >> 4 | (q[..., 1, :] >> 4) << 2 | (q[..., 2, :] >> 4) << 4 | (q[..., 3, :] >> 4) << 6
     parts = [
         ql.reshape(N, -1, 128),
-        qh.reshape(N, -1, 64),
+        _bits(q >> 4, 2).reshape(N, -1, 64),
         sc.astype(np.int8).view(np.uint8),
-        d[..., None].view(np.uint8),
+        _half(d),
     ]
     return np.concatenate(parts, -1).reshape(N, -1)
 
 
 def q2_k(a: np.ndarray) -> np.ndarray:
     """(N, K) fp32 -> Q2_K super-blocks (N, K/256 x 84 bytes), block_q2_K: 16 bytes of 4-bit
-    scales (low nibble) and mins (high) for the 16 groups of 16, 64 bytes of 2-bit codes, d
-    and dmin (f16); w = d sc q - dmin m. Each half of 128 weights takes 32 bytes: element l
-    of its j-th quarter is bits 2j of byte l."""
-    N, K = a.shape
-    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
-    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
-    d, dmin = ((x.max(-1) / 15).astype(np.float16) for x in ((hi - lo) / 3, -lo))
-    sc, m = (_levels(x, y.astype(np.float32)[..., None], 15) for x, y in (((hi - lo) / 3, d), (-lo, dmin)))
-    step, low = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
-    q = _levels(g + low[..., None], step[..., None], 3).reshape(N, K // 256, 2, 4, 32)
-    codes = (q << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2, dtype=np.uint8).reshape(N, -1, 64)
-    parts = [sc | m << 4, codes, d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)]
-    return np.concatenate(parts, -1).reshape(N, -1)
+    scales (low nibble) and mins (high) for the 16 groups of 16, 64 bytes of 2-bit codes
+    (`_quarters`), d and dmin (f16); w = d sc q - dmin m."""
+    d, dmin, sc, m, q = _min_fit(_groups(a, 16), 3, 15)
+    return np.concatenate([sc | m << 4, _quarters(q), _half(d), _half(dmin)], -1).reshape(a.shape[0], -1)
 
 
 def q3_k(a: np.ndarray) -> np.ndarray:
     """(N, K) fp32 -> Q3_K super-blocks (N, K/256 x 110 bytes), block_q3_K: 32 bytes of the
     codes' high bits (bit i of byte l: element 32 i + l; set for a code >= 0), 64 bytes of
-    their low 2 bits (as Q2_K lays its codes out), the 16 groups' signed 6-bit scales (stored
+    their low 2 bits (`_quarters`, as Q2_K), the 16 groups' signed 6-bit scales (stored
     + 32: low nibbles in bytes 0-7, scale b and b + 8 sharing byte b; high pairs in bytes
     8-11, scale i's in byte i % 4 at bits 2 (i // 4)), d (f16); w = d s q, q in [-4, 3].
     Each group's scale takes its largest |w| to q = -4."""
-    N, K = a.shape
-    g = a.reshape(N, K // 256, 16, 16).astype(np.float32)
-    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+    N = a.shape[0]
+    g = _groups(a, 16)
+    extreme = _extreme(g)
     d = (np.abs(extreme).max(-1) / 4 / 31).astype(np.float16)
     s = np.clip(np.round(-extreme / 4 / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -32, 31)
     step = d.astype(np.float32)[..., None] * s
     q = np.clip(np.round(g / np.where(step != 0, step, 1)[..., None]), -4, 3).astype(np.int8)
-    flat = q.reshape(N, K // 256, 256)
-    high = ((flat >= 0).astype(np.uint8).reshape(N, -1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(
-        -2, dtype=np.uint8
-    )
-    low = (flat & 3).astype(np.uint8).reshape(N, -1, 2, 4, 32)
-    codes = (low << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(-2, dtype=np.uint8).reshape(N, -1, 64)
+    high = _bits((q >= 0).astype(np.uint8).reshape(N, -1, 8, 32), 1)
     stored = (s + 32).astype(np.uint8)  # (N, S, 16)
     nibbles = stored[..., :8] & 15 | (stored[..., 8:] & 15) << 4
-    pairs = ((stored >> 4).reshape(N, -1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(
-        -2, dtype=np.uint8
-    )
-    return np.concatenate([high, codes, nibbles, pairs, d[..., None].view(np.uint8)], -1).reshape(N, -1)
+    pairs = _bits((stored >> 4).reshape(N, -1, 4, 4), 2)
+    parts = [high, _quarters((q & 3).astype(np.uint8)), nibbles, pairs, _half(d)]
+    return np.concatenate(parts, -1).reshape(N, -1)
 
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def iq4_nl(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_NL blocks (N, K/32 x 18 bytes), block_iq4_nl: d (f16), then 16 bytes
+    of 4-bit indices into llama.cpp's non-uniform table (`IQ4_VALUES`); w = d value. Each
+    block's scale takes its largest |w| to -127, the table's widest end."""
+    N, K = a.shape
+    g = a.reshape(N, K // 32, 32).astype(np.float32)
+    d = (_extreme(g) / -127).astype(np.float16)
+    return np.concatenate([_half(d), _iq4_codes(g, d.astype(np.float32))], -1).reshape(N, -1)
+
+
+def iq4_xs(a: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_XS super-blocks (N, K/256 x 136 bytes), block_iq4_xs: d (f16), the
+    8 groups' 6-bit scales (stored + 32: high pairs in a uint16, group i's at bits 2i; low
+    nibbles in 4 bytes, groups 2b and 2b + 1 sharing byte b), then each group of 32's indices
+    as IQ4_NL lays them; w = d (ls - 32) value."""
+    N = a.shape[0]
+    g = _groups(a, 32)
+    extreme = _extreme(g) / -127
+    d = (np.abs(extreme).max(-1) / 31).astype(np.float16)
+    ls = np.clip(np.round(extreme / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -32, 31) + 32
+    stored = ls.astype(np.uint16)
+    high = _bits((stored >> 4)[..., None], 2)[..., 0]  # (N, S): a uint16
+    low = (stored[..., 0::2] & 15 | (stored[..., 1::2] & 15) << 4).astype(np.uint8)  # (N, S, 4)
+    codes = _iq4_codes(g, d.astype(np.float32)[..., None] * (ls - 32)).reshape(N, -1, 128)
+    return np.concatenate([_half(d), high[..., None].view(np.uint8), low, codes], -1).reshape(N, -1)
+
+
+# -- the packers' shared parts --------------------------------------------------------------
+def _groups(a: np.ndarray, size: int) -> np.ndarray:
+    """(N, K) -> (N, K/256 super-blocks, 256/size groups, size) fp32."""
+    N, K = a.shape
+    return a.reshape(N, K // 256, 256 // size, size).astype(np.float32)
+
+
+def _min_fit(g: np.ndarray, top: int, scale_top: int) -> tuple[np.ndarray, ...]:
+    """Groups (N, S, G, size) fit by their min and max (w = d sc q - dmin m, the range holding
+    0): d and dmin (N, S) f16, each group's sc and m (N, S, G) in [0, scale_top] and its
+    codes q (N, S, G, size) in [0, top]."""
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    d, dmin = ((x.max(-1) / scale_top).astype(np.float16) for x in ((hi - lo) / top, -lo))
+    sc, m = (
+        _levels(x, y.astype(np.float32)[..., None], scale_top) for x, y in (((hi - lo) / top, d), (-lo, dmin))
+    )
+    step, low = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * m
+    return d, dmin, sc, m, _levels(g + low[..., None], step[..., None], top)
+
+
+def _six_bit_head(d, dmin, sc, m, q) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's super-block head (d, dmin, the 8 groups' 6-bit scales and mins in 12
+    bytes) (N, S, 16), and the codes passed through."""
+    scales = np.concatenate(
+        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6, (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4],
+        -1,
+    )  # fmt: skip
+    return np.concatenate([_half(d), _half(dmin), scales], -1), q
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes (N, S, 8 groups, 32) in [0, 15] -> 128 bytes a super-block: 32 bytes to each
+    pair of groups, the first's in the low nibbles."""
+    pairs = q.reshape(*q.shape[:2], 4, 2, 32)
+    return (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(*q.shape[:2], 128)
+
+
+def _quarters(q: np.ndarray) -> np.ndarray:
+    """2-bit codes (N, S, ..., 256 in all) -> 64 bytes a super-block: each half of 128 takes
+    32 bytes, element l of its quarter j at bits 2j of byte l (Q2_K's and Q3_K's layout)."""
+    return _bits(q.reshape(*q.shape[:2], 2, 4, 32), 2).reshape(*q.shape[:2], 64)
+
+
+def _bits(x: np.ndarray, width: int) -> np.ndarray:
+    """Fields (..., n, L) of `width` bits -> (..., L) of x's dtype: field i at bits width i."""
+    shifts = (width * np.arange(x.shape[-2], dtype=x.dtype))[:, None]
+    return (x << shifts).sum(-2, dtype=x.dtype)
+
+
+def _extreme(g: np.ndarray) -> np.ndarray:
+    """Each group's weight of the largest |w|, its sign kept: (..., size) -> (...)."""
+    return np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
 
 
 def _iq4_codes(g: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -341,35 +381,9 @@ def _iq4_codes(g: np.ndarray, step: np.ndarray) -> np.ndarray:
     return idx[..., :16] | idx[..., 16:] << 4
 
 
-def iq4_nl(a: np.ndarray) -> np.ndarray:
-    """(N, K) fp32 -> IQ4_NL blocks (N, K/32 x 18 bytes), block_iq4_nl: d (f16), then 16 bytes
-    of 4-bit indices into llama.cpp's non-uniform table (`IQ4_VALUES`); w = d value. Each
-    block's scale takes its largest |w| to -127, the table's widest end."""
-    N, K = a.shape
-    g = a.reshape(N, K // 32, 32).astype(np.float32)
-    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
-    d = (extreme / -127).astype(np.float16)
-    return np.concatenate([d[..., None].view(np.uint8), _iq4_codes(g, d.astype(np.float32))], -1).reshape(
-        N, -1
-    )
-
-
-def iq4_xs(a: np.ndarray) -> np.ndarray:
-    """(N, K) fp32 -> IQ4_XS super-blocks (N, K/256 x 136 bytes), block_iq4_xs: d (f16), the
-    8 groups' 6-bit scales (stored + 32: high pairs in a uint16, group i's at bits 2i; low
-    nibbles in 4 bytes, groups 2b and 2b + 1 sharing byte b), then each group of 32's indices
-    as IQ4_NL lays them; w = d (ls - 32) value."""
-    N, K = a.shape
-    g = a.reshape(N, K // 256, 8, 32).astype(np.float32)
-    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0] / -127
-    d = (np.abs(extreme).max(-1) / 31).astype(np.float16)
-    ls = np.clip(np.round(extreme / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -32, 31) + 32
-    stored = ls.astype(np.uint16)
-    high = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)  # (N, S)
-    low = (stored[..., 0::2] & 15 | (stored[..., 1::2] & 15) << 4).astype(np.uint8)  # (N, S, 4)
-    codes = _iq4_codes(g, d.astype(np.float32)[..., None] * (ls - 32)).reshape(N, -1, 128)
-    parts = [d[..., None].view(np.uint8), high[..., None].view(np.uint8), low, codes]
-    return np.concatenate(parts, -1).reshape(N, -1)
+def _half(x: np.ndarray) -> np.ndarray:
+    """f16 values (...) -> their bytes (..., 2)."""
+    return x[..., None].view(np.uint8)
 
 
 def _levels(x: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:

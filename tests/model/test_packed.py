@@ -289,7 +289,7 @@ def test_an_iq4_file_read_in_int4_says_that_int8_keeps_it(tmp_path, caplog):
     q4k = write_gguf(tmp_path / "tiny.Q4_K.gguf", random_weights(seed=7, cfg=K_CONFIG), "Q4_K", cfg=K_CONFIG)
     with caplog.at_level("WARNING", logger="model.llama_gguf"):
         model.load(iq4, device="cpu", precision="int4")
-    assert "14 matrices are i-quants" in caplog.text and "--precision int8 keeps them" in caplog.text
+    assert "14 matrices are i-quants" in caplog.text and "precision int8 keeps them" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="model.llama_gguf"):
         model.load(iq4, device="cpu", precision="int8")
