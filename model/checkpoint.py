@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import generation_config, hf, hf_hybrid, hf_ssm, llama_gguf, llama_hf, native
+from . import generation_config, hf, hf_hybrid, hf_ssm, kernels, llama_gguf, llama_hf, native
 from .chat_template import ChatTemplate
 from .family import LanguageModel
 from .native import build, families, fingerprint, save
@@ -152,18 +152,18 @@ def load(
     in place, the fast path (`model.family.untracked`; `lm.requires_grad_(True)` to
     fine-tune it).
 
-    precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" or "int4" (packed weights
-    with bfloat16 activations, on CPU, where the family has such a path:
-    `LanguageModel.quantize`; a GGUF file's blocks are packed as they are) or "auto" (bf16
-    on CUDA, else fp32).
+    precision: "fp32", "bf16" (autocast, on CUDA or CPU), "int8" or "int4" (packed weights,
+    on CPU, where the family has such a path: `LanguageModel.quantize`; a GGUF file's blocks
+    are packed as they are) or "auto" (`auto_precision`: bf16 on CUDA; on a CPU int4 for a
+    GGUF file of Q4 blocks, as the shipped SmolLM2, else fp32).
     options: serving options (`LanguageModel.serving_options`), as a mapping or as
     "name=value,name=value".
     """
     path = resolve(name_or_dir)
     reader = layout(path)
     dev = resolve_device(device)
-    if precision == "auto":  # int4 is opt-in until it meets issue 42's agreement bound (docs/BENCHMARKS.md)
-        precision = "bf16" if dev.type == "cuda" else "fp32"
+    if precision == "auto":
+        precision = auto_precision(reader, path, dev)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be {', '.join(PRECISIONS)} or auto, not {precision!r}")
     packed = precision in reader.packs and dev.type == "cpu"
@@ -178,6 +178,18 @@ def load(
     if precision in ("int8", "int4") and not packed:
         lm.quantize(precision)
     return lm
+
+
+def auto_precision(reader: Reader, path: Path, device: torch.device) -> str:
+    """bf16 on CUDA. On a CPU, int4 where its read keeps the file's weights exactly
+    (`Reader.exact`: a GGUF file of Q4 blocks) and recur's fp32 int4 kernel is built
+    (`model.kernels`): the fp32 path's greedy tokens at a sixth of its bytes a step
+    (docs/BENCHMARKS.md); else fp32."""
+    if device.type == "cuda":
+        return "bf16"
+    if "int4" in reader.exact(path) and kernels.int4_mm() is not None:
+        return "int4"
+    return "fp32"
 
 
 def with_config(weights: str, lm: LanguageModel) -> str:

@@ -9,20 +9,26 @@ group with a scale and a zero, in torch's int4 layout (gpt-fast's, `_weight_int4
 
 GGUF's Q4_1 block (`w = q*d + m` per 32 weights) is this with scale = d, zero = m + 8d, and
 Q4_0's (`w = (q - 8)*d`) with zero = 0: a file's blocks are packed as they are, never
-expanded to float (only the scales change dtype, to bfloat16). A float weight is quantized
-min-max per group (`quantize_groups`). 0.625 bytes a weight, what the file holds: a decode
-step, which reads every weight once, moves a sixth of fp32's bytes.
+expanded to float. The scales are held in fp32 (`scales`: each group's scale and base,
+w = q * scale + base), so the weights are the file's exactly. A float weight is quantized
+min-max per group (`quantize_groups`). 0.625 bytes a weight for the integers, 0.25 for the
+scales: a decode step, which reads every weight once, moves under a sixth of fp32's bytes.
 
-The product. torch's CPU kernel is vectorised for bfloat16 activations only (with fp32 it
-runs a scalar loop, 30 times slower), so a layer's input goes in as bfloat16 and its output
-comes back in the caller's dtype; the residual stream, the norms and the attention stay
-fp32. The kernel works a row at a time: below `DEQUANT_ROWS` rows (decode, a few streams)
-it is the fastest product there is (3x fp32's at one row); from there (a prefill chunk,
-many streams) the layer is dequantized to bfloat16 for that call and multiplied by one GEMM
-(4x the kernel at 256 rows); on a CPU without bfloat16 units, where that GEMM is 90x slower
-than fp32's, the GEMM is fp32's (`model/cpu_gemm.py`). The products round differently, so a
-token's logits depend on the rows it ran with only within bfloat16's tolerance
-(tests/model/test_packed.py).
+The product, below `DEQUANT_ROWS` rows (a decode step, a few streams): recur's own kernel
+(`model/kernels`, `recur_kernels::int4_mm`), fp32 rows times the packed integers with fp32
+scales and sums, so a layer gives the product of the dequantized weights in fp32 (within
+fp32's rounding; tests/model/test_kernels.py), 1.2-1.35x faster than torch's int4 kernel at
+one row and 1.2-1.6x at 16 to 47 (bench/int4_kernel.py). torch's kernel
+(`_weight_int4pack_mm_for_cpu`) takes its activations, scales and output in bfloat16, and
+those roundings were what kept the int4 path's greedy tokens from fp32's (0.877 of 50 x 128
+against 1.0 now, docs/BENCHMARKS.md); it serves only where recur's kernel is not built (a
+CPU without AVX2, a machine without a compiler), with the scales in its own bfloat16 layout
+(`scales_zeros`). From `DEQUANT_ROWS` rows (a prefill chunk, many streams) the layer is
+dequantized for that call and multiplied by one GEMM: fp32 beside recur's kernel (its
+fp32 products, the same numbers as the fp32 path's), bfloat16 beside torch's where the CPU
+has the units (`model/cpu_gemm.py`). Each row's result is its own in both regimes, so a
+token's logits do not depend on the rows it ran with beyond fp32's (bfloat16's beside
+torch's kernel) rounding (tests/model/test_packed.py).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemm
+from . import cpu_gemm, kernels
 
 GROUP = 32  # weights sharing a scale and a zero: GGUF's Q4 block
 PAD_N = 64  # output rows are padded to a multiple of every block the kernel packs in
@@ -81,7 +87,8 @@ class Int4Linear(nn.Module):
     """y = x W^T for a bias-free linear layer whose weight W (out, in) is held in int4 groups."""
 
     packed: torch.Tensor
-    scales_zeros: torch.Tensor
+    scales: torch.Tensor
+    scales_zeros: torch.Tensor | None
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP):
         """q (N, K) integers in [0, 15]; scale and zero (N, K/group): w = (q - 8) scale + zero."""
@@ -92,24 +99,39 @@ class Int4Linear(nn.Module):
                 f"an int4 weight ({N}, {K}) needs K a multiple of {group} and (N, K/{group}) scales"
             )
         self.out_features, self.in_features, self.group = N, K, group
+        self.kernel = kernels.int4_mm()  # recur's fp32 kernel, or None: torch's bfloat16 one
         pad = -N % PAD_N  # rows of zeros (q = 8, scale = zero = 0), sliced off the output
         q = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
         sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], -1)
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False
         )
-        # (K/group, N', 2) bfloat16: the kernel's layout of the scales and zeros
+        # (N'/B, K/group, 2, B) fp32: each block's scales and bases (w = q * scale + base) for
+        # recur's kernel and the dequantization, exact as the file or quantizer gave them
+        B, Np = block_rows(), N + pad
+        base = (sz[..., 1].double() - 8 * sz[..., 0].double()).float()
+        scales = torch.stack([sz[..., 0], base], 1)  # (N', 2, K/group)
         self.register_buffer(
-            "scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False
+            "scales",
+            scales.view(Np // B, B, 2, K // group).permute(0, 3, 2, 1).contiguous(),
+            persistent=False,
+        )
+        # (K/group, N', 2) bfloat16: torch's kernel's layout, where recur's kernel is not built
+        self.register_buffer(
+            "scales_zeros",
+            sz.transpose(0, 1).contiguous().to(torch.bfloat16) if self.kernel is None else None,
+            persistent=False,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N = self.out_features
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if rows.shape[0] < DEQUANT_ROWS:  # (a decode step: as few calls around the kernel as can be)
+        if rows.shape[0] < DEQUANT_ROWS and self.kernel is not None:  # (a decode step)
+            y = self.kernel(rows.float().contiguous(), self.packed, self.scales, kernels.AVX512)
+        elif rows.shape[0] < DEQUANT_ROWS:  # torch's kernel: bfloat16 in and out
             y = _int4_mm(rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
-        else:  # one GEMM, in bfloat16 where the CPU has its units (model/cpu_gemm.py)
-            dtype = torch.bfloat16 if cpu_gemm.BF16_GEMM else torch.float32
+        else:  # one GEMM: fp32 beside recur's kernel, else bfloat16 where the CPU has its units
+            dtype = torch.bfloat16 if self.kernel is None and cpu_gemm.BF16_GEMM else torch.float32
             y = rows.to(dtype) @ self.dequantized_t(dtype)
         if y.shape[1] != N:
             y = y[:, :N]
@@ -128,9 +150,7 @@ class Int4Linear(nn.Module):
         K, G, B = self.in_features, self.group, block_rows()
         Nb, h = self.packed.shape[0] // B, B // 2
         p = self.packed.view(Nb, K // G, G, h)
-        sz = self.scales_zeros.view(K // G, Nb, B, 2).permute(1, 0, 2, 3).unsqueeze(2)
-        scale = sz[..., 0].float()  # (Nb, K/G, 1, B)
-        base = sz[..., 1].float() - 8 * scale
+        scale, base = self.scales[:, :, None, 0], self.scales[:, :, None, 1]  # (Nb, K/G, 1, B)
         out = torch.empty(K, Nb * B, dtype=dtype, device=p.device)
         blocks = out.view(K // G, G, Nb, B).permute(2, 0, 1, 3)  # (Nb, K/G, G, B), over W^T
         torch.addcmul(base[..., :h], p & 15, scale[..., :h], out=blocks[..., :h])
@@ -144,7 +164,8 @@ class Int4Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes a product reads: the packed integers, the scales and the zeros."""
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        scales = self.scales if self.scales_zeros is None else self.scales_zeros
+        return self.packed.numel() * self.packed.element_size() + scales.numel() * scales.element_size()
 
 
 def int4_linear(layer: nn.Module, group: int = GROUP) -> Int4Linear:

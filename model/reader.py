@@ -8,7 +8,8 @@ A reader says
   * `read(path, **flags)`: the native model it makes (on CPU, fp32, eval mode);
   * `flags`: what `recur convert` may pass to `read` besides the path, each a `Flag`;
   * `packs`: the weight precisions `read(path, weights=...)` packs from the file's own
-    blocks (GGUF: int4, int8);
+    blocks (GGUF: int4, int8); `exact(path)`: those of them that keep the file's weights
+    exactly, which `--precision auto` may pick (GGUF: int4 for a file of Q4 blocks);
   * its chat template: HF's files by default (`chat_template`), with the turn stops
     `turn_stops(path)` gives where generation_config.json names none; a layout that keeps
     the template inside (GGUF) reads its own.
@@ -50,6 +51,10 @@ def _no_stops(path: Path) -> list[str]:
     return []
 
 
+def _none_exact(path: Path) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Reader:
     name: str  # the layout's name, e.g. "hf-ssm"
@@ -61,6 +66,7 @@ class Reader:
     template: Callable[[Path], ChatTemplate | None] | None = None
     turn_stops: Callable[[Path], list[str]] = _no_stops
     packs: tuple[str, ...] = ()
+    exact: Callable[[Path], tuple[str, ...]] = _none_exact
 
     def chat_template(self, path: Path) -> ChatTemplate | None:
         """The checkpoint's chat template, or None when it has none. A template that does
@@ -73,7 +79,9 @@ class Reader:
         stop = _json(path / GENERATION_CONFIG).get("stop_strings") or self.turn_stops(path)
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ChatTemplateError(f"{path / GENERATION_CONFIG}: stop_strings must be a string or a list of them")
+            raise ChatTemplateError(
+                f"{path / GENERATION_CONFIG}: stop_strings must be a string or a list of them"
+            )
         return ChatTemplate(source, tuple(stop))
 
 
@@ -95,7 +103,9 @@ def _template_source(path: Path) -> str | None:
     named = {t.get("name"): t.get("template") for t in listed if isinstance(t, dict)}
     if isinstance(named.get("default"), str):
         return named["default"]
-    raise ChatTemplateError(f"{path / TOKENIZER_CONFIG}: chat_template is neither a string nor has a 'default'")
+    raise ChatTemplateError(
+        f"{path / TOKENIZER_CONFIG}: chat_template is neither a string nor has a 'default'"
+    )
 
 
 def _json(file: Path) -> dict:

@@ -382,6 +382,25 @@ FAULTS: tuple[Fault, ...] = (
         "zero = 8 * scale",
         ("tests/model/test_packed.py::test_gguf_q4_blocks_are_packed_as_they_are[Q4_K]",),
     ),
+    Fault(
+        "int4-kernel-reads-one-column-twice",
+        "recur's int4 kernel, one row: the odd column of each pair multiplied by the even column's input",
+        "model/kernels/int4_body.inc",
+        "Isa::set1(xg[k + 1])",
+        "Isa::set1(xg[k])",
+        (
+            "tests/model/test_kernels.py::test_int4_kernel_is_the_fp32_product[1-64-avx512]",
+            "tests/model/test_kernels.py::test_int4_kernel_is_the_fp32_product[1-64-avx2]",
+        ),
+    ),
+    Fault(
+        "auto-int4-for-a-rounded-token-table",
+        "--precision auto serves int4 for a file whose token table the int8 blocks round again",
+        "model/llama_gguf.py",
+        'all(k == "Q8_0" for k in ends)',
+        "True",
+        ("tests/model/test_packed.py::test_auto_serves_int4_where_it_keeps_the_files_weights[Q4_1-types3-False]",),
+    ),
     # -- issue 39's smaller faults -------------------------------------------------------------
     Fault(
         "n-choices-admitted-one-by-one",

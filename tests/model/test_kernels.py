@@ -1,0 +1,90 @@
+"""recur's own CPU kernel (model/kernels): the int4 product in fp32, against float64 products
+of the weights rebuilt from the integers and scales, in both of its builds (AVX-512, AVX2)
+and both of torch's packed layouts (blocks of 64 rows, AVX-512's, and 32, AVX2's), for the
+row counts a decode step and a few streams send."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import kernels
+from model.int4 import DEQUANT_ROWS, Int4Linear, quantize_groups
+
+G = 32
+
+pytestmark = pytest.mark.skipif(
+    kernels.int4_mm() is None, reason="recur's kernel is not built on this machine"
+)
+
+
+def pack(q: torch.Tensor, B: int) -> torch.Tensor:
+    """(N, K) integers in [0, 15] -> torch's packed layout with blocks of B rows, written here
+    from its description (model/int4.py `block_rows`), not by torch's packer."""
+    N, K = q.shape
+    blocks = q.view(N // B, B, K).to(torch.uint8)
+    low, high = blocks[:, : B // 2], blocks[:, B // 2 :]  # (Nb, B/2, K)
+    return (low | high << 4).permute(0, 2, 1).contiguous().view(-1)  # (Nb, K, B/2)
+
+
+def scales(scale: torch.Tensor, base: torch.Tensor, B: int) -> torch.Tensor:
+    """(N, K/G) scales and bases -> the kernel's (N/B, K/G, 2, B)."""
+    N, groups = scale.shape
+    return torch.stack([scale, base], 1).view(N // B, B, 2, groups).permute(0, 3, 2, 1).contiguous()
+
+
+ISAS = [
+    pytest.param(1, id="avx512", marks=pytest.mark.skipif(not kernels.ISA["avx512"], reason="no AVX-512")),
+    pytest.param(0, id="avx2"),
+]
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("B", [64, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, DEQUANT_ROWS - 1])
+def test_int4_kernel_is_the_fp32_product(avx512, B, rows):
+    """Within fp32's rounding of the float64 product (measured 3e-7 to 5e-7 of the largest
+    output), where bfloat16 activations, as torch's kernel takes them, are off by 1e-3."""
+    gen = torch.Generator().manual_seed(rows + B)
+    N, K = 3 * B, 5 * G
+    q = torch.randint(0, 16, (N, K), generator=gen)
+    scale = torch.rand(N, K // G, generator=gen) * 0.1
+    base = torch.randn(N, K // G, generator=gen) * 0.1
+    x = torch.randn(rows, K, generator=gen) * torch.logspace(-2, 2, K)  # (channels of every size)
+    w = q.double() * scale.double().repeat_interleave(G, 1) + base.double().repeat_interleave(G, 1)
+    ref = x.double() @ w.t()
+    y = torch.ops.recur_kernels.int4_mm(x, pack(q, B), scales(scale, base, B), avx512)
+    assert y.shape == (rows, N) and y.dtype == torch.float32
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= 2e-6
+    bf16 = (x.bfloat16().double() @ w.t() - ref).abs().max().item() / ref.abs().max().item()
+    assert bf16 > 100 * 2e-6  # (the rounding this kernel leaves out, for scale)
+
+
+def test_int4_layer_takes_the_kernel_for_a_decode_step_and_a_few_streams():
+    """`Int4Linear` below `DEQUANT_ROWS` rows: the fp32 product of its weights rebuilt from the
+    quantizer's integers, scales and zeros, each row as it would be alone."""
+    torch.manual_seed(2)
+    w = torch.randn(100, 96)  # 100 rows: padded to the kernel's blocks
+    q, scale, zero = quantize_groups(w)
+    layer = Int4Linear(q, scale, zero)
+    assert layer.kernel is not None and layer.scales_zeros is None
+    ref_w = (q.double() - 8) * scale.double().repeat_interleave(G, 1) + zero.double().repeat_interleave(G, 1)
+    x = torch.randn(DEQUANT_ROWS - 1, 96)
+    ref = x.double() @ ref_w.t()
+    y = layer(x)
+    assert y.shape == (DEQUANT_ROWS - 1, 100)
+    assert (y.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert (alone - y).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+def test_int4_kernel_in_a_compiled_graph():
+    """The operator traces (its output's shape is registered for torch.compile) and the
+    compiled layer gives the eager layer's outputs."""
+    torch.manual_seed(3)
+    q, scale, zero = quantize_groups(torch.randn(64, 64))
+    layer = Int4Linear(q, scale, zero)
+    x = torch.randn(2, 64)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
