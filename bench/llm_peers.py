@@ -487,7 +487,8 @@ def section(r: dict) -> str:
         f"{r['cpus']}-core machine shared with other jobs (load average {r['load'][0]:.1f} at the start, "
         f"{r['load'][1]:.1f} at the end: above {r['cpus']}, other jobs took cores). Batch 1 and prompt "
         "processing alternate the sides in rounds and keep each one's best; the servers run one after the "
-        "other. recur eager (the default), with the file dequantized to fp32, or packed as int8 or int4.",
+        "other. recur eager, with the file dequantized to fp32, or packed as int8 or int4 (int4 is what "
+        "`--precision auto`, the default, serves for this file where recur's int4 kernel is built).",
         "",
         "| | llama.cpp | recur fp32 | recur int8 | recur int4 | best ratio | target (issue 42) | |",
         "|---|---|---|---|---|---|---|---|",
@@ -562,15 +563,17 @@ def why(r: dict) -> str:
         )
     return (
         "Why. Batch 1: a step reads every weight once, so bytes and per-op overhead decide it. recur's int4 "
-        "path (model/int4.py) reads the file's Q4_1 blocks as they are (0.96x the file's bytes a step), as "
-        "llama.cpp does, but its eager step runs some 2,900 PyTorch ops (3,300 before one stream's step went "
+        "path (model/int4.py) reads the file's Q4_1 blocks as they are, as llama.cpp does, multiplied by "
+        "recur's own kernel in fp32 (model/kernels: the fp32 path's numbers, 1.1-1.6x torch's bfloat16 int4 "
+        'kernel, section "recur\'s int4 kernel"), but its eager step runs some 2,900 PyTorch ops (3,300 '
+        "before one stream's step went "
         'to 3-D views: section "One stream\'s decode step"), and the Python and dispatch between its kernels, '
         "which do not scale with threads, take over half of it; "
         'the compiled step (`--compile`; section "Packed weights", side by side with llama.cpp) removes most of '
         "it. Prompt processing: recur's fp32 prefill runs one GEMM per linear layer over a chunk of 256 tokens, "
         "at about twice the rate of llama.cpp's Q4_1 dot products on this CPU (its CPU backend repacks Q4_0, "
-        "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); the packed paths "
-        "dequantize each layer to bf16 for the same GEMM; int8 multiplies in int8. A prefill without log-probs "
+        "Q8_0, IQ4_NL and K-quants into interleaved layouts for such products, not Q4_1); int4 dequantizes each "
+        "layer to fp32 for the same GEMM (bfloat16 only beside torch's kernel); int8 multiplies in int8. A prefill without log-probs "
         "runs the head over each chunk's last position alone (section \"A prompt's head\"). 16 streams: each "
         "server consumes the "
         "16 prompts and decodes 16 rows, and its aggregate counts both; recur's serial bound (the note under the "
