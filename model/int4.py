@@ -9,16 +9,18 @@ group with a scale and a zero, in torch's int4 layout (gpt-fast's, `_weight_int4
 
 GGUF's Q4_1 block (`w = q*d + m` per 32 weights) is this with scale = d, zero = m + 8d, and
 Q4_0's (`w = (q - 8)*d`) with zero = 0: a file's blocks are packed as they are, never
-expanded to float. The scales are held in fp32 (`scales`: each group's scale and base,
-w = q * scale + base), so the weights are the file's exactly. A float weight is quantized
-min-max per group (`quantize_groups`). 0.625 bytes a weight for the integers, 0.25 for the
-scales: a decode step, which reads every weight once, moves under a sixth of fp32's bytes.
+expanded to float. The scales are held exactly (`scales`: each group's scale and base,
+w = q * scale + base; in fp16 where that holds them all, as a Q4_0 or Q4_1 file's d and m,
+else in fp32), so the weights are the file's. A float weight is quantized min-max per group
+(`quantize_groups`). 0.5 bytes a weight for the integers, 0.125 for fp16 scales (0.25 for
+fp32): a decode step, which reads every weight once, moves a sixth of fp32's bytes.
 
 The product, below `DEQUANT_ROWS` rows (a decode step, a few streams): recur's own kernel
-(`model/kernels`, `recur_kernels::int4_mm`), fp32 rows times the packed integers with fp32
-scales and sums, so a layer gives the product of the dequantized weights in fp32 (within
-fp32's rounding; tests/model/test_kernels.py), 1.2-1.35x faster than torch's int4 kernel at
-one row and 1.2-1.6x at 16 to 47 (bench/int4_kernel.py). torch's kernel
+(`model/kernels`, `recur_kernels::int4_mm`), fp32 rows times the packed integers with the
+exact scales and fp32 sums, so a layer gives the product of the dequantized weights in fp32
+(within fp32's rounding; tests/model/test_kernels.py), 1.2-1.3x faster than torch's int4
+kernel at one to four rows and 1.5-1.6x at 16 to 47, a step's weights read from memory
+(bench/int4_kernel.py). torch's kernel
 (`_weight_int4pack_mm_for_cpu`) takes its activations, scales and output in bfloat16, and
 those roundings were what kept the int4 path's greedy tokens from fp32's (0.877 of 50 x 128
 against 1.0 now, docs/BENCHMARKS.md); it serves only where recur's kernel is not built (a
@@ -106,16 +108,15 @@ class Int4Linear(nn.Module):
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False
         )
-        # (N'/B, K/group, 2, B) fp32: each block's scales and bases (w = q * scale + base) for
-        # recur's kernel and the dequantization, exact as the file or quantizer gave them
+        # (N'/B, K/group, 2, B): each block's scales and bases (w = q * scale + base) for recur's
+        # kernel and the dequantization, exact as the file or quantizer gave them: fp16 where
+        # that holds every one exactly (a Q4_0 or Q4_1 file's d and m), else fp32
         B, Np = block_rows(), N + pad
         base = (sz[..., 1].double() - 8 * sz[..., 0].double()).float()
-        scales = torch.stack([sz[..., 0], base], 1)  # (N', 2, K/group)
-        self.register_buffer(
-            "scales",
-            scales.view(Np // B, B, 2, K // group).permute(0, 3, 2, 1).contiguous(),
-            persistent=False,
-        )
+        scales = torch.stack([sz[..., 0], base], 1).view(Np // B, B, 2, K // group).permute(0, 3, 2, 1)
+        if torch.equal(scales.half().float(), scales):  # (a Q4_0 or Q4_1 file's d and m: half the bytes)
+            scales = scales.half()
+        self.register_buffer("scales", scales.contiguous(), persistent=False)
         # (K/group, N', 2) bfloat16: torch's kernel's layout, where recur's kernel is not built
         self.register_buffer(
             "scales_zeros",
@@ -126,8 +127,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         N = self.out_features
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if rows.shape[0] < DEQUANT_ROWS and self.kernel is not None:  # (a decode step)
-            y = self.kernel(rows.float().contiguous(), self.packed, self.scales, kernels.AVX512)
+        if rows.shape[0] < DEQUANT_ROWS and self.kernel is not None:  # (a decode step: few calls around it)
+            if rows.dtype != torch.float32 or not rows.is_contiguous():
+                rows = rows.float().contiguous()
+            y = self.kernel(rows, self.packed, self.scales, kernels.AVX512)
         elif rows.shape[0] < DEQUANT_ROWS:  # torch's kernel: bfloat16 in and out
             y = _int4_mm(rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
         else:  # one GEMM: fp32 beside recur's kernel, else bfloat16 where the CPU has its units
@@ -135,7 +138,8 @@ class Int4Linear(nn.Module):
             y = rows.to(dtype) @ self.dequantized_t(dtype)
         if y.shape[1] != N:
             y = y[:, :N]
-        return (y if x.dim() == 2 else y.view(*x.shape[:-1], N)).to(x.dtype)
+        y = y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W^T (K, N') in `dtype`, from the packed layout (`block_rows`): blocks of B rows,
@@ -150,7 +154,10 @@ class Int4Linear(nn.Module):
         K, G, B = self.in_features, self.group, block_rows()
         Nb, h = self.packed.shape[0] // B, B // 2
         p = self.packed.view(Nb, K // G, G, h)
-        scale, base = self.scales[:, :, None, 0], self.scales[:, :, None, 1]  # (Nb, K/G, 1, B)
+        scale, base = (
+            self.scales[:, :, None, 0].float(),
+            self.scales[:, :, None, 1].float(),
+        )  # (Nb, K/G, 1, B)
         out = torch.empty(K, Nb * B, dtype=dtype, device=p.device)
         blocks = out.view(K // G, G, Nb, B).permute(2, 0, 1, 3)  # (Nb, K/G, G, B), over W^T
         torch.addcmul(base[..., :h], p & 15, scale[..., :h], out=blocks[..., :h])

@@ -1,13 +1,14 @@
 """recur's own CPU kernels, built from their C++ source on this machine and loaded into torch's
 operator registry (`torch.ops.recur_kernels`).
 
-One kernel: `int4_mm` (int4_cpu.cpp), the product of fp32 rows by an int4 weight in torch's
-packed CPU layout with fp32 scales: the dequantized weight's product up to the order of
-fp32's additions. torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) takes its
+One kernel: `int4_mm` (int4_cpu.cpp, int4_body.inc), the product of fp32 rows by an int4
+weight in torch's packed CPU layout with its scales exact (fp32, or fp16 as a Q4_1 file holds
+them): the dequantized weight's product up to the order of fp32's additions, 1.2-1.6x faster
+than torch's kernel (docs/BENCHMARKS.md, "recur's int4 kernel"). torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) takes its
 activations, scales and output in bfloat16, and those roundings, not the file's 4 bits, are
 what kept the int4 path's greedy tokens from fp32's (docs/BENCHMARKS.md); no library on the
 package index serves the product in fp32 on x86 (torchao's wheels carry no CPU kernels,
-Intel's extension is retired), so recur carries its own, about 200 lines (model/int4.py
+Intel's extension is retired), so recur carries its own, about 250 lines of C++ (model/int4.py
 says where it is used).
 
 Built once per source and torch version, with torch's extension builder (a C++ compiler and

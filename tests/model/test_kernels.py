@@ -39,21 +39,24 @@ ISAS = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-scales", "fp16-scales"])
 @pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("B", [64, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, DEQUANT_ROWS - 1])
-def test_int4_kernel_is_the_fp32_product(avx512, B, rows):
+def test_int4_kernel_is_the_fp32_product(avx512, B, rows, dtype):
     """Within fp32's rounding of the float64 product (measured 3e-7 to 5e-7 of the largest
-    output), where bfloat16 activations, as torch's kernel takes them, are off by 1e-3."""
+    output), where bfloat16 activations, as torch's kernel takes them, are off by 1e-3; the
+    scales and bases in fp32, or in fp16 (a Q4_1 file's d and m, held as they are)."""
     gen = torch.Generator().manual_seed(rows + B)
     N, K = 3 * B, 5 * G
     q = torch.randint(0, 16, (N, K), generator=gen)
-    scale = torch.rand(N, K // G, generator=gen) * 0.1
-    base = torch.randn(N, K // G, generator=gen) * 0.1
+    scale = (torch.rand(N, K // G, generator=gen) * 0.1).to(dtype)
+    base = (torch.randn(N, K // G, generator=gen) * 0.1).to(dtype)
     x = torch.randn(rows, K, generator=gen) * torch.logspace(-2, 2, K)  # (channels of every size)
     w = q.double() * scale.double().repeat_interleave(G, 1) + base.double().repeat_interleave(G, 1)
     ref = x.double() @ w.t()
     y = torch.ops.recur_kernels.int4_mm(x, pack(q, B), scales(scale, base, B), avx512)
+    scale, base = scale.float(), base.float()
     assert y.shape == (rows, N) and y.dtype == torch.float32
     err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err <= 2e-6
@@ -68,7 +71,7 @@ def test_int4_layer_takes_the_kernel_for_a_decode_step_and_a_few_streams():
     w = torch.randn(100, 96)  # 100 rows: padded to the kernel's blocks
     q, scale, zero = quantize_groups(w)
     layer = Int4Linear(q, scale, zero)
-    assert layer.kernel is not None and layer.scales_zeros is None
+    assert layer.kernel is not None and layer.scales_zeros is None and layer.scales.dtype == torch.float32
     ref_w = (q.double() - 8) * scale.double().repeat_interleave(G, 1) + zero.double().repeat_interleave(G, 1)
     x = torch.randn(DEQUANT_ROWS - 1, 96)
     ref = x.double() @ ref_w.t()
@@ -77,6 +80,20 @@ def test_int4_layer_takes_the_kernel_for_a_decode_step_and_a_few_streams():
     assert (y.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert (alone - y).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+def test_a_q4_1_files_scales_are_held_in_fp16_as_they_are():
+    """A Q4_1 block's d and m are fp16: the layer holds its scales and bases in fp16, exactly
+    (w = q d + m), half the bytes of fp32's, and multiplies by them as the fp32 product."""
+    torch.manual_seed(4)
+    q = torch.randint(0, 16, (64, 96))
+    d, m = (torch.rand(64, 3) * 0.1).half().float(), (torch.randn(64, 3) * 0.1).half().float()
+    layer = Int4Linear(q, d, m + 8 * d)  # model.int4's w = (q - 8) scale + zero
+    assert layer.scales.dtype == torch.float16
+    w = q.double() * d.double().repeat_interleave(G, 1) + m.double().repeat_interleave(G, 1)
+    x = torch.randn(3, 96)
+    ref = x.double() @ w.t()
+    assert (layer(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
 def test_int4_kernel_in_a_compiled_graph():
