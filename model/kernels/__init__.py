@@ -13,7 +13,8 @@ says where it is used).
 
 Built once per source and torch version, with torch's extension builder (a C++ compiler and
 ninja), into `build/` beside this file or, where that is not writable, the user's cache
-(`RECUR_KERNELS_DIR` overrides both); `make install` and the image build it ahead
+(`RECUR_KERNELS_DIR` overrides both), and loaded from whichever holds it (the image's is
+read-only to its user); `make install` and the image build it ahead
 (`python -m model.kernels`). The functions in the library pick AVX-512 or AVX2 at run time;
 a CPU with neither, or a machine that cannot build, serves torch's kernel instead
 (`int4_mm()` is None) and says so in the log.
@@ -48,19 +49,38 @@ def name() -> str:
     return f"recur_kernels_{digest}"
 
 
-def directory() -> Path:
-    """Where the library is built: RECUR_KERNELS_DIR, else build/ beside this file where
-    writable, else the user's cache."""
+PACKAGE_DIR = Path(__file__).with_name("build")  # where make install and the image build it
+
+
+def directories() -> list[Path]:
+    """Where the library may be, in order: RECUR_KERNELS_DIR alone where set; else build/
+    beside this file (make install's, the image's: read-only to a server's user there), then
+    the user's cache."""
     if env := os.environ.get("RECUR_KERNELS_DIR"):
-        return Path(env)
-    here = Path(__file__).with_name("build")
-    if os.access(here if here.exists() else here.parent, os.W_OK):
-        return here
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recur" / "kernels"
+        return [Path(env)]
+    return [PACKAGE_DIR, Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recur" / "kernels"]
+
+
+def directory() -> Path:
+    """Where the library is, or is to be built: the first of `directories` that holds this
+    build, else the first writable one."""
+    dirs = directories()
+    for d in dirs:
+        if (d / f"{name()}.so").exists():
+            return d
+    for d in dirs:
+        if os.access(d if d.exists() else d.parent, os.W_OK):
+            return d
+    return dirs[-1]
 
 
 def build() -> Path:
-    """Compile the library (if this source and torch have no build yet) and load it."""
+    """Load the library, compiling it first where this source and torch have no build yet."""
+    where = directory()
+    library = where / f"{name()}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return library
     from torch.utils import cpp_extension
 
     try:  # the `ninja` wheel's binary, which the extension builder looks for on PATH
@@ -69,12 +89,7 @@ def build() -> Path:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    where = directory()
     where.mkdir(parents=True, exist_ok=True)
-    library = where / f"{name()}.so"
-    if library.exists():
-        torch.ops.load_library(str(library))
-        return library
     for stale in where.glob("recur_kernels_*.so"):  # (an earlier source's or torch's build)
         if stale.name != library.name:
             stale.unlink(missing_ok=True)

@@ -105,3 +105,23 @@ def test_int4_kernel_in_a_compiled_graph():
     x = torch.randn(2, 64)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
+
+
+def test_the_library_is_loaded_from_where_it_was_built(tmp_path, monkeypatch):
+    """The image builds the library into the installed package, which its server's user may
+    not write: a build there is loaded from there, not looked for (and rebuilt, without a
+    compiler) in the user's cache; without one, the first writable place builds it."""
+    import os
+
+    pkg, cache = tmp_path / "package", tmp_path / "cache"
+    pkg.mkdir()
+    (pkg / f"{kernels.name()}.so").write_bytes(b"")
+    monkeypatch.delenv("RECUR_KERNELS_DIR", raising=False)
+    monkeypatch.setattr(kernels, "PACKAGE_DIR", pkg)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setattr(os, "access", lambda p, mode: not str(p).startswith(str(pkg)))  # read-only
+    assert kernels.directory() == pkg
+    (pkg / f"{kernels.name()}.so").unlink()
+    assert kernels.directory() == cache / "recur" / "kernels"
+    monkeypatch.setenv("RECUR_KERNELS_DIR", str(tmp_path / "elsewhere"))
+    assert kernels.directory() == tmp_path / "elsewhere"
