@@ -51,7 +51,7 @@ def measure(threads: list[int], row_counts: list[int], reps: int, layers_n: int)
     model_layers = [[q4_1_layer(torch.randn(n, k) * 0.02) for n, k in SHAPES] for _ in range(layers_n)]
     flat = [lay for layer in model_layers for lay in layer]
     sz = [torch_scales(lay) for lay in flat]
-    r = started(isa=torch.backends.cpu.get_cpu_capability(), avx512=kernels.AVX512, rows=[], read={})
+    r = started(isa=torch.backends.cpu.get_cpu_capability(), avx512=kernels.ISA["avx512"], rows=[], read={})
     r["layers"], r["bytes"] = layers_n, sum(lay.packed.numel() for lay in flat)
     r["scale_bytes"] = {
         "torch": sum(s.numel() * s.element_size() for s in sz),
@@ -71,9 +71,7 @@ def measure(threads: list[int], row_counts: list[int], reps: int, layers_n: int)
                 ]
 
             def recur(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
-                return [
-                    ours(x, lay.packed, lay.scales, kernels.AVX512) for x, lay in zip(xs, flat, strict=True)
-                ]
+                return [ours(x, lay.packed, lay.scales) for x, lay in zip(xs, flat, strict=True)]
 
             row: dict = {"threads": t, "rows": rows}
             for name, f in (("torch", theirs), ("recur", recur)):

@@ -130,7 +130,7 @@ class Int4Linear(nn.Module):
         if rows.shape[0] < DEQUANT_ROWS and self.kernel is not None:  # (a decode step: few calls around it)
             if rows.dtype != torch.float32 or not rows.is_contiguous():
                 rows = rows.float().contiguous()
-            y = self.kernel(rows, self.packed, self.scales, kernels.AVX512)
+            y = self.kernel(rows, self.packed, self.scales)
         elif rows.shape[0] < DEQUANT_ROWS:  # torch's kernel: bfloat16 in and out
             y = _int4_mm(rows.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
         else:  # one GEMM: fp32 beside recur's kernel, else bfloat16 where the CPU has its units

@@ -70,7 +70,7 @@ UNEVEN = ("IQ4_NL", "IQ4_XS")  # 16 levels from a table: no even int4 grid holds
 QK_K = 256  # weights in a K-quant super-block
 Q4_K_BYTES = 144  # a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 PACKED = ("int8", "int4")  # the weight precisions `read` packs from the file itself
-INT4_EXACT = ("Q4_0", "Q4_1", "Q4_K")  # the types an int4 read packs as they are
+INT4_EXACT = (*Q4_BLOCK_BYTES, "Q4_K")  # the types an int4 read packs as they are (`int4_groups`)
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 # tokenizer.ggml.pre -> how text is split before the merges (llama.cpp's pre-tokenizer types)
@@ -339,15 +339,12 @@ def read_packed(path: Path, precision: str) -> Llama:
 
 def exact_packs(path: Path) -> tuple[str, ...]:
     """The packed precisions whose weights are the file's own, exactly: int4 where every
-    matrix of the layers is Q4_0, Q4_1 or Q4_K (packed as they are, with their scales in
-    fp32: `model.int4`) and the token table (and head) Q8_0 (`Int8Blocks` as it is), as in
+    matrix of the layers is Q4_0, Q4_1 or Q4_K (packed as they are, their scales held
+    exactly: `model.int4`) and the token table (and head) Q8_0 (`Int8Blocks` as it is), as in
     the shipped SmolLM2 file. Any other type is rounded again by a packed read."""
-    f = GGUF(path)
-    kinds = {t.name: t.tensor_type.name for t in f.reader.tensors}
-    layers = [
-        k for n, k in kinds.items() if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n
-    ]
-    ends = [kinds[n] for n in ("token_embd.weight", "output.weight") if n in kinds]
+    tensors = GGUF(path).reader.tensors
+    layers = [t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    ends = [t.tensor_type.name for t in tensors if t.name in ("token_embd.weight", "output.weight")]
     exact = layers and all(k in INT4_EXACT for k in layers) and all(k == "Q8_0" for k in ends)
     return ("int4",) if exact else ()
 

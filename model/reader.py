@@ -79,9 +79,7 @@ class Reader:
         stop = _json(path / GENERATION_CONFIG).get("stop_strings") or self.turn_stops(path)
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ChatTemplateError(
-                f"{path / GENERATION_CONFIG}: stop_strings must be a string or a list of them"
-            )
+            raise ChatTemplateError(f"{path / GENERATION_CONFIG}: stop_strings must be a string or a list of them")
         return ChatTemplate(source, tuple(stop))
 
 
@@ -103,9 +101,7 @@ def _template_source(path: Path) -> str | None:
     named = {t.get("name"): t.get("template") for t in listed if isinstance(t, dict)}
     if isinstance(named.get("default"), str):
         return named["default"]
-    raise ChatTemplateError(
-        f"{path / TOKENIZER_CONFIG}: chat_template is neither a string nor has a 'default'"
-    )
+    raise ChatTemplateError(f"{path / TOKENIZER_CONFIG}: chat_template is neither a string nor has a 'default'")
 
 
 def _json(file: Path) -> dict:

@@ -4,18 +4,18 @@ operator registry (`torch.ops.recur_kernels`).
 One kernel: `int4_mm` (int4_cpu.cpp, int4_body.inc), the product of fp32 rows by an int4
 weight in torch's packed CPU layout with its scales exact (fp32, or fp16 as a Q4_1 file holds
 them): the dequantized weight's product up to the order of fp32's additions, 1.2-1.6x faster
-than torch's kernel (docs/BENCHMARKS.md, "recur's int4 kernel"). torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) takes its
-activations, scales and output in bfloat16, and those roundings, not the file's 4 bits, are
-what kept the int4 path's greedy tokens from fp32's (docs/BENCHMARKS.md); no library on the
-package index serves the product in fp32 on x86 (torchao's wheels carry no CPU kernels,
-Intel's extension is retired), so recur carries its own, about 250 lines of C++ (model/int4.py
-says where it is used).
+than torch's kernel (docs/BENCHMARKS.md, "recur's int4 kernel"). torch's own int4 kernel
+(`_weight_int4pack_mm_for_cpu`) takes its activations, scales and output in bfloat16, and
+those roundings, not the file's 4 bits, are what kept the int4 path's greedy tokens from
+fp32's; no library on the package index serves the product in fp32 on x86 (torchao's wheels
+carry no CPU kernels, Intel's extension is retired), so recur carries its own, about 250
+lines of C++ (model/int4.py says where it is used).
 
 Built once per source and torch version, with torch's extension builder (a C++ compiler and
 ninja), into `build/` beside this file or, where that is not writable, the user's cache
 (`RECUR_KERNELS_DIR` overrides both), and loaded from whichever holds it (the image's is
 read-only to its user); `make install` and the image build it ahead
-(`python -m model.kernels`). The functions in the library pick AVX-512 or AVX2 at run time;
+(`python -m model.kernels`). The library picks its AVX-512 or AVX2 build at run time;
 a CPU with neither, or a machine that cannot build, serves torch's kernel instead
 (`int4_mm()` is None) and says so in the log.
 """
@@ -38,7 +38,6 @@ SOURCES = (SOURCE, SOURCE.with_name("int4_body.inc"))  # (the second is included
 # runtime already loaded under that name), so its threads are torch's threads
 CFLAGS = ["-O3", "-fopenmp"]
 ISA = {"avx512": torch.cpu._is_avx512_supported(), "avx2": torch.cpu._is_avx2_supported()}
-AVX512 = int(ISA["avx512"])  # the kernel's argument: which of its two builds runs
 
 
 def name() -> str:
@@ -107,7 +106,7 @@ def build() -> Path:
 
 @functools.cache
 def int4_mm():
-    """`torch.ops.recur_kernels.int4_mm` (x, packed, scales, avx512) -> y, or None where this
+    """`torch.ops.recur_kernels.int4_mm` (x, packed, scales[, avx512]) -> y, or None where this
     CPU has no AVX2 or the library cannot be built here (logged once)."""
     if not (ISA["avx512"] or ISA["avx2"]):
         log.warning("this CPU has neither AVX-512 nor AVX2: int4 weights use torch's bfloat16 kernel")
@@ -121,6 +120,6 @@ def int4_mm():
     return torch.ops.recur_kernels.int4_mm.default
 
 
-def _int4_mm_shape(x, packed, scales, avx512):
+def _int4_mm_shape(x, packed, scales, avx512=-1):
     """The product's output for a traced call (torch.compile): (M, N') fp32."""
     return x.new_empty(x.shape[0], scales.shape[0] * scales.shape[3])

@@ -105,6 +105,9 @@ void run(const T* sp, const float* xp, int64_t M, int64_t K, const uint8_t* pp, 
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t avx512) {
+  if (avx512 < 0)  // this CPU's: AVX-512 where it has the parts the build uses, else AVX2
+    avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (M, K) fp32, contiguous");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8, contiguous");
   TORCH_CHECK(scales.dim() == 4 && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
@@ -139,7 +142,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(recur_kernels, m) {
-  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, int avx512) -> Tensor");
+  // avx512: -1 (this CPU's build), 1 or 0 (the AVX-512 or the AVX2 build: the tests run both)
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, int avx512=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(recur_kernels, CPU, m) { m.impl("int4_mm", &int4_mm); }

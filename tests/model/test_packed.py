@@ -90,7 +90,8 @@ def test_int4_groups_round_trip_and_both_products_agree(gemm, recurs, monkeypatc
     w = torch.randn(100, 96)  # 100 rows: padded to the kernel's 128
     q, scale, zero = quantize_groups(w)
     layer = Int4Linear(q, scale, zero)
-    assert (layer.scales_zeros is None) == (layer.kernel is not None) and (recurs or layer.kernel is None)
+    if not recurs:  # (torch's kernel, with its own bfloat16 scales, is what runs below)
+        assert layer.kernel is None and layer.scales_zeros is not None
     step = scale.repeat_interleave(32, 1)
     assert ((layer.dequantized() - w).abs() <= 0.5 * step + 0.02 * w.abs().amax()).all()
     x = torch.randn(2 * DEQUANT_ROWS, 96)
